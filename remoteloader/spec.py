@@ -1,0 +1,284 @@
+"""The dataset spec: the declarative contract between a training job and the service.
+
+A spec says which table to read (path, format, partitions = row filter), which features
+to keep (feature projection = column filter), how to transform each one, and how to
+batch. It is plain data (YAML/JSON or Python), so it can cross the wire, be compared
+by fingerprint, and be journaled. Nothing executable is ever part of it.
+
+Validation here is structural (keys, types, ranges) and every error names the key, e.g.
+``features.dense[2].transforms``. Validation against the table's files and schema, and
+of transform parameters, happens when a spec is bound to its table (``dataset.py``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import yaml
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; the message starts with the offending key."""
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    name: str
+    kind: str  # "dense" | "sparse"
+    column: Optional[str] = None
+    inputs: tuple[str, ...] = ()
+    scores: Optional[str] = None
+    transforms: tuple[dict, ...] = ()
+    default: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"name": self.name}
+        if self.column is not None:
+            out["column"] = self.column
+        else:
+            out["inputs"] = list(self.inputs)
+        if self.scores is not None:
+            out["scores"] = self.scores
+        if self.default is not None:
+            out["default"] = self.default
+        out["transforms"] = [dict(t) for t in self.transforms]
+        return out
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    path: str
+    format: Optional[str] = None
+    partitions: Optional[tuple[str, ...]] = None
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"path": self.path}
+        if self.format is not None:
+            out["format"] = self.format
+        if self.partitions is not None:
+            out["partitions"] = list(self.partitions)
+        return out
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    table: TableSpec
+    label: Optional[str] = None
+    dense: tuple[FeatureSpec, ...] = ()
+    sparse: tuple[FeatureSpec, ...] = ()
+    passthrough: tuple[str, ...] = ()
+    batch_size: int = 1024
+    shuffle: bool = False
+    seed: int = 0
+    drop_last: bool = False
+    split_rows: int = 64 * 1024
+    sampling: Optional[dict] = None
+    on_error: str = "fail"
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: Union[str, os.PathLike]) -> "DatasetSpec":
+        """Load YAML or JSON. A relative table path is relative to the spec file."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise SpecError(f"spec file {str(p)!r}: {e.strerror or e}") from None
+        try:
+            data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as e:
+            raise SpecError(f"spec file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+        return cls.from_dict(data, base_dir=p.resolve().parent)
+
+    @classmethod
+    def from_dict(cls, data: Any, base_dir: Union[str, os.PathLike, None] = None) -> "DatasetSpec":
+        """Build from the declarative form; ``base_dir`` anchors a relative local table path."""
+        return _parse(data, Path(base_dir) if base_dir is not None else Path.cwd())
+
+    def to_dict(self) -> dict:
+        """The canonical declarative form; ``from_dict(to_dict())`` gives an equal spec."""
+        out: dict[str, Any] = {
+            "table": self.table.to_dict(),
+            "features": {
+                "label": self.label,
+                "dense": [f.to_dict() for f in self.dense],
+                "sparse": [f.to_dict() for f in self.sparse],
+                "passthrough": list(self.passthrough),
+            },
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "split_rows": self.split_rows,
+            "on_error": self.on_error,
+        }
+        if self.sampling is not None:
+            out["sampling"] = dict(self.sampling)
+        return out
+
+    def fingerprint(self) -> str:
+        """Identity of the job: two clients may share a master only with equal fingerprints."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> "DatasetSpec":
+        spec = replace(self, **changes)
+        _check_batching(spec)
+        return spec
+
+
+# -- parsing ---------------------------------------------------------------------------
+_TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "split_rows", "sampling", "on_error"}
+_TABLE_KEYS = {"path", "format", "partitions"}
+_FEATURE_GROUP_KEYS = {"label", "dense", "sparse", "passthrough"}
+_FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
+                 "sparse": {"name", "column", "inputs", "scores", "transforms"}}
+FORMATS = ("orc", "parquet")
+ON_ERROR = ("fail", "skip")
+
+
+def _mapping(value: Any, key: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{key}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _no_unknown(value: Mapping, allowed: set, key: str) -> None:
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        where = f"{key}." if key else ""
+        raise SpecError(f"{where}{unknown[0]}: unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _typed(value: Any, types: tuple, key: str, what: str) -> Any:
+    # bool is an int in Python; a spec that says `batch_size: true` is still wrong.
+    if isinstance(value, bool) and bool not in types:
+        raise SpecError(f"{key}: expected {what}, got a boolean")
+    if not isinstance(value, types):
+        raise SpecError(f"{key}: expected {what}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _name(value: Any, key: str) -> str:
+    _typed(value, (str,), key, "a non-empty string")
+    if not value:
+        raise SpecError(f"{key}: expected a non-empty string")
+    return value
+
+
+def _parse(data: Any, base_dir: Path) -> DatasetSpec:
+    top = _mapping(data, "spec")
+    _no_unknown(top, _TOP_KEYS, "")
+    if "table" not in top:
+        raise SpecError("table: required key is missing")
+    if "features" not in top:
+        raise SpecError("features: required key is missing")
+
+    table = _parse_table(top["table"], base_dir)
+    feats = _mapping(top["features"], "features")
+    _no_unknown(feats, _FEATURE_GROUP_KEYS, "features")
+    label = feats.get("label")
+    if label is not None:
+        _name(label, "features.label")
+    dense = tuple(_parse_feature(f, "dense", f"features.dense[{i}]") for i, f in enumerate(_list(feats.get("dense", []), "features.dense")))
+    sparse = tuple(_parse_feature(f, "sparse", f"features.sparse[{i}]") for i, f in enumerate(_list(feats.get("sparse", []), "features.sparse")))
+    passthrough = tuple(_name(c, f"features.passthrough[{i}]") for i, c in enumerate(_list(feats.get("passthrough", []), "features.passthrough")))
+    if not dense and not sparse and label is None and not passthrough:
+        raise SpecError("features: the selection is empty (no label, dense, sparse or passthrough feature)")
+    seen: dict[str, str] = {}
+    for group, fs in (("dense", dense), ("sparse", sparse)):
+        for i, f in enumerate(fs):
+            if f.name in seen:
+                raise SpecError(f"features.{group}[{i}].name: feature {f.name!r} is defined twice (also in {seen[f.name]})")
+            seen[f.name] = f"features.{group}[{i}]"
+
+    spec = DatasetSpec(
+        table=table,
+        label=label,
+        dense=dense,
+        sparse=sparse,
+        passthrough=passthrough,
+        batch_size=_typed(top.get("batch_size", 1024), (int,), "batch_size", "a positive integer"),
+        shuffle=_typed(top.get("shuffle", False), (bool,), "shuffle", "true or false"),
+        seed=_typed(top.get("seed", 0), (int,), "seed", "an integer"),
+        drop_last=_typed(top.get("drop_last", False), (bool,), "drop_last", "true or false"),
+        split_rows=_typed(top.get("split_rows", 64 * 1024), (int,), "split_rows", "a positive integer"),
+        sampling=dict(_mapping(top["sampling"], "sampling")) if top.get("sampling") is not None else None,
+        on_error=_typed(top.get("on_error", "fail"), (str,), "on_error", "'fail' or 'skip'"),
+    )
+    _check_batching(spec)
+    return spec
+
+
+def _check_batching(spec: DatasetSpec) -> None:
+    if spec.batch_size <= 0:
+        raise SpecError(f"batch_size: must be positive, got {spec.batch_size}")
+    if spec.split_rows <= 0:
+        raise SpecError(f"split_rows: must be positive, got {spec.split_rows}")
+    if spec.on_error not in ON_ERROR:
+        raise SpecError(f"on_error: must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}")
+    if spec.seed < 0 or spec.seed >= 2**63:
+        raise SpecError(f"seed: must be in [0, 2**63), got {spec.seed}")
+
+
+def _list(value: Any, key: str) -> Sequence:
+    if not isinstance(value, (list, tuple)):
+        raise SpecError(f"{key}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _parse_table(value: Any, base_dir: Path) -> TableSpec:
+    if isinstance(value, str):
+        value = {"path": value}
+    t = _mapping(value, "table")
+    _no_unknown(t, _TABLE_KEYS, "table")
+    if "path" not in t:
+        raise SpecError("table.path: required key is missing")
+    path = _name(t["path"], "table.path")
+    if "://" not in path and not os.path.isabs(path):
+        path = str((base_dir / path).resolve())
+    fmt = t.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise SpecError(f"table.format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    parts = t.get("partitions")
+    if parts is not None:
+        parts = tuple(_name(p, f"table.partitions[{i}]").strip("/") for i, p in enumerate(_list(parts, "table.partitions")))
+        if not parts:
+            raise SpecError("table.partitions: the list is empty, so no row would be selected (omit the key to read all partitions)")
+    return TableSpec(path=path, format=fmt, partitions=parts)
+
+
+def _parse_feature(value: Any, kind: str, key: str) -> FeatureSpec:
+    if isinstance(value, str):  # shorthand: a bare column name is a feature of the same name
+        value = {"name": value, "column": value}
+    f = _mapping(value, key)
+    _no_unknown(f, _FEATURE_KEYS[kind], key)
+    name = _name(f.get("name"), f"{key}.name")
+    column, inputs = f.get("column"), f.get("inputs")
+    if (column is None) == (inputs is None):
+        raise SpecError(f"{key}: feature {name!r} needs exactly one of 'column' or 'inputs'")
+    if column is not None:
+        _name(column, f"{key}.column")
+        inputs_t: tuple[str, ...] = ()
+    else:
+        inputs_t = tuple(_name(x, f"{key}.inputs[{i}]") for i, x in enumerate(_list(inputs, f"{key}.inputs")))
+        if not inputs_t:
+            raise SpecError(f"{key}.inputs: feature {name!r} has an empty input list")
+    steps = []
+    for i, step in enumerate(_list(f.get("transforms", []), f"{key}.transforms")):
+        s = _mapping(step, f"{key}.transforms[{i}]")
+        if not isinstance(s.get("op"), str):
+            raise SpecError(f"{key}.transforms[{i}].op: each step needs an 'op' name")
+        steps.append(dict(s))
+    default = f.get("default")
+    if default is not None:
+        default = float(_typed(default, (int, float), f"{key}.default", "a number"))
+    scores = f.get("scores")
+    if scores is not None:
+        _name(scores, f"{key}.scores")
+    return FeatureSpec(name=name, kind=kind, column=column, inputs=inputs_t, scores=scores,
+                       transforms=tuple(steps), default=default)

@@ -1,0 +1,91 @@
+"""Spec parsing and binding: every error names the key or column."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remoteloader.dataset import bind
+from remoteloader.spec import DatasetSpec, SpecError
+from tests.conftest import spec_dict
+
+
+def test_yaml_and_json_files_roundtrip(tmp_path, tables):
+    import yaml
+
+    d = spec_dict(tables["orc"])
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(d))
+    (tmp_path / "s.json").write_text(json.dumps(d))
+    a, b = DatasetSpec.from_file(tmp_path / "s.yaml"), DatasetSpec.from_file(tmp_path / "s.json")
+    assert a == b and a.fingerprint() == b.fingerprint()
+    assert DatasetSpec.from_dict(a.to_dict()) == a
+
+
+def test_relative_table_path_is_relative_to_the_spec_file(tmp_path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "s.yaml").write_text("table: {path: ../data/t}\nfeatures: {label: label}\n")
+    assert DatasetSpec.from_file(tmp_path / "conf" / "s.yaml").table.path == str(tmp_path / "data" / "t")
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.update(batchsize=3), r"^batchsize: unknown key"),
+    (lambda d: d["table"].update(fromat="orc"), r"^table\.fromat: unknown key"),
+    (lambda d: d["features"]["dense"][1].update(colum="x"), r"^features\.dense\[1\]\.colum: unknown key"),
+    (lambda d: d.update(batch_size="big"), r"^batch_size: expected a positive integer"),
+    (lambda d: d.update(batch_size=0), r"^batch_size: must be positive"),
+    (lambda d: d.update(shuffle="yes"), r"^shuffle: expected true or false"),
+    (lambda d: d["table"].update(format="csv"), r"^table\.format: must be one of"),
+    (lambda d: d["table"].update(partitions=[]), r"^table\.partitions: the list is empty"),
+    (lambda d: d.update(features={}), r"^features: the selection is empty"),
+    (lambda d: d["features"]["sparse"][0].pop("column"), r"needs exactly one of 'column' or 'inputs'"),
+    (lambda d: d["features"]["sparse"].append({"name": "s0", "column": "idlist_2"}), r"defined twice"),
+    (lambda d: d["features"]["sparse"][0]["transforms"].append("firstx"), r"transforms\[1\]: expected a mapping"),
+    (lambda d: d.pop("table"), r"^table: required key is missing"),
+    (lambda d: d.update(on_error="ignore"), r"^on_error: must be one of"),
+])
+def test_structural_errors_name_the_key(tables, mutate, match):
+    d = spec_dict(tables["orc"])
+    mutate(d)
+    with pytest.raises(SpecError, match=match):
+        DatasetSpec.from_dict(d)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d["features"]["dense"].append({"name": "g", "column": "nope"}), "nope"),
+    (lambda d: d["features"]["dense"].append({"name": "g", "column": "idlist_2"}), "idlist_2"),
+    (lambda d: d["features"].update(label="idlist_0"), r"features\.label: column 'idlist_0' has type id_list"),
+    (lambda d: d["features"].update(passthrough=["nope"]), r"features\.passthrough\[0\]: column 'nope' is not in"),
+    (lambda d: d["table"].update(path="/nonexistent/table"), r"table: .*/nonexistent/table"),
+    (lambda d: d["table"].update(partitions=["ds=1999-01-01"]), r"ds=1999-01-01"),
+    (lambda d: d["features"]["sparse"][0]["transforms"].append({"op": "firstx"}), r"s0.*x"),
+    (lambda d: d["features"]["sparse"][0]["transforms"].append({"op": "warp"}), r"s0.*warp"),
+])
+def test_binding_errors_name_the_column_or_key(tables, mutate, match):
+    d = spec_dict(tables["orc"])
+    mutate(d)
+    with pytest.raises(SpecError, match=match):
+        bind(DatasetSpec.from_dict(d))
+
+
+def test_fingerprint_changes_with_any_setting(tables):
+    a = DatasetSpec.from_dict(spec_dict(tables["orc"]))
+    assert a.fingerprint() != a.replace(batch_size=7).fingerprint()
+    assert a.fingerprint() == DatasetSpec.from_dict(spec_dict(tables["orc"])).fingerprint()
+
+
+def test_validate_cli_reports_what_it_would_read(tables, tmp_path, capsys):
+    from remoteloader.cli import main
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(spec_dict(tables["orc"])))
+    assert main(["validate", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["files"] == 4 and report["rows"] == 5000
+    assert report["columns_read"] == ["float_0", "float_1", "idlist_0", "idlist_1", "label", "row_id"]
+    assert 0 < report["bytes_to_read_estimate"] < report["bytes_in_files"]
+    bad = tmp_path / "bad.json"
+    d = spec_dict(tables["orc"])
+    d["features"]["dense"].append({"name": "g", "column": "nope"})
+    bad.write_text(json.dumps(d))
+    assert main(["validate", str(bad)]) == 2
+    assert "nope" in capsys.readouterr().err
