@@ -1,0 +1,59 @@
+"""Request/reply to the master over a DEALER socket, with a deadline.
+
+The ZeroMQ guide's "Lazy Pirate": one request in flight; when the deadline passes, the
+socket is closed and a fresh one made, so a late reply to an abandoned request can never
+be taken for the answer to the next one.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import zmq
+
+from . import wire
+
+
+class MasterUnavailable(ConnectionError):
+    """The master did not answer within the deadline."""
+
+
+class RemoteError(RuntimeError):
+    """The master answered with an error message; ``code`` says which kind (see protocol.md)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RpcClient:
+    def __init__(self, ctx: zmq.Context, addr: str, timeout_s: float) -> None:
+        self.ctx, self.addr, self.timeout_s = ctx, addr, timeout_s
+        self._sock: Optional[zmq.Socket] = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = self.ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES + 1024)
+            self._sock.connect(self.addr)
+        return self._sock
+
+    def call(self, t: str, timeout_s: Optional[float] = None, **fields: Any) -> dict:
+        """Send one request; return the reply header. Raises MasterUnavailable or RemoteError."""
+        sock = self._socket()
+        sock.send_multipart(wire.encode(t, **fields))
+        if not sock.poll(int(1000 * (timeout_s if timeout_s is not None else self.timeout_s))):
+            self.reset()
+            raise MasterUnavailable(f"master at {self.addr} did not answer {t!r} within "
+                                    f"{timeout_s if timeout_s is not None else self.timeout_s:g} s")
+        header, _ = wire.decode(sock.recv_multipart(copy=False))
+        if header["t"] == "error":
+            raise RemoteError(header["message"], header.get("code", ""))
+        return header
+
+    def reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    close = reset

@@ -1,0 +1,154 @@
+"""The wire format (docs/protocol.md is the prose version; keep the two in step).
+
+Every message is one ZeroMQ multipart message: a msgpack header (a map with the
+protocol version ``v``, the message type ``t`` and the type's fields), then zero or
+more raw data frames. Headers are small and checked against ``SCHEMAS`` before any
+code looks at them; data frames are only ever reinterpreted as arrays of whitelisted
+dtypes whose declared shape matches the frame's byte length. Nothing that arrives is
+unpickled, evaluated or imported.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
+MAX_FRAMES = 64
+MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
+DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64, "uint8": np.uint8}
+
+log = logging.getLogger(__name__)
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; it is logged and dropped."""
+
+
+# type -> {field: (accepted python types, required)}
+_STR, _INT, _NUM, _BOOL, _MAP, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
+SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
+    # worker -> master
+    "register": {"addr": (_STR, True), "pid": (_INT, True), "host": (_STR, False)},
+    "get_spec": {"worker_id": (_STR, True)},
+    "heartbeat": {"worker_id": (_STR, True), "buffered": (_INT, True), "stats": (_MAP, False)},
+    "get_split": {"worker_id": (_STR, True)},
+    "split_produced": {"worker_id": (_STR, True), "split_id": (_INT, True)},
+    "split_failed": {"worker_id": (_STR, True), "split_id": (_INT, True), "error": (_STR, True)},
+    # client -> master
+    "hello": {"client_id": (_STR, True), "rank": (_INT, True), "world_size": (_INT, True),
+              "spec": (_MAP, True), "fingerprint": (_STR, True)},
+    "start_epoch": {"client_id": (_STR, True), "epoch": (_INT, True)},
+    "client_heartbeat": {"client_id": (_STR, True), "epoch": (_INT, True), "acks": (_LIST, True),
+                         "stats": (_MAP, False)},
+    "finish_epoch": {"client_id": (_STR, True), "epoch": (_INT, True)},
+    "status": {},
+    # master -> worker / client
+    "registered": {"worker_id": (_STR, True), "heartbeat_interval": (_NUM, True)},
+    "spec": {"spec": (_MAP, True), "schema": (_MAP, True), "fingerprint": (_STR, True)},
+    "heartbeat_ok": {"state": (_STR, True)},
+    "split": {"split": (_MAP, True)},
+    "no_split": {"retry_ms": (_INT, True), "reason": (_STR, True)},
+    "welcome": {"job": (_MAP, True)},
+    "epoch": {"epoch": (_INT, True), "splits": (_LIST, True)},
+    "membership": {"workers": (_LIST, True), "errors": (_LIST, True)},
+    "ok": {},
+    "error": {"message": (_STR, True), "code": (_STR, False)},
+    "status_reply": {"status": (_MAP, True)},
+    # client -> worker and back
+    "get_batch": {"rank": (_INT, True), "epoch": (_INT, True)},
+    "batch": {"rank": (_INT, True), "epoch": (_INT, True), "split_id": (_INT, True), "piece": (_INT, True),
+              "rows": (_INT, True), "tensors": (_LIST, True)},
+}
+
+
+def encode(t: str, frames: Sequence[Any] = (), **fields: Any) -> list:
+    """A message ready for ``socket.send_multipart(..., copy=False)``."""
+    header = {"v": PROTOCOL_VERSION, "t": t, **fields}
+    _check_fields(t, header)
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def decode(parts: Sequence[Any]) -> tuple[dict, list]:
+    """Header and data frames of a received message; raises ProtocolError on anything off."""
+    if not parts:
+        raise ProtocolError("empty message")
+    if len(parts) - 1 > MAX_FRAMES:
+        raise ProtocolError(f"{len(parts) - 1} data frames (at most {MAX_FRAMES})")
+    raw = parts[0].bytes if hasattr(parts[0], "bytes") else parts[0]
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes (at most {MAX_HEADER_BYTES})")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not msgpack: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a map")
+    if header.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {header.get('v')!r}, this side speaks {PROTOCOL_VERSION}")
+    t = header.get("t")
+    if not isinstance(t, str) or t not in SCHEMAS:
+        raise ProtocolError(f"unknown message type {t!r}")
+    _check_fields(t, header)
+    return header, list(parts[1:])
+
+
+def _check_fields(t: str, header: Mapping) -> None:
+    schema = SCHEMAS[t]
+    for name, (types, required) in schema.items():
+        if name not in header:
+            if required:
+                raise ProtocolError(f"{t}: field {name!r} is missing")
+            continue
+        value = header[name]
+        if isinstance(value, bool) and bool not in types:
+            raise ProtocolError(f"{t}: field {name!r} must be {types[0].__name__}, got bool")
+        if not isinstance(value, types):
+            raise ProtocolError(f"{t}: field {name!r} must be {types[0].__name__}, got {type(value).__name__}")
+    extra = set(header) - set(schema) - {"v", "t"}
+    if extra:
+        raise ProtocolError(f"{t}: unknown fields {sorted(extra)}")
+
+
+# -- tensors as raw frames ---------------------------------------------------------------
+def pack_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[list, list]:
+    """Descriptors for the header and the arrays themselves as frames (no copy)."""
+    descs, frames = [], []
+    for name, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        descs.append([name, a.dtype.name, list(a.shape)])
+        frames.append(memoryview(a).cast("B") if a.size else b"")
+    return descs, frames
+
+
+def unpack_arrays(descs: Iterable, frames: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Arrays viewing the received frames' memory; checks every size before trusting it."""
+    descs = list(descs)
+    if len(descs) != len(frames):
+        raise ProtocolError(f"{len(descs)} tensor descriptors but {len(frames)} frames")
+    out = {}
+    for desc, frame in zip(descs, frames):
+        if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], str)
+                and desc[1] in DTYPES and isinstance(desc[2], list) and len(desc[2]) <= 2
+                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FRAME_BYTES for d in desc[2])):
+            raise ProtocolError(f"bad tensor descriptor {desc!r}")
+        name, dtype, shape = desc
+        buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        dt = np.dtype(DTYPES[dtype])
+        expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if buf.nbytes != expected:
+            raise ProtocolError(f"tensor {name!r}: frame has {buf.nbytes} bytes, shape {shape} {dtype} needs {expected}")
+        out[name] = np.frombuffer(buf, dtype=dt).reshape(shape) if expected else np.zeros(shape, dtype=dt)
+    return out
+
+
+def safe_decode(parts: Sequence[Any], source: str) -> Optional[tuple[dict, list]]:
+    """``decode`` for server loops: a malformed message is logged and dropped, never fatal."""
+    try:
+        return decode(parts)
+    except ProtocolError as e:
+        log.warning("dropped malformed message from %s: %s", source, e)
+        return None
