@@ -1,0 +1,66 @@
+"""An append-only journal of update records, flushed to disk before they take effect.
+
+Format: a sequence of records, each a 4-byte little-endian length and a msgpack map
+(``Update.to_record()``). A crash can leave a torn last record; replay stops at the
+first incomplete or unreadable record and truncates the file there, so the journal
+always ends on a whole record before new ones are appended.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import msgpack
+
+from .updates import Update, from_record
+
+log = logging.getLogger(__name__)
+_LEN = struct.Struct("<I")
+
+
+class Journal:
+    FILE = "journal.bin"
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / self.FILE
+        self._file = None
+
+    def replay(self) -> Iterator[Update]:
+        """Every whole record written so far, oldest first."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        pos = 0
+        while pos + _LEN.size <= len(data):
+            (n,) = _LEN.unpack_from(data, pos)
+            if pos + _LEN.size + n > len(data):
+                break
+            try:
+                update = from_record(msgpack.unpackb(data[pos + _LEN.size : pos + _LEN.size + n], raw=False))
+            except (ValueError, TypeError, msgpack.UnpackException) as e:
+                log.warning("journal %s: unreadable record at byte %d (%s); replay stops there", self.path, pos, e)
+                break
+            pos += _LEN.size + n
+            yield update
+        if pos < len(data):
+            log.warning("journal %s: dropping a torn tail of %d bytes", self.path, len(data) - pos)
+            with open(self.path, "r+b") as f:
+                f.truncate(pos)
+
+    def append(self, update: Update) -> None:
+        if self._file is None:
+            self._file = open(self.path, "ab")
+        blob = msgpack.packb(update.to_record(), use_bin_type=True)
+        self._file.write(_LEN.pack(len(blob)) + blob)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

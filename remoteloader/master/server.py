@@ -1,0 +1,70 @@
+"""The master's socket loop: a ROUTER that hands each message to ``MasterService``.
+
+Single-threaded by design: every request and every periodic duty runs on this one
+loop, so the state needs no locks and updates are applied in one total order.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from .. import wire
+from .service import MasterService
+
+log = logging.getLogger(__name__)
+TICK_S = 0.1
+
+
+def bind_endpoint(sock: zmq.Socket, addr: str) -> str:
+    """Bind, accepting port 0 for "any free port"; returns the endpoint actually bound."""
+    if addr.startswith("tcp://") and addr.rsplit(":", 1)[1] == "0":
+        addr = addr.rsplit(":", 1)[0] + ":*"
+    sock.bind(addr)
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+class MasterServer:
+    def __init__(self, service: MasterService, bind: str) -> None:
+        self.service = service
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES + 1024)
+        self.addr = bind_endpoint(self.sock, bind)
+        self.stop_event = threading.Event()
+        self.periodic: list[Callable[[], None]] = [service.tick]
+
+    def serve_forever(self) -> None:
+        next_tick = 0.0
+        try:
+            while not self.stop_event.is_set():
+                if self.sock.poll(int(TICK_S * 1000)):
+                    while self.sock.poll(0):
+                        self._handle(self.sock.recv_multipart(copy=False))
+                now = time.monotonic()
+                if now >= next_tick:
+                    for duty in self.periodic:
+                        duty()
+                    next_tick = now + TICK_S
+        finally:
+            self.sock.close(linger=0)
+
+    def _handle(self, parts: list) -> None:
+        if len(parts) < 2:
+            return
+        identity = parts[0].bytes
+        msg = wire.safe_decode(parts[1:], f"peer {identity.hex()}")
+        if msg is None:
+            return
+        header, _ = msg
+        try:
+            t, fields = self.service.handle(header)
+            reply = wire.encode(t, **fields)
+        except Exception as e:  # a handler bug answers this request with an error, the master lives on
+            log.exception("handling %r failed", header.get("t"))
+            reply = wire.encode("error", message=f"master error while handling {header.get('t')!r}: {e}")
+        self.sock.send_multipart([identity, *reply])

@@ -1,0 +1,232 @@
+"""Request handling: turns each message into update records, applies them, replies.
+
+Handlers decide (reading ``JobState`` through its queries), then ``_commit`` journals
+and applies. Nothing here changes state any other way, so the reply a client gets is
+always consistent with what a restarted master would rebuild from the journal.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..dataset import BoundDataset, bind, bind_schema, file_to_wire
+from ..spec import DatasetSpec, SpecError
+from . import updates as U
+from .journal import Journal
+from .planner import make_task, plan_base_splits
+from .state import JobState
+
+log = logging.getLogger(__name__)
+Reply = tuple[str, dict]
+
+
+class RequestError(Exception):
+    """Answered to the sender as an ``error`` message; ``code`` lets clients react."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class MasterConfig:
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    max_workers_per_client: int = 32
+    no_split_retry_ms: int = 50
+
+
+class MasterService:
+    def __init__(self, config: MasterConfig, journal: Optional[Journal] = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.journal = journal
+        self.clock = clock
+        self.state = JobState(config.max_workers_per_client)
+        self.bound: Optional[BoundDataset] = None
+        if journal is not None:
+            replayed = 0
+            for update in journal.replay():
+                self.state.apply(update)
+                replayed += 1
+            if replayed:
+                log.info("replayed %d journal records", replayed)
+        if self.state.job is not None:
+            self.bound = bind_schema(DatasetSpec.from_dict(self.state.job.spec), self.state.job.schema)
+        self._commit(U.MasterStarted(clock()))
+
+    def _commit(self, update: U.Update) -> None:
+        if self.journal is not None and not update.TRANSIENT:
+            self.journal.append(update)  # on disk before it takes effect
+        self.state.apply(update)
+
+    # -- the job ---------------------------------------------------------------------
+    def submit(self, spec: DatasetSpec) -> None:
+        """Bind and plan a job; raises SpecError naming the key or column at fault."""
+        bound = bind(spec)
+        files = bound.files or []
+        splits = plan_base_splits(files, spec.split_rows)
+        if not splits or sum(s.rows for s in splits) == 0:
+            raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
+        self._commit(U.JobSubmitted(spec.to_dict(), spec.fingerprint(), bound.schema,
+                                    [file_to_wire(f) for f in files],
+                                    [[s.file, s.first_unit, s.stop_unit, s.rows] for s in splits]))
+        self.bound = bound
+        log.info("job %s: %d files, %d splits, %d rows", spec.fingerprint(), len(files), len(splits),
+                 self.state.job.total_rows)
+
+    # -- dispatch ----------------------------------------------------------------------
+    def handle(self, header: dict) -> Reply:
+        handler = getattr(self, "_on_" + header["t"], None)
+        if handler is None:
+            return "error", {"message": f"the master does not serve {header['t']!r}"}
+        try:
+            return handler(header)
+        except RequestError as e:
+            return "error", {"message": str(e), **({"code": e.code} if e.code else {})}
+
+    def tick(self) -> None:
+        """Periodic duties: workers that missed their heartbeats are dead."""
+        deadline = self.clock() - self.config.heartbeat_timeout
+        for w in list(self.state.workers.values()):
+            if w.last_seen < deadline:
+                log.warning("worker %s (%s) missed heartbeats for %.1f s: presumed dead",
+                            w.worker_id, w.addr, self.clock() - w.last_seen)
+                self._commit(U.WorkerLost(w.worker_id, "heartbeat timeout"))
+
+    def _require_job(self) -> None:
+        if self.state.job is None:
+            raise RequestError("no job yet: the master waits for the first client's spec", code="no_job")
+
+    def _require_worker(self, worker_id: str) -> None:
+        if worker_id not in self.state.workers:
+            raise RequestError(f"unknown worker {worker_id}", code="unknown_worker")
+
+    def _require_client(self, client_id: str) -> int:
+        if client_id not in self.state.clients:
+            raise RequestError(f"unknown client {client_id}; say hello again", code="unknown_client")
+        return self.state.clients[client_id]
+
+    # -- workers ----------------------------------------------------------------------
+    def _on_register(self, m: dict) -> Reply:
+        worker_id = "w-" + uuid.uuid4().hex[:10]
+        self._commit(U.WorkerRegistered(worker_id, m["addr"], m["pid"], self.clock()))
+        log.info("worker %s registered from %s (pid %d)", worker_id, m["addr"], m["pid"])
+        return "registered", {"worker_id": worker_id, "heartbeat_interval": self.config.heartbeat_interval}
+
+    def _on_get_spec(self, m: dict) -> Reply:
+        self._require_worker(m["worker_id"])
+        self._require_job()
+        job = self.state.job
+        return "spec", {"spec": job.spec, "schema": job.schema, "fingerprint": job.fingerprint}
+
+    def _on_heartbeat(self, m: dict) -> Reply:
+        if m["worker_id"] not in self.state.workers:
+            return "heartbeat_ok", {"state": "unknown"}
+        self._commit(U.WorkerHeartbeat(m["worker_id"], self.clock(), m["buffered"], m.get("stats", {})))
+        return "heartbeat_ok", {"state": "run"}
+
+    def _on_get_split(self, m: dict) -> Reply:
+        self._require_worker(m["worker_id"])
+        progress = self.state.choose_split(m["worker_id"]) if self.state.job else None
+        if progress is None:
+            return "no_split", {"retry_ms": self.config.no_split_retry_ms, "reason": "no pending split for this worker"}
+        s = progress.split
+        self._commit(U.SplitAssigned(self.state.ranks[s.rank].epoch, s.id, m["worker_id"]))
+        job = self.state.job
+        task = make_task(job.files, job.splits[s.base], s, self.state.ranks[s.rank].epoch, skip=progress.consumed)
+        return "split", {"split": task.to_wire()}
+
+    def _on_split_produced(self, m: dict) -> Reply:
+        self._require_worker(m["worker_id"])
+        epoch = self._epoch_of_worker_split(m["worker_id"], m["split_id"])
+        if epoch is not None:
+            self._commit(U.SplitProduced(epoch, m["split_id"], m["worker_id"]))
+        return "ok", {}
+
+    def _on_split_failed(self, m: dict) -> Reply:
+        self._require_worker(m["worker_id"])
+        epoch = self._epoch_of_worker_split(m["worker_id"], m["split_id"])
+        if epoch is not None:
+            skipped = self.state.job.spec["on_error"] == "skip"
+            log.error("split %d failed%s: %s", m["split_id"], " (skipped)" if skipped else "", m["error"])
+            self._commit(U.SplitFailed(epoch, m["split_id"], m["worker_id"], m["error"], skipped))
+        return "ok", {}
+
+    def _epoch_of_worker_split(self, worker_id: str, split_id: int) -> Optional[int]:
+        for epoch, sid in self.state.workers[worker_id].assigned:
+            if sid == split_id:
+                return epoch
+        return None  # reassigned meanwhile (we were presumed dead); the report is stale
+
+    # -- clients ------------------------------------------------------------------------
+    def _on_hello(self, m: dict) -> Reply:
+        if self.state.job is None:
+            try:
+                spec = DatasetSpec.from_dict(m["spec"])
+                self.submit(spec)
+            except SpecError as e:
+                raise RequestError(str(e), code="bad_spec") from None
+        job = self.state.job
+        if m["fingerprint"] != job.fingerprint:
+            raise RequestError(
+                f"spec fingerprint {m['fingerprint']} differs from the running job's {job.fingerprint}: "
+                "this master serves another dataset spec (start another master, or use the same spec)",
+                code="spec_mismatch")
+        if not 0 <= m["rank"] < m["world_size"]:
+            raise RequestError(f"rank {m['rank']} is outside world size {m['world_size']}", code="bad_rank")
+        if job.world_size is not None and m["world_size"] != job.world_size:
+            raise RequestError(f"world size {m['world_size']} differs from the job's {job.world_size}", code="bad_rank")
+        self._commit(U.ClientJoined(m["client_id"], m["rank"], m["world_size"], self.clock()))
+        return "welcome", {"job": {
+            "fingerprint": job.fingerprint, "total_rows": job.total_rows, "rank_rows": self.state.rank_rows(m["rank"]),
+            "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys,
+            "dense_width": self.bound.pipeline.dense_width}}
+
+    def _on_start_epoch(self, m: dict) -> Reply:
+        rank = self._require_client(m["client_id"])
+        self._commit(U.EpochStarted(rank, m["epoch"]))
+        splits = [[p.split.id, p.split.rows] for p in self.state.epoch_splits(rank, m["epoch"])]
+        return "epoch", {"epoch": m["epoch"], "splits": splits}
+
+    def _on_client_heartbeat(self, m: dict) -> Reply:
+        rank = self._require_client(m["client_id"])
+        acks = m["acks"]
+        if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int for x in a) for a in acks):
+            raise RequestError("client_heartbeat: acks must be [[split_id, pieces], ...]")
+        if acks:
+            self._commit(U.SplitsConsumed(rank, m["epoch"], acks))
+        self._commit(U.ClientHeartbeat(m["client_id"], self.clock(), m.get("stats", {})))
+        workers = [[wid, self.state.workers[wid].addr] for wid in self.state.partitions.get(rank, [])]
+        return "membership", {"workers": workers, "errors": self.state.errors_for(rank, m["epoch"])}
+
+    def _on_finish_epoch(self, m: dict) -> Reply:
+        rank = self._require_client(m["client_id"])
+        self._commit(U.EpochFinished(rank, m["epoch"]))
+        return "ok", {}
+
+    def _on_status(self, m: dict) -> Reply:
+        return "status_reply", {"status": self.status()}
+
+    def status(self) -> dict:
+        st, now = self.state, self.clock()
+        job = st.job
+        ranks = {}
+        for rank, re in sorted(st.ranks.items()):
+            done = sum(1 for p in re.splits.values() if p.done)
+            ranks[str(rank)] = {"epoch": re.epoch, "splits": len(re.splits), "done": done,
+                                "pending": len(re.pending), "finished": re.finished}
+        return {
+            "job": None if job is None else {"fingerprint": job.fingerprint, "table": job.spec["table"]["path"],
+                                             "files": len(job.files), "splits": len(job.splits),
+                                             "rows": job.total_rows, "world_size": job.world_size},
+            "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, "buffered": w.buffered,
+                         "assigned": len(w.assigned), "last_seen_s": round(now - w.last_seen, 3), **w.stats}
+                        for w in sorted(st.workers.values(), key=lambda w: w.seq)],
+            "clients": [{"id": cid, "rank": rank, **st.client_stats.get(cid, {})} for cid, rank in st.clients.items()],
+            "ranks": ranks,
+            "errors": st.errors[-20:],
+        }

@@ -1,0 +1,251 @@
+"""The master's state, changed only by ``JobState.apply(update)``.
+
+Queries (``choose_split``, ``partition``, ``status``...) read the state and never
+change it; the request handlers turn what they decide into update records. ``apply``
+does no I/O and reads no clock, so replaying a journal rebuilds exactly this state.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import updates as U
+from .planner import BaseSplit, EpochSplit, pieces_of, plan_epoch, rank_rows
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    addr: str
+    pid: int
+    seq: int  # registration order; ties in balancing break by it, deterministically
+    last_seen: float
+    buffered: int = 0
+    stats: dict = field(default_factory=dict)
+    assigned: set = field(default_factory=set)  # (epoch, split_id) not yet fully consumed
+
+
+@dataclass
+class SplitProgress:
+    split: EpochSplit
+    pieces: int
+    consumed: int = 0
+    worker: Optional[str] = None
+    produced: bool = False
+    failed: Optional[str] = None
+
+    @property
+    def done(self) -> bool:
+        return self.consumed >= self.pieces or self.failed is not None
+
+
+@dataclass
+class RankEpoch:
+    epoch: int
+    splits: dict[int, SplitProgress]
+    pending: deque  # split ids waiting for a worker, in plan order
+    finished: bool = False
+
+
+@dataclass
+class Job:
+    spec: dict
+    fingerprint: str
+    schema: dict
+    files: list
+    splits: list[BaseSplit]
+    total_rows: int
+    world_size: Optional[int] = None
+
+
+class JobState:
+    def __init__(self, max_workers_per_client: int = 32) -> None:
+        self.max_workers_per_client = max_workers_per_client
+        self.job: Optional[Job] = None
+        self.workers: dict[str, WorkerInfo] = {}
+        self.clients: dict[str, int] = {}  # client id -> rank
+        self.client_stats: dict[str, dict] = {}
+        self.partitions: dict[int, list[str]] = {}  # rank -> worker ids it reads from
+        self.ranks: dict[int, RankEpoch] = {}
+        self.errors: list[dict] = []
+        self._worker_seq = 0
+        self._plans: dict[int, list[EpochSplit]] = {}  # memo of the pure epoch plan
+
+    # -- the one mutator --------------------------------------------------------------
+    def apply(self, update: U.Update) -> None:
+        getattr(self, "_on_" + type(update).__name__)(update)
+
+    def _on_MasterStarted(self, u: U.MasterStarted) -> None:
+        for w in self.workers.values():
+            w.last_seen = u.time
+
+    def _on_JobSubmitted(self, u: U.JobSubmitted) -> None:
+        splits = [BaseSplit(i, *row) for i, row in enumerate(u.splits)]
+        self.job = Job(u.spec, u.fingerprint, u.schema, u.files, splits, sum(s.rows for s in splits))
+
+    def _on_WorkerRegistered(self, u: U.WorkerRegistered) -> None:
+        self._worker_seq += 1
+        self.workers[u.worker_id] = WorkerInfo(u.worker_id, u.addr, u.pid, self._worker_seq, u.time)
+        self._rebalance()
+
+    def _on_WorkerHeartbeat(self, u: U.WorkerHeartbeat) -> None:
+        w = self.workers.get(u.worker_id)
+        if w is not None:
+            w.last_seen, w.buffered, w.stats = u.time, u.buffered, u.stats
+
+    def _on_WorkerLost(self, u: U.WorkerLost) -> None:
+        w = self.workers.pop(u.worker_id, None)
+        if w is None:
+            return
+        # Unfinished splits go back to the front of their queue; the next worker skips
+        # the pieces clients already consumed, and clients drop any piece they hold.
+        for epoch, split_id in sorted(w.assigned):
+            progress = self._progress(epoch, split_id)
+            if progress is not None and not progress.done:
+                progress.worker, progress.produced = None, False
+                self.ranks[progress.split.rank].pending.appendleft(split_id)
+        for members in self.partitions.values():
+            if u.worker_id in members:
+                members.remove(u.worker_id)
+        self._rebalance()
+
+    def _on_ClientJoined(self, u: U.ClientJoined) -> None:
+        assert self.job is not None
+        if self.job.world_size is None:
+            self.job.world_size = u.world_size
+        for cid, rank in list(self.clients.items()):
+            if rank == u.rank:  # a rank that reconnects (e.g. resumed in a new process)
+                del self.clients[cid]
+        self.clients[u.client_id] = u.rank
+        self.partitions.setdefault(u.rank, [])
+        self._rebalance()
+
+    def _on_ClientHeartbeat(self, u: U.ClientHeartbeat) -> None:
+        if u.client_id in self.clients:
+            self.client_stats[u.client_id] = dict(u.stats, time=u.time)
+
+    def _on_EpochStarted(self, u: U.EpochStarted) -> None:
+        current = self.ranks.get(u.rank)
+        if current is not None and current.epoch == u.epoch:
+            return  # the same client again, e.g. after a reconnect: keep the progress
+        if current is not None:
+            self._release(current)
+        assert self.job is not None and self.job.world_size is not None
+        batch_size = self.job.spec["batch_size"]
+        mine = [s for s in self._plan(u.epoch) if s.rank == u.rank]
+        self.ranks[u.rank] = RankEpoch(
+            u.epoch,
+            {s.id: SplitProgress(s, pieces_of(s.rows, batch_size)) for s in mine},
+            deque(s.id for s in mine),
+        )
+
+    def _on_SplitAssigned(self, u: U.SplitAssigned) -> None:
+        progress = self._progress(u.epoch, u.split_id)
+        rank_epoch = self.ranks[progress.split.rank]
+        rank_epoch.pending.remove(u.split_id)
+        progress.worker, progress.produced = u.worker_id, False
+        self.workers[u.worker_id].assigned.add((u.epoch, u.split_id))
+
+    def _on_SplitProduced(self, u: U.SplitProduced) -> None:
+        progress = self._progress(u.epoch, u.split_id)
+        if progress is not None and progress.worker == u.worker_id:
+            progress.produced = True
+
+    def _on_SplitsConsumed(self, u: U.SplitsConsumed) -> None:
+        rank_epoch = self.ranks.get(u.rank)
+        if rank_epoch is None or rank_epoch.epoch != u.epoch:
+            return
+        for split_id, consumed in u.acks:
+            progress = rank_epoch.splits.get(split_id)
+            if progress is None:
+                continue
+            progress.consumed = max(progress.consumed, min(consumed, progress.pieces))
+            if progress.done:
+                self._finish(u.epoch, progress)
+
+    def _on_SplitFailed(self, u: U.SplitFailed) -> None:
+        progress = self._progress(u.epoch, u.split_id)
+        if progress is None or progress.done:
+            return
+        progress.failed = u.error
+        self._finish(u.epoch, progress)
+        self.errors.append({"epoch": u.epoch, "rank": progress.split.rank, "split_id": u.split_id,
+                            "rows": progress.split.rows, "message": u.error, "skipped": u.skipped})
+
+    def _on_EpochFinished(self, u: U.EpochFinished) -> None:
+        rank_epoch = self.ranks.get(u.rank)
+        if rank_epoch is not None and rank_epoch.epoch == u.epoch:
+            self._release(rank_epoch)
+            rank_epoch.finished = True
+
+    # -- helpers of apply ----------------------------------------------------------------
+    def _plan(self, epoch: int) -> list[EpochSplit]:
+        if epoch not in self._plans:
+            spec = self.job.spec
+            self._plans[epoch] = plan_epoch(self.job.splits, epoch, spec["seed"], spec["shuffle"], self.job.world_size)
+            oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
+            self._plans = {e: p for e, p in self._plans.items() if e >= min(oldest, epoch)}
+        return self._plans[epoch]
+
+    def _progress(self, epoch: int, split_id: int) -> Optional[SplitProgress]:
+        for rank_epoch in self.ranks.values():
+            if rank_epoch.epoch == epoch and split_id in rank_epoch.splits:
+                return rank_epoch.splits[split_id]
+        return None
+
+    def _finish(self, epoch: int, progress: SplitProgress) -> None:
+        if progress.worker in self.workers:
+            self.workers[progress.worker].assigned.discard((epoch, progress.split.id))
+        if progress.worker is None and progress.split.id in self.ranks[progress.split.rank].pending:
+            self.ranks[progress.split.rank].pending.remove(progress.split.id)
+
+    def _release(self, rank_epoch: RankEpoch) -> None:
+        rank_epoch.pending.clear()
+        for progress in rank_epoch.splits.values():
+            if progress.worker in self.workers:
+                self.workers[progress.worker].assigned.discard((rank_epoch.epoch, progress.split.id))
+
+    def _rebalance(self) -> None:
+        """Partitioned round robin: each rank reads from at most ``max_workers_per_client``
+        workers. Live members stay put (a client never loses a worker that holds its data);
+        free slots are filled from the workers serving the fewest ranks."""
+        live = sorted(self.workers.values(), key=lambda w: w.seq)
+        target = min(self.max_workers_per_client, len(live))
+        load = {w.worker_id: 0 for w in live}
+        for members in self.partitions.values():
+            for wid in members:
+                load[wid] += 1
+        for rank in sorted(self.partitions):
+            members = self.partitions[rank]
+            while len(members) < target:
+                wid = min((w.worker_id for w in live if w.worker_id not in members),
+                          key=lambda i: (load[i], self.workers[i].seq))
+                members.append(wid)
+                load[wid] += 1
+
+    # -- queries ---------------------------------------------------------------------------
+    def choose_split(self, worker_id: str) -> Optional[SplitProgress]:
+        """The next split for this worker: from the ranks it serves, the one with the fewest
+        splits in flight, so every trainer's queue fills evenly."""
+        best = None
+        for rank, members in sorted(self.partitions.items()):
+            rank_epoch = self.ranks.get(rank)
+            if worker_id not in members or rank_epoch is None or rank_epoch.finished or not rank_epoch.pending:
+                continue
+            in_flight = sum(1 for p in rank_epoch.splits.values() if p.worker is not None and not p.done)
+            if best is None or in_flight < best[0]:
+                best = (in_flight, rank_epoch.splits[rank_epoch.pending[0]])
+        return None if best is None else best[1]
+
+    def rank_rows(self, rank: int) -> int:
+        assert self.job is not None and self.job.world_size is not None
+        return rank_rows(self.job.total_rows, self.job.world_size, rank)
+
+    def epoch_splits(self, rank: int, epoch: int) -> list[SplitProgress]:
+        rank_epoch = self.ranks[rank]
+        assert rank_epoch.epoch == epoch
+        return list(rank_epoch.splits.values())
+
+    def errors_for(self, rank: int, epoch: int) -> list[dict]:
+        return [e for e in self.errors if e["rank"] == rank and e["epoch"] == epoch]

@@ -1,0 +1,128 @@
+"""Update records: the only way the master's state changes.
+
+Each record is a small frozen dataclass. ``JobState.apply`` is the one function that
+interprets them; the journal stores them with ``to_record`` and replays them with
+``from_record``, so recovery after a crash runs the same code as live operation.
+Records marked ``TRANSIENT`` (liveness and metrics) are applied but not journaled:
+after a restart the master learns them afresh from the next heartbeats.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Update:
+    TRANSIENT: ClassVar[bool] = False
+
+    def to_record(self) -> dict:
+        return {"u": type(self).__name__, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class MasterStarted(Update):
+    """A (re)start: live workers get a fresh heartbeat grace period from ``time``."""
+    time: float
+
+
+@dataclass(frozen=True)
+class JobSubmitted(Update):
+    spec: dict
+    fingerprint: str
+    schema: dict  # column -> kind, as the table's files agree on it
+    files: list  # [[path, format, partition, num_rows, nbytes, [[index, first_row, num_rows, nbytes], ...]], ...]
+    splits: list  # [[file, first_unit, stop_unit, rows], ...]: the base splits
+
+
+@dataclass(frozen=True)
+class WorkerRegistered(Update):
+    worker_id: str
+    addr: str
+    pid: int
+    time: float
+
+
+@dataclass(frozen=True)
+class WorkerHeartbeat(Update):
+    TRANSIENT: ClassVar[bool] = True
+    worker_id: str
+    time: float
+    buffered: int
+    stats: dict
+
+
+@dataclass(frozen=True)
+class WorkerLost(Update):
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ClientJoined(Update):
+    client_id: str
+    rank: int
+    world_size: int
+    time: float
+
+
+@dataclass(frozen=True)
+class ClientHeartbeat(Update):
+    TRANSIENT: ClassVar[bool] = True
+    client_id: str
+    time: float
+    stats: dict
+
+
+@dataclass(frozen=True)
+class EpochStarted(Update):
+    rank: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class SplitAssigned(Update):
+    epoch: int
+    split_id: int
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class SplitProduced(Update):
+    epoch: int
+    split_id: int
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class SplitsConsumed(Update):
+    rank: int
+    epoch: int
+    acks: list  # [[split_id, pieces consumed so far], ...]
+
+
+@dataclass(frozen=True)
+class SplitFailed(Update):
+    epoch: int
+    split_id: int
+    worker_id: str
+    error: str
+    skipped: bool  # on_error: skip quarantines the split; fail stops the job
+
+
+@dataclass(frozen=True)
+class EpochFinished(Update):
+    rank: int
+    epoch: int
+
+
+UPDATE_TYPES: dict[str, type] = {cls.__name__: cls for cls in Update.__subclasses__()}
+
+
+def from_record(record: Any) -> Update:
+    if not isinstance(record, dict) or record.get("u") not in UPDATE_TYPES:
+        raise ValueError(f"not an update record: {str(record)[:200]}")
+    cls = UPDATE_TYPES[record["u"]]
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in record.items() if k in names})
+

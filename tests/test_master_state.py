@@ -1,0 +1,88 @@
+"""JobState.apply and the journal: live operation and replay are the same code path."""
+from __future__ import annotations
+
+from remoteloader.master import updates as U
+from remoteloader.master.journal import Journal
+from remoteloader.master.state import JobState
+
+SPEC = {"batch_size": 10, "seed": 0, "shuffle": False, "on_error": "fail"}
+FILES = [["f0", "orc", "", 100, 1000, [[0, 0, 50, 500], [1, 50, 50, 500]]]]
+
+
+def history():
+    return [
+        U.MasterStarted(0.0),
+        U.JobSubmitted(SPEC, "fp", {"x": "float"}, FILES, [[0, 0, 1, 50], [0, 1, 2, 50]]),
+        U.WorkerRegistered("w1", "tcp://a", 1, 0.0),
+        U.WorkerRegistered("w2", "tcp://b", 2, 0.0),
+        U.ClientJoined("c0", 0, 2, 0.0),
+        U.ClientJoined("c1", 1, 2, 0.0),
+        U.EpochStarted(0, 0),
+        U.EpochStarted(1, 0),
+        U.SplitAssigned(0, 0, "w1"),
+        U.SplitAssigned(0, 1, "w2"),
+        U.SplitsConsumed(0, 0, [[0, 2]]),
+    ]
+
+
+def test_worker_lost_requeues_its_unfinished_splits_with_consumed_progress():
+    st = JobState()
+    for u in history():
+        st.apply(u)
+    assert st.partitions == {0: ["w1", "w2"], 1: ["w1", "w2"]}
+    assert st.choose_split("w1") is None  # everything assigned
+    st.apply(U.WorkerLost("w1", "test"))
+    p = st.choose_split("w2")
+    assert p is not None and p.split.id == 0 and p.consumed == 2 and p.worker is None
+    assert st.partitions == {0: ["w2"], 1: ["w2"]}
+    st.apply(U.SplitAssigned(0, 0, "w2"))
+    st.apply(U.SplitsConsumed(0, 0, [[0, 5]]))
+    assert st.ranks[0].splits[0].done
+    assert ("w2" in st.workers) and st.workers["w2"].assigned == {(0, 1)}
+
+
+def test_replay_rebuilds_the_same_state(tmp_path):
+    live, journal = JobState(), Journal(tmp_path)
+    for u in history():
+        live.apply(u)
+        if not u.TRANSIENT:
+            journal.append(u)
+    journal.close()
+    replayed = JobState()
+    for u in Journal(tmp_path).replay():
+        replayed.apply(u)
+    assert replayed.partitions == live.partitions
+    assert {r: (e.epoch, list(e.pending), {k: (p.worker, p.consumed) for k, p in e.splits.items()})
+            for r, e in replayed.ranks.items()} == \
+           {r: (e.epoch, list(e.pending), {k: (p.worker, p.consumed) for k, p in e.splits.items()})
+            for r, e in live.ranks.items()}
+
+
+def test_journal_survives_a_torn_tail(tmp_path):
+    j = Journal(tmp_path)
+    for u in history()[:3]:
+        j.append(u)
+    j.close()
+    with open(j.path, "ab") as f:
+        f.write(b"\x40\x00\x00\x00partial")
+    assert len(list(Journal(tmp_path).replay())) == 3
+    j2 = Journal(tmp_path)
+    j2.append(U.WorkerLost("w1", "x"))
+    j2.close()
+    assert [type(u).__name__ for u in Journal(tmp_path).replay()][-1] == "WorkerLost"
+
+
+def test_rebalance_caps_workers_per_client():
+    st = JobState(max_workers_per_client=2)
+    for u in history()[:2]:
+        st.apply(u)
+    for i in range(4):
+        st.apply(U.WorkerRegistered(f"w{i}", "a", i, 0.0))
+    for r in range(4):
+        st.apply(U.ClientJoined(f"c{r}", r, 4, 0.0))
+    assert all(len(m) == 2 for m in st.partitions.values())
+    load = {}
+    for m in st.partitions.values():
+        for w in m:
+            load[w] = load.get(w, 0) + 1
+    assert sorted(load.values()) == [2, 2, 2, 2]
