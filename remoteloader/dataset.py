@@ -1,0 +1,74 @@
+"""Binding a spec to its table: files, schema, the compiled feature pipeline.
+
+The master binds a spec once per job (listing files, checking every column the spec
+names against the table's schema, compiling the transforms). Workers receive the
+resulting schema with the spec, so they compile the same pipeline without listing the
+table again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from .formats import DataFile, TableError, Unit, list_table, table_schema
+from .spec import DatasetSpec, SpecError
+from .transforms import FeaturePipeline, TransformError, compile_features
+
+SCALAR_KINDS = ("float", "int")
+
+
+@dataclass
+class BoundDataset:
+    spec: DatasetSpec
+    schema: dict[str, str]
+    pipeline: FeaturePipeline
+    read_columns: list[str]  # every table column a worker reads: features, label, passthrough
+    files: Optional[list[DataFile]] = None  # the master's view; workers get files per split
+
+    @property
+    def sparse_keys(self) -> list[str]:
+        return list(self.pipeline.sparse_names)
+
+
+def bind(spec: DatasetSpec) -> BoundDataset:
+    """List the table and check the spec against it; errors name the key and column."""
+    try:
+        files = list_table(spec.table.path, spec.table.format, spec.table.partitions)
+        schema = table_schema(files)
+    except TableError as e:
+        raise SpecError(f"table: {e}") from None
+    bound = bind_schema(spec, schema)
+    bound.files = files
+    return bound
+
+
+def bind_schema(spec: DatasetSpec, schema: Mapping[str, str]) -> BoundDataset:
+    schema = dict(schema)
+    where = f"table {spec.table.path!r}"
+    for key, column in ([("features.label", spec.label)] if spec.label else []) + [
+        (f"features.passthrough[{i}]", c) for i, c in enumerate(spec.passthrough)
+    ]:
+        if column not in schema:
+            raise SpecError(f"{key}: column {column!r} is not in {where}")
+        if schema[column] not in SCALAR_KINDS:
+            raise SpecError(f"{key}: column {column!r} has type {schema[column]}, a scalar (float or int) column is needed")
+    try:
+        pipeline = compile_features(spec.dense, spec.sparse, schema)
+    except TransformError as e:
+        raise SpecError(f"features: {e}") from None
+    columns = set(pipeline.input_columns) | set(spec.passthrough)
+    if spec.label:
+        columns.add(spec.label)
+    return BoundDataset(spec, schema, pipeline, sorted(columns))
+
+
+# -- files on the wire: the master ships each split's file description to its worker ---
+def file_to_wire(f: DataFile) -> list:
+    return [f.path, f.format, f.partition, f.num_rows, f.nbytes,
+            [[u.index, u.first_row, u.num_rows, u.nbytes] for u in f.units]]
+
+
+def file_from_wire(row: Sequence) -> DataFile:
+    path, fmt, partition, num_rows, nbytes, units = row
+    return DataFile(str(path), str(fmt), str(partition), int(num_rows), int(nbytes),
+                    tuple(Unit(int(a), int(b), int(c), int(d)) for a, b, c, d in units))

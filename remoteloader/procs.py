@@ -1,0 +1,36 @@
+"""Child processes that never outlive the process that started them."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def spawn(args: Sequence[str], env: Optional[dict] = None, **kwargs) -> subprocess.Popen:
+    """Start ``python -m ...`` style children tied to this process's lifetime."""
+    return subprocess.Popen([sys.executable, *args], env=env, **kwargs)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout``; always reaps the child."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

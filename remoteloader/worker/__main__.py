@@ -1,0 +1,33 @@
+"""``remoteloader-worker --master tcp://HOST:PORT``: one stateless worker process."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Optional, Sequence
+
+from ..procs import die_with_parent
+from .server import Worker
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="remoteloader-worker", description=__doc__)
+    p.add_argument("--master", required=True, help="the master's address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--bind-host", default="127.0.0.1", help="interface the data port binds to (default 127.0.0.1)")
+    p.add_argument("--buffer-batches", type=int, default=16, help="bounded buffer size in batches")
+    p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+    if args.die_with_parent:
+        die_with_parent()
+    worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop_event.set())
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""A worker process: stateless, it pulls work from the master and serves batches to clients.
+
+Two threads, each owning its own sockets (ZeroMQ sockets are not thread-safe):
+
+* the **producer** asks the master for a split, processes it, and puts the pieces into
+  the ``BatchBuffer`` (blocking while it is full);
+* the **server loop** answers clients' ``get_batch`` requests from the buffer (holding a
+  request until a piece for that rank arrives) and heartbeats to the master.
+
+The producer wakes the server loop through an inproc PUSH/PULL pair whenever it adds
+a piece, so a waiting client is answered at once rather than at the next poll.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket as pysocket
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Optional
+
+import psutil
+import zmq
+
+from .. import wire
+from ..dataset import bind_schema
+from ..rpc import MasterUnavailable, RemoteError, RpcClient
+from ..spec import DatasetSpec
+from .buffer import BatchBuffer
+from .processor import SplitError, SplitProcessor, SplitTask
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, master: str, bind_host: str = "127.0.0.1", buffer_batches: int = 16,
+                 rpc_timeout_s: float = 10.0) -> None:
+        self.master = master
+        self.ctx = zmq.Context.instance()
+        self.stop_event = threading.Event()
+        self.buffer = BatchBuffer(buffer_batches)
+        self.rpc_timeout_s = rpc_timeout_s
+        self.data = self.ctx.socket(zmq.ROUTER)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.MAXMSGSIZE, 64 << 10)  # clients only send small requests
+        self.data.bind(f"tcp://{bind_host}:0")
+        self.addr = self.data.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.worker_id: Optional[str] = None
+        self.heartbeat_interval = 0.5
+        self.processor: Optional[SplitProcessor] = None
+        self._waiting: dict[tuple[int, int], deque] = {}  # (rank, epoch) -> client identities
+        self._stats = {"rows": 0, "batches": 0, "splits": 0, "busy_s": 0.0}
+        self._proc = psutil.Process()
+        self._proc.cpu_percent()  # first call primes the counter
+
+    # -- set-up ----------------------------------------------------------------------
+    def _join(self, rpc: RpcClient) -> bool:
+        """Register, then fetch the job's spec: a master may start before its first client
+        brings one, and may restart and forget us, so both steps retry until they succeed."""
+        while not self.stop_event.is_set():
+            try:
+                if self.worker_id is None:
+                    reply = rpc.call("register", addr=self.addr, pid=os.getpid(), host=pysocket.gethostname())
+                    self.worker_id = reply["worker_id"]
+                    self.heartbeat_interval = float(reply["heartbeat_interval"])
+                    log.info("worker %s serving on %s", self.worker_id, self.addr)
+                if self.processor is None:
+                    reply = rpc.call("get_spec", worker_id=self.worker_id)
+                    spec = DatasetSpec.from_dict(reply["spec"])
+                    self.processor = SplitProcessor(bind_schema(spec, reply["schema"]))
+                return True
+            except MasterUnavailable as e:
+                log.warning("%s; retrying", e)
+            except RemoteError as e:
+                if e.code == "unknown_worker":
+                    self.worker_id = None
+                self.stop_event.wait(0.2)
+        return False
+
+    def run(self) -> None:
+        control = RpcClient(self.ctx, self.master, self.rpc_timeout_s)
+        if not self._join(control):
+            control.close()
+            self.data.close(linger=0)
+            return
+        producer = threading.Thread(target=self._produce, name="producer", daemon=True)
+        producer.start()
+        try:
+            self._serve(control)
+        finally:
+            self.stop_event.set()
+            producer.join(timeout=5)
+            control.close()
+            self.data.close(linger=0)
+
+    # -- producer thread ---------------------------------------------------------------
+    def _produce(self) -> None:
+        rpc = RpcClient(self.ctx, self.master, self.rpc_timeout_s)
+        notify = self.ctx.socket(zmq.PUSH)
+        notify.connect("inproc://worker-notify")
+        try:
+            while self.buffer.wait_for_room(self.stop_event):
+                try:
+                    reply = rpc.call("get_split", worker_id=self.worker_id)
+                except (MasterUnavailable, RemoteError) as e:
+                    log.warning("get_split: %s", e)
+                    time.sleep(0.5)
+                    continue
+                if reply["t"] == "no_split":
+                    self.stop_event.wait(reply["retry_ms"] / 1000)
+                    continue
+                task = SplitTask.from_wire(reply["split"])
+                self._process(task, rpc, notify)
+        finally:
+            rpc.close()
+            notify.close(linger=0)
+
+    def _process(self, task: SplitTask, rpc: RpcClient, notify: zmq.Socket) -> None:
+        start = time.perf_counter()
+        try:
+            for piece in self.processor.pieces(task):
+                if not self.buffer.put((task.rank, task.epoch), piece, self.stop_event):
+                    return
+                self._stats["rows"] += piece.rows
+                self._stats["batches"] += 1
+                notify.send(b"")
+        except SplitError as e:
+            self._report_failure(rpc, task, str(e))
+            return
+        except Exception:  # a bug must surface in the client, not hang the job
+            self._report_failure(rpc, task, f"{task.describe()}: worker error:\n{traceback.format_exc()}")
+            return
+        finally:
+            self._stats["busy_s"] += time.perf_counter() - start
+        self._stats["splits"] += 1
+        self._call_quietly(rpc, "split_produced", worker_id=self.worker_id, split_id=task.split_id)
+
+    def _report_failure(self, rpc: RpcClient, task: SplitTask, message: str) -> None:
+        log.error("%s", message)
+        self._call_quietly(rpc, "split_failed", worker_id=self.worker_id, split_id=task.split_id, error=message[:8000])
+
+    def _call_quietly(self, rpc: RpcClient, t: str, **fields) -> None:
+        try:
+            rpc.call(t, **fields)
+        except (MasterUnavailable, RemoteError) as e:
+            log.warning("%s: %s", t, e)
+
+    # -- server loop -----------------------------------------------------------------
+    def _serve(self, control: RpcClient) -> None:
+        wake = self.ctx.socket(zmq.PULL)
+        wake.bind("inproc://worker-notify")
+        poller = zmq.Poller()
+        poller.register(self.data, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        next_heartbeat = 0.0
+        try:
+            while not self.stop_event.is_set():
+                now = time.monotonic()
+                if now >= next_heartbeat:
+                    self._heartbeat(control)
+                    next_heartbeat = now + self.heartbeat_interval
+                events = dict(poller.poll(max(1, int(1000 * (next_heartbeat - time.monotonic())))))
+                if wake in events:
+                    while wake.poll(0):
+                        wake.recv()
+                if self.data in events:
+                    while self.data.poll(0):
+                        self._on_request(self.data.recv_multipart(copy=False))
+                self._serve_waiting()
+        finally:
+            wake.close(linger=0)
+
+    def _on_request(self, parts: list) -> None:
+        identity, body = parts[0].bytes, parts[1:]
+        msg = wire.safe_decode(body, "client")
+        if msg is None:
+            return
+        header, _ = msg
+        if header["t"] != "get_batch":
+            log.warning("dropped %r from a client: workers only serve get_batch", header["t"])
+            return
+        rank, epoch = header["rank"], header["epoch"]
+        self.buffer.drop_before(rank, epoch)
+        for key in [k for k in self._waiting if k[0] == rank and k[1] < epoch]:
+            del self._waiting[key]
+        self._waiting.setdefault((rank, epoch), deque()).append(identity)
+
+    def _serve_waiting(self) -> None:
+        for key, identities in list(self._waiting.items()):
+            while identities:
+                piece = self.buffer.pop(key)
+                if piece is None:
+                    break
+                descs, frames = wire.pack_arrays(piece.arrays)
+                msg = wire.encode("batch", frames, rank=key[0], epoch=key[1], split_id=piece.split_id,
+                                  piece=piece.index, rows=piece.rows, tensors=descs)
+                self.data.send_multipart([identities.popleft(), *msg], copy=False)
+            if not identities:
+                del self._waiting[key]
+
+    def _heartbeat(self, control: RpcClient) -> None:
+        stats = dict(self._stats, cpu=self._proc.cpu_percent() / 100.0,
+                     mem=float(self._proc.memory_info().rss), time=time.time())
+        try:
+            reply = control.call("heartbeat", worker_id=self.worker_id, buffered=len(self.buffer), stats=stats,
+                                 timeout_s=min(self.rpc_timeout_s, 2.0))
+        except (MasterUnavailable, RemoteError) as e:
+            log.warning("heartbeat: %s", e)
+            return
+        if reply.get("state") == "unknown":
+            # The master lost us (restart without journal, or we were presumed dead): rejoin.
+            log.warning("master does not know worker %s; registering again", self.worker_id)
+            self.worker_id = None
+            self._join(control)
