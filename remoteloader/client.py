@@ -1,0 +1,217 @@
+"""``RemoteDataLoader``: iterate batches preprocessed by remote workers, like a DataLoader.
+
+    with RemoteDataLoader("spec.yaml") as loader:        # embedded master + local workers
+        for epoch in range(3):
+            for batch in loader:                         # one epoch per iteration
+                loss = model(batch.dense_features, batch.sparse_features)
+
+Each ``iter(loader)`` starts the next epoch for this rank: the master answers with the
+rank's splits, workers of the rank's partition stream their pieces, and an
+``EpochAssembler`` turns them into batches of exactly ``batch_size`` rows (the last
+batch of the epoch may be short, or is dropped with ``drop_last``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import zmq
+
+from .assembly import EpochAssembler
+from .batch import Batch
+from .embedded import EmbeddedCluster, discover_master, publish_master, resolve_rank
+from .fetch import WorkerFetcher
+from .rpc import MasterUnavailable, RemoteError, RpcClient
+from .spec import DatasetSpec
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 0.25
+
+
+def load_spec(spec: Union[DatasetSpec, dict, str, os.PathLike]) -> DatasetSpec:
+    if isinstance(spec, DatasetSpec):
+        return spec
+    if isinstance(spec, dict):
+        return DatasetSpec.from_dict(spec)
+    return DatasetSpec.from_file(Path(spec))
+
+
+class RemoteDataLoader:
+    """A DataLoader whose batches come from remoteloader workers.
+
+    Args:
+        spec: a ``DatasetSpec``, its dict form, or the path of a YAML/JSON spec.
+        master: ``tcp://host:port`` of a running master; ``None`` starts an embedded one.
+        num_workers: local workers of the embedded master (default: CPU count).
+        batch_size, shuffle, seed, drop_last: override the spec's values.
+        rank, world_size: this trainer's share; default from torch.distributed, then the
+            ``RANK``/``WORLD_SIZE`` environment variables, then 0/1.
+        pin_memory: return batches in pinned memory (ignored with a warning without an accelerator).
+        inflight: requests kept outstanding per worker (prefetch depth).
+        timeout: seconds without any progress (no batch, no master answer) before an error.
+        connect_timeout: seconds to wait for the master's first answer.
+    """
+
+    def __init__(self, spec: Union[DatasetSpec, dict, str, os.PathLike], *, master: Optional[str] = None,
+                 num_workers: Optional[int] = None, batch_size: Optional[int] = None,
+                 shuffle: Optional[bool] = None, seed: Optional[int] = None, drop_last: Optional[bool] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None, pin_memory: bool = False,
+                 inflight: int = 2, timeout: float = 300.0, connect_timeout: float = 60.0) -> None:
+        spec = load_spec(spec)
+        overrides = {k: v for k, v in dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
+                                            drop_last=drop_last).items() if v is not None}
+        self.spec = spec.replace(**overrides) if overrides else spec
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.batch_size = self.spec.batch_size
+        self.drop_last = self.spec.drop_last
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.inflight = inflight
+        self.pin_memory = pin_memory and self._can_pin()
+        self.client_id = f"c-{uuid.uuid4().hex[:10]}"
+        self._cluster: Optional[EmbeddedCluster] = None
+        self._finalizer = None
+        if master is None:
+            master = self._start_or_find_master(num_workers)
+        self.master = master
+        self._ctx = zmq.Context.instance()
+        self._rpc = RpcClient(self._ctx, master, connect_timeout)
+        self._job: Optional[dict] = None
+        self._next_epoch = 0
+        self._closed = False
+        self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings
+
+    # -- cluster and session ---------------------------------------------------------------
+    def _start_or_find_master(self, num_workers: Optional[int]) -> str:
+        fingerprint = self.spec.fingerprint()
+        if self.rank != 0:
+            return discover_master(fingerprint, self.connect_timeout)
+        if os.environ.get("REMOTELOADER_MASTER"):
+            return os.environ["REMOTELOADER_MASTER"]
+        self._cluster = EmbeddedCluster(num_workers or os.cpu_count() or 1)
+        self._finalizer = weakref.finalize(self, self._cluster.close)
+        publish_master(self._cluster.addr, fingerprint)
+        return self._cluster.addr
+
+    @staticmethod
+    def _can_pin() -> bool:
+        if torch.cuda.is_available():
+            return True
+        warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=3)
+        return False
+
+    def _hello(self) -> dict:
+        if self._job is None:
+            try:
+                reply = self._rpc.call("hello", client_id=self.client_id, rank=self.rank, world_size=self.world_size,
+                                       spec=self.spec.to_dict(), fingerprint=self.spec.fingerprint(),
+                                       timeout_s=self.connect_timeout)
+            except MasterUnavailable as e:
+                raise MasterUnavailable(f"{e}: is a remoteloader-master running there?") from None
+            except RemoteError as e:
+                raise RuntimeError(f"the master refused this loader: {e}") from None
+            self._job = reply["job"]
+        return self._job
+
+    def __len__(self) -> int:
+        rows = self._hello()["rank_rows"]
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+
+    @property
+    def sparse_keys(self) -> list[str]:
+        return list(self._hello()["sparse_keys"])
+
+    # -- iteration ----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        if self._closed:
+            raise RuntimeError("this RemoteDataLoader is closed")
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        return self._epoch(epoch)
+
+    def _epoch(self, epoch: int) -> Iterator[Batch]:
+        job = self._hello()
+        reply = self._call("start_epoch", client_id=self.client_id, epoch=epoch)
+        splits = [(int(sid), int(rows)) for sid, rows in reply["splits"]]
+        assembler = EpochAssembler(splits, self.batch_size, self.drop_last)
+        fetcher = WorkerFetcher(self._ctx, self.rank, self.inflight, job["sparse_keys"])
+        fetcher.start_epoch(epoch)
+        last_progress = last_beat = 0.0
+        try:
+            last_progress = time.monotonic()
+            while not assembler.exhausted:
+                now = time.monotonic()
+                if now - last_beat >= HEARTBEAT_S or not fetcher.sockets:
+                    self._heartbeat(epoch, assembler, fetcher)
+                    last_beat = now
+                ready = assembler.next_ready()
+                if ready is not None:
+                    assembler.consume(ready)
+                    last_progress = time.monotonic()
+                    yield ready.batch.pin_memory() if self.pin_memory else ready.batch
+                    continue
+                fetcher.top_up()
+                for header, batch in fetcher.poll(int(HEARTBEAT_S * 1000)):
+                    if assembler.wants(header["split_id"], header["piece"]):
+                        assembler.add(header["split_id"], header["piece"], batch)
+                        last_progress = time.monotonic()
+                if time.monotonic() - last_progress > self.timeout:
+                    raise TimeoutError(
+                        f"rank {self.rank} epoch {epoch}: no batch for {self.timeout:g} s "
+                        f"({assembler.received_rows} of {assembler.expected_rows} rows received); "
+                        f"master status: {self._status_summary()}")
+            self._heartbeat(epoch, assembler, fetcher)
+            self._call("finish_epoch", client_id=self.client_id, epoch=epoch)
+        finally:
+            fetcher.close()
+
+    def _heartbeat(self, epoch: int, assembler: EpochAssembler, fetcher: WorkerFetcher) -> None:
+        reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=assembler.take_acks())
+        fetcher.set_workers(reply["workers"])
+        for err in reply["errors"]:
+            if not err["skipped"]:
+                raise RuntimeError(f"rank {self.rank} epoch {epoch}: {err['message']}")
+            if err["split_id"] in assembler.cursors and not assembler.cursors[err["split_id"]].skipped:
+                assembler.skip_split(err["split_id"])
+                message = f"split {err['split_id']} skipped (on_error: skip): {err['message']}"
+                self.warnings.append(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _call(self, t: str, **fields: Any) -> dict:
+        """A master call that retries until ``timeout`` (a master restart is survivable)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self._rpc.call(t, timeout_s=min(5.0, self.timeout), **fields)
+            except MasterUnavailable as e:
+                if time.monotonic() >= deadline:
+                    raise MasterUnavailable(f"{e}; gave up after {self.timeout:g} s") from None
+                log.warning("%s; retrying", e)
+
+    def _status_summary(self) -> str:
+        try:
+            return str(self._rpc.call("status", timeout_s=2.0)["status"])[:2000]
+        except (MasterUnavailable, RemoteError) as e:
+            return f"unavailable ({e})"
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the embedded master and workers (if this loader started them)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._rpc.close()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> "RemoteDataLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

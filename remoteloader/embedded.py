@@ -1,0 +1,99 @@
+"""The embedded default: a master and local workers owned by the training process.
+
+``RemoteDataLoader(spec)`` with no master address starts ``remoteloader-master
+--workers N`` as a child process. The chain never outlives its owner: the loader stops
+it on ``close()``, garbage collection and interpreter exit, and Linux's parent-death
+signal stops the master (and the master's workers) even if the owner is SIGKILLed.
+
+With several ranks (e.g. under ``torchrun``), rank 0 starts the cluster and publishes
+its address; the other ranks find it in torch.distributed's default store when a
+process group is initialized, else in the ``REMOTELOADER_MASTER`` environment variable.
+"""
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Optional
+
+from .procs import stop as stop_process
+
+ENV_MASTER = "REMOTELOADER_MASTER"
+STORE_KEY = "remoteloader/master/{fingerprint}"
+
+
+class EmbeddedCluster:
+    def __init__(self, num_workers: int, start_timeout: float = 60.0, extra_args: tuple = ()) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
+             "--workers", str(num_workers), "--die-with-parent", *extra_args],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            self.addr = self._read_address(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_address(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the embedded remoteloader master exited with code {self.proc.returncode} at start")
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                line = self.proc.stdout.readline()
+                if "listening on " in line:
+                    self.proc.stdout.close()
+                    return line.rsplit("listening on ", 1)[1].strip()
+        raise TimeoutError(f"the embedded remoteloader master did not start within {timeout:g} s")
+
+    def close(self) -> None:
+        stop_process(self.proc, timeout=10)
+
+
+def resolve_rank(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    """torch.distributed when initialized, else RANK / WORLD_SIZE, else 0 / 1."""
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+        else:
+            r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank = r if rank is None else rank
+        world_size = w if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    return rank, world_size
+
+
+def _store():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
+def publish_master(addr: str, fingerprint: str) -> None:
+    store = _store()
+    if store is not None:
+        store.set(STORE_KEY.format(fingerprint=fingerprint), addr)
+
+
+def discover_master(fingerprint: str, timeout: float) -> str:
+    """Where rank 0's embedded master listens, for ranks > 0."""
+    if os.environ.get(ENV_MASTER):
+        return os.environ[ENV_MASTER]
+    store = _store()
+    if store is None:
+        raise RuntimeError(
+            f"rank > 0 with no master address: initialize torch.distributed before creating the loader "
+            f"(rank 0 publishes its embedded master in the process group's store), set {ENV_MASTER}, "
+            "or pass master=...")
+    key = STORE_KEY.format(fingerprint=fingerprint)
+    store.wait([key], timedelta(seconds=timeout))
+    return store.get(key).decode()
