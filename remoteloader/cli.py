@@ -1,0 +1,137 @@
+"""``remoteloader``: the operator's command line (gen-data, validate, status)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from .spec import SpecError
+
+
+def _gen_data(args: argparse.Namespace) -> int:
+    from .datagen import generate_table
+
+    paths = generate_table(args.out, rows=args.rows, partitions=args.partitions, dense=args.dense, sparse=args.sparse,
+                           format=args.format, seed=args.seed, stripe_size=args.stripe_size,
+                           row_group_rows=args.row_group_rows, files_per_partition=args.files_per_partition,
+                           scored=args.scored, progress=not args.quiet)
+    print(f"wrote {len(paths)} files under {args.out}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .dataset import bind
+    from .master.planner import plan_base_splits
+    from .spec import DatasetSpec
+
+    spec = DatasetSpec.from_file(args.spec)
+    bound = bind(spec)
+    files = bound.files or []
+    splits = plan_base_splits(files, spec.split_rows)
+    rows = sum(f.num_rows for f in files)
+    nbytes = sum(f.nbytes for f in files)
+    share = len(bound.read_columns) / max(1, len(bound.schema))
+    report = {
+        "table": spec.table.path,
+        "fingerprint": spec.fingerprint(),
+        "partitions": sorted({f.partition for f in files}),
+        "files": len(files),
+        "rows": rows,
+        "splits": len(splits),
+        "columns_read": bound.read_columns,
+        "columns_in_table": len(bound.schema),
+        "bytes_in_files": nbytes,
+        "bytes_to_read_estimate": int(nbytes * share),
+        "batches_per_epoch": -(-rows // spec.batch_size),
+        "dense_width": bound.pipeline.dense_width,
+        "sparse_features": bound.sparse_keys,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"spec {args.spec} is valid (fingerprint {report['fingerprint']})")
+        print(f"  table        {report['table']}")
+        print(f"  partitions   {len(report['partitions'])}: {', '.join(report['partitions'][:5])}"
+              f"{' ...' if len(report['partitions']) > 5 else ''}")
+        print(f"  files        {report['files']}, {rows:,} rows in {report['splits']} splits")
+        print(f"  columns      {len(bound.read_columns)} of {len(bound.schema)}: {', '.join(bound.read_columns)}")
+        print(f"  bytes        about {report['bytes_to_read_estimate']:,} of {nbytes:,} "
+              f"(projected share of the files)")
+        print(f"  batches      {report['batches_per_epoch']} of {spec.batch_size} rows per epoch; "
+              f"dense width {report['dense_width']}, sparse {len(bound.sparse_keys)}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import zmq
+
+    from .rpc import RpcClient
+
+    rpc = RpcClient(zmq.Context.instance(), args.master, args.timeout)
+    try:
+        status = rpc.call("status")["status"]
+    finally:
+        rpc.close()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    job = status["job"]
+    print(f"job: {job['fingerprint']} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)" if job else "job: none yet")
+    print(f"workers: {len(status['workers'])}")
+    for w in status["workers"]:
+        print(f"  {w['id']}  {w['addr']}  pid {w['pid']}  buffered {w['buffered']}  assigned {w['assigned']}  "
+              f"rows {w.get('rows', 0):,}  cpu {w.get('cpu', 0):.0%}")
+    for rank, r in status["ranks"].items():
+        print(f"rank {rank}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
+    for e in status["errors"]:
+        print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="remoteloader", description="remoteloader tools")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("gen-data", help="write a synthetic Hive-partitioned recommendation table")
+    g.add_argument("--out", required=True)
+    g.add_argument("--rows", type=int, required=True)
+    g.add_argument("--partitions", type=int, default=1)
+    g.add_argument("--files-per-partition", type=int, default=1)
+    g.add_argument("--dense", type=int, default=13)
+    g.add_argument("--sparse", type=int, default=26)
+    g.add_argument("--scored", type=int, default=0, help="scored sparse features (id list + score list)")
+    g.add_argument("--format", choices=("orc", "parquet"), default="orc")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stripe-size", type=int, default=64 << 20, help="ORC stripe size in bytes")
+    g.add_argument("--row-group-rows", type=int, default=128 * 1024, help="Parquet row-group size in rows")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(run=_gen_data)
+
+    v = sub.add_parser("validate", help="check a spec against its table and show what it would read")
+    v.add_argument("spec")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(run=_validate)
+
+    s = sub.add_parser("status", help="show a running master's workers, progress and errors")
+    s.add_argument("--master", required=True)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.set_defaults(run=_status)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except SpecError as e:
+        print(f"remoteloader: {e}", file=sys.stderr)
+        return 2
+    except (ConnectionError, RuntimeError) as e:
+        print(f"remoteloader: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
