@@ -1,0 +1,171 @@
+"""Listing a table: its files, their partitions and read units, its schema.
+
+A table is a directory of Hive-style partitions (nested allowed: ``ds=.../hr=...``) or a
+single file. Files are described from their footers only (no data is read), several at a
+time, since on an object store each footer costs a round trip.
+"""
+from __future__ import annotations
+
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import Callable, Iterable, Optional, Sequence, TypeVar
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from . import orc, parquet
+from .convert import column_kind
+from .fs import child_name, open_filesystem, table_root
+from .types import DataFile, TableError
+
+FORMATS: dict[str, ModuleType] = {"orc": orc, "parquet": parquet}
+SUFFIXES = {".orc": "orc", ".parquet": "parquet", ".pq": "parquet"}
+# Footer reads are I/O bound (object-store round trips): overlap them.
+_METADATA_THREADS = 16
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def format_module(fmt: str, where: str) -> ModuleType:
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise TableError(f"{where}: unknown format {fmt!r} (orc | parquet)") from None
+
+
+def list_table(path: str, format: Optional[str] = None, partitions: Optional[Sequence[str]] = None) -> list[DataFile]:
+    """The table's data files sorted by path (the canonical row order), each with its
+    units read from the footer. ``partitions`` keeps the files whose partition dir equals
+    an entry or lies under it; an entry that matches nothing is an error."""
+    if format is not None:
+        format_module(format, f"table {path}")
+    if isinstance(partitions, str):
+        partitions = [partitions]
+    fs, root = open_filesystem(path)
+    try:
+        info = fs.get_file_info(root)
+    except (OSError, pa.ArrowException) as e:
+        raise TableError(f"cannot access table path {path}: {e}") from e
+    if info.type == pafs.FileType.NotFound:
+        raise TableError(f"table path {path} does not exist")
+    if info.type == pafs.FileType.File:
+        if partitions is not None:
+            raise TableError(f"table {path} is a single file: it has no partitions to select {list(partitions)}")
+        fmt = format or SUFFIXES.get(posixpath.splitext(root)[1].lower())
+        if fmt is None:
+            raise TableError(f"cannot tell the format of {path} from its suffix: give the format (orc | parquet)")
+        found = [("", info)]
+    else:
+        fmt, found = _find_files(fs, root, path, format)
+        if partitions is not None:
+            found = _select_partitions(found, partitions, path)
+    root_name = table_root(path)
+
+    def describe(item: tuple[str, pafs.FileInfo]) -> DataFile:
+        relative, info = item
+        name = child_name(root_name, relative) if relative else root_name
+        return _describe(fs, info, name, fmt, posixpath.dirname(relative))
+
+    return _parallel(describe, found)
+
+
+def read_schema(file: DataFile) -> dict[str, str]:
+    """Column name -> 'float' | 'int' | 'id_list' | 'float_list' | 'other:<arrow type>'."""
+    module = format_module(file.format, file.path)
+    fs, path = open_filesystem(file.path)
+    try:
+        with fs.open_input_file(path) as source:
+            schema = module.Reader(source).schema
+    except module.READ_ERRORS as e:
+        raise TableError(f"cannot read the schema of {file.path}: {e}") from e
+    return {field.name: column_kind(field.type) for field in schema}
+
+
+def table_schema(files: Sequence[DataFile]) -> dict[str, str]:
+    """The schema every file shares; files must have the same columns with the same kinds
+    (a column missing from one file would fail reading its splits later)."""
+    if not files:
+        raise TableError("the table has no files")
+    schemas = _parallel(read_schema, files)
+    first, expected = files[0], schemas[0]
+    for file, schema in zip(files[1:], schemas[1:]):
+        for column in expected.keys() | schema.keys():
+            if column not in schema:
+                raise TableError(f"column {column!r} of {first.path} is missing from {file.path}")
+            if column not in expected:
+                raise TableError(f"column {column!r} of {file.path} is missing from {first.path}")
+            if schema[column] != expected[column]:
+                raise TableError(
+                    f"column {column!r} is {expected[column]} in {first.path} but {schema[column]} in {file.path}"
+                )
+    return expected
+
+
+def _find_files(fs: pafs.FileSystem, root: str, path: str, format: Optional[str]) -> tuple[str, list[tuple[str, pafs.FileInfo]]]:
+    """(format, [(path relative to root, info)]) of the data files under a directory,
+    sorted. Names starting with '.' or '_' (``_SUCCESS``, ``.crc``, ``_temporary/``) are
+    writer bookkeeping, as in Hive and Spark, and skipped."""
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    except (OSError, pa.ArrowException) as e:
+        raise TableError(f"cannot list table path {path}: {e}") from e
+    prefix = root.rstrip("/") + "/"
+    files = []
+    for info in infos:
+        relative = info.path[len(prefix):]
+        if info.type == pafs.FileType.File and not any(p[:1] in (".", "_") for p in relative.split("/")):
+            files.append((relative, info))
+    if format is None:
+        found = {SUFFIXES[s] for s in (posixpath.splitext(r)[1].lower() for r, _ in files) if s in SUFFIXES}
+        if len(found) > 1:
+            raise TableError(f"table path {path} holds both ORC and Parquet files: give the format")
+        if not found:
+            raise TableError(f"no .orc, .parquet or .pq files under table path {path}")
+        format = found.pop()
+    # Hive writes data files without a suffix (``000000_0``): with a known format they count.
+    files = [
+        (r, i) for r, i in files
+        if SUFFIXES.get(posixpath.splitext(r)[1].lower()) == format or "." not in posixpath.basename(r)
+    ]
+    if not files:
+        raise TableError(f"no {format} files under table path {path}")
+    files.sort(key=lambda item: item[0])
+    return format, files
+
+
+def _select_partitions(files: list[tuple[str, pafs.FileInfo]], partitions: Sequence[str], path: str) -> list[tuple[str, pafs.FileInfo]]:
+    if not partitions:
+        raise TableError(f"table {path}: the partition list is empty (leave it out to read all partitions)")
+    wanted = [p.strip("/") for p in partitions]
+    matched = set()
+    kept = []
+    for relative, info in files:
+        directory = posixpath.dirname(relative)
+        hits = [w for w in wanted if directory == w or directory.startswith(w + "/")]
+        matched.update(hits)
+        if hits:
+            kept.append((relative, info))
+    missing = [p for p, w in zip(partitions, wanted) if w not in matched]
+    if missing:
+        raise TableError(f"table {path} has no partition {missing[0]!r}" + (f" (nor {missing[1:]})" if missing[1:] else ""))
+    return kept
+
+
+def _describe(fs: pafs.FileSystem, info: pafs.FileInfo, name: str, fmt: str, partition: str) -> DataFile:
+    module = FORMATS[fmt]
+    try:
+        with fs.open_input_file(info.path) as source:
+            num_rows, units = module.units(source)
+    except module.READ_ERRORS as e:
+        raise TableError(f"cannot read the {fmt} footer of {name}: {e}") from e
+    return DataFile(name, fmt, partition, num_rows, info.size, units)
+
+
+def _parallel(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    items = list(items)
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(min(_METADATA_THREADS, len(items))) as pool:
+        return list(pool.map(fn, items))
