@@ -19,7 +19,7 @@ import uuid
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Generator, Iterator, Optional, Union
 
 import torch
 import zmq
@@ -41,6 +41,10 @@ def load_spec(spec: Union[DatasetSpec, dict, str, os.PathLike]) -> DatasetSpec:
     if isinstance(spec, dict):
         return DatasetSpec.from_dict(spec)
     return DatasetSpec.from_file(Path(spec))
+
+
+def _acks_of(consumed: dict[int, tuple[int, int]]) -> list[list[int]]:
+    return [[sid, pieces] for sid, (pieces, _) in sorted(consumed.items())]
 
 
 class RemoteDataLoader:
@@ -84,6 +88,11 @@ class RemoteDataLoader:
         self._rpc = RpcClient(self._ctx, master, connect_timeout)
         self._job: Optional[dict] = None
         self._next_epoch = 0
+        self._resume: dict[int, dict[int, tuple[int, int]]] = {}
+        self._current: Optional[tuple[int, EpochAssembler]] = None
+        self._active: Optional[Generator[Batch, None, None]] = None
+        self._batches_yielded = 0
+        self._plan: Optional[str] = None
         self._closed = False
         self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings
 
@@ -117,6 +126,7 @@ class RemoteDataLoader:
             except RemoteError as e:
                 raise RuntimeError(f"the master refused this loader: {e}") from None
             self._job = reply["job"]
+            self._check_plan(self._job)
         return self._job
 
     def __len__(self) -> int:
@@ -131,18 +141,23 @@ class RemoteDataLoader:
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
             raise RuntimeError("this RemoteDataLoader is closed")
+        if self._active is not None:
+            self._active.close()  # an abandoned epoch releases its sockets before the next starts
         epoch = self._next_epoch
         self._next_epoch += 1
-        return self._epoch(epoch)
+        self._active = self._epoch(epoch)
+        return self._active
 
     def _epoch(self, epoch: int) -> Iterator[Batch]:
         job = self._hello()
-        reply = self._call("start_epoch", client_id=self.client_id, epoch=epoch)
+        consumed = self._resume.pop(epoch, {}) if self._resume else {}
+        reply = self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(consumed))
         splits = [(int(sid), int(rows)) for sid, rows in reply["splits"]]
-        assembler = EpochAssembler(splits, self.batch_size, self.drop_last)
+        assembler = EpochAssembler(splits, self.batch_size, self.drop_last, consumed=consumed)
         fetcher = WorkerFetcher(self._ctx, self.rank, self.inflight, job["sparse_keys"])
         fetcher.start_epoch(epoch)
-        last_progress = last_beat = 0.0
+        self._current = (epoch, assembler)
+        last_beat = 0.0
         try:
             last_progress = time.monotonic()
             while not assembler.exhausted:
@@ -153,6 +168,7 @@ class RemoteDataLoader:
                 ready = assembler.next_ready()
                 if ready is not None:
                     assembler.consume(ready)
+                    self._batches_yielded += 1
                     last_progress = time.monotonic()
                     yield ready.batch.pin_memory() if self.pin_memory else ready.batch
                     continue
@@ -169,10 +185,23 @@ class RemoteDataLoader:
             self._heartbeat(epoch, assembler, fetcher)
             self._call("finish_epoch", client_id=self.client_id, epoch=epoch)
         finally:
+            self._current = None
+            self._batches_yielded = 0
             fetcher.close()
 
     def _heartbeat(self, epoch: int, assembler: EpochAssembler, fetcher: WorkerFetcher) -> None:
-        reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=assembler.take_acks())
+        try:
+            reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=assembler.take_acks())
+        except RemoteError as e:
+            if e.code != "unknown_client":
+                raise
+            # The master restarted without a journal: rejoin and tell it what this rank has
+            # consumed, which is all it needs to continue the epoch exactly where it was.
+            log.warning("master forgot this client (restart?); rejoining epoch %d", epoch)
+            self._job = None
+            self._hello()
+            self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(assembler.consumed_state()))
+            reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=[])
         fetcher.set_workers(reply["workers"])
         for err in reply["errors"]:
             if not err["skipped"]:
@@ -182,6 +211,42 @@ class RemoteDataLoader:
                 message = f"split {err['split_id']} skipped (on_error: skip): {err['message']}"
                 self.warnings.append(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    # -- checkpointing (torchdata StatefulDataLoader protocol) ------------------------------
+    def state_dict(self) -> dict:
+        """What the training loop has consumed: small, plain data, ``torch.save``-able.
+
+        Batches prefetched but not yet yielded are not in it: after ``load_state_dict``
+        they are delivered again, so the rows before and after add up to the epoch exactly.
+        """
+        job = self._hello()
+        if self._current is not None and not self._current[1].exhausted:
+            epoch, assembler = self._current
+            consumed = [[sid, p, r] for sid, (p, r) in sorted(assembler.consumed_state().items())]
+            yielded = self._batches_yielded
+        else:
+            epoch, consumed, yielded = self._next_epoch, [], 0
+        return {"version": 1, "fingerprint": job["fingerprint"], "plan": job["plan"], "rank": self.rank,
+                "world_size": self.world_size, "epoch": epoch, "consumed": consumed, "batches_yielded": yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("not a RemoteDataLoader state (missing or unknown 'version')")
+        job = self._hello()
+        for key, mine in (("fingerprint", job["fingerprint"]), ("rank", self.rank), ("world_size", self.world_size)):
+            if state[key] != mine:
+                raise ValueError(f"state_dict {key} {state[key]!r} does not match this loader's {mine!r}")
+        self._check_plan(job, state["plan"])
+        self._next_epoch = int(state["epoch"])
+        self._resume = {self._next_epoch: {int(sid): (int(p), int(r)) for sid, p, r in state["consumed"]}}
+
+    def _check_plan(self, job: dict, plan: Optional[str] = None) -> None:
+        expected = plan if plan is not None else self._plan
+        if expected is not None and job["plan"] != expected:
+            raise RuntimeError(f"the table's split plan changed ({expected} -> {job['plan']}): files were added or "
+                               "removed, so the epoch in progress cannot be continued exactly")
+        self._plan = job["plan"]
 
     def _call(self, t: str, **fields: Any) -> dict:
         """A master call that retries until ``timeout`` (a master restart is survivable)."""
@@ -206,6 +271,8 @@ class RemoteDataLoader:
         if self._closed:
             return
         self._closed = True
+        if self._active is not None:
+            self._active.close()
         self._rpc.close()
         if self._finalizer is not None:
             self._finalizer()

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Optional, Sequence
 
 _PR_SET_PDEATHSIG = 1
 
@@ -18,11 +17,6 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() == 1:  # the parent died before prctl took effect
             os.kill(os.getpid(), signal.SIGTERM)
-
-
-def spawn(args: Sequence[str], env: Optional[dict] = None, **kwargs) -> subprocess.Popen:
-    """Start ``python -m ...`` style children tied to this process's lifetime."""
-    return subprocess.Popen([sys.executable, *args], env=env, **kwargs)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 5.0) -> None:

@@ -38,10 +38,12 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "get_split": {"worker_id": (_STR, True)},
     "split_produced": {"worker_id": (_STR, True), "split_id": (_INT, True)},
     "split_failed": {"worker_id": (_STR, True), "split_id": (_INT, True), "error": (_STR, True)},
+    "drain": {"worker_id": (_STR, True)},
+    "bye": {"worker_id": (_STR, True)},
     # client -> master
     "hello": {"client_id": (_STR, True), "rank": (_INT, True), "world_size": (_INT, True),
               "spec": (_MAP, True), "fingerprint": (_STR, True)},
-    "start_epoch": {"client_id": (_STR, True), "epoch": (_INT, True)},
+    "start_epoch": {"client_id": (_STR, True), "epoch": (_INT, True), "consumed": (_LIST, False)},
     "client_heartbeat": {"client_id": (_STR, True), "epoch": (_INT, True), "acks": (_LIST, True),
                          "stats": (_MAP, False)},
     "finish_epoch": {"client_id": (_STR, True), "epoch": (_INT, True)},

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -161,8 +162,9 @@ def test_embedded_cluster_dies_with_killed_owner(tables, tmp_path):
         "next(iter(loader))\n"
         "print(' '.join(str(c.pid) for c in psutil.Process().children(recursive=True)), flush=True)\n"
         "time.sleep(600)\n")
-    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                             cwd=str(Path(__file__).parent.parent))
+    root = str(Path(__file__).parent.parent)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root,
+                             env={**os.environ, "PYTHONPATH": root})
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]
         assert len(pids) >= 3  # master + 2 workers

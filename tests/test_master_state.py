@@ -19,8 +19,8 @@ def history():
         U.ClientJoined("c1", 1, 2, 0.0),
         U.EpochStarted(0, 0),
         U.EpochStarted(1, 0),
-        U.SplitAssigned(0, 0, "w1"),
-        U.SplitAssigned(0, 1, "w2"),
+        U.SplitAssigned(0, 0, "w1", 0.0),
+        U.SplitAssigned(0, 1, "w2", 0.0),
         U.SplitsConsumed(0, 0, [[0, 2]]),
     ]
 
@@ -35,7 +35,7 @@ def test_worker_lost_requeues_its_unfinished_splits_with_consumed_progress():
     p = st.choose_split("w2")
     assert p is not None and p.split.id == 0 and p.consumed == 2 and p.worker is None
     assert st.partitions == {0: ["w2"], 1: ["w2"]}
-    st.apply(U.SplitAssigned(0, 0, "w2"))
+    st.apply(U.SplitAssigned(0, 0, "w2", 0.0))
     st.apply(U.SplitsConsumed(0, 0, [[0, 5]]))
     assert st.ranks[0].splits[0].done
     assert ("w2" in st.workers) and st.workers["w2"].assigned == {(0, 1)}

@@ -23,6 +23,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--workers", type=int, default=0, help="local worker processes to start and keep running")
     p.add_argument("--worker-buffer", type=int, default=16, help="batches each local worker may buffer")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds without heartbeat before a worker is dead")
+    p.add_argument("--split-timeout", type=float, default=60.0,
+                   help="seconds a worker may hold a split without progress before it is re-queued")
     p.add_argument("--max-workers-per-client", type=int, default=32, help="partitioned round robin: workers per client")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
     p.add_argument("--log-level", default="WARNING")
@@ -31,7 +33,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.die_with_parent:
         die_with_parent()
 
-    config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client)
+    config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
+                          split_timeout=args.split_timeout)
     service = MasterService(config, Journal(args.journal) if args.journal else None)
     if args.spec and service.state.job is None:
         try:
@@ -55,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         server.serve_forever()
     finally:
-        launcher.stop()
+        launcher.stop_all()
         if service.journal is not None:
             service.journal.close()
     return 0

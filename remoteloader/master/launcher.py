@@ -2,7 +2,7 @@
 
 A launcher only starts and stops worker processes; workers then register with the
 master like any other. The interface is small on purpose (``start``, ``stop``,
-``running``, ``reap``) so another engine (Ray actors, a Kubernetes Deployment) can
+``running``, ``reap``, ``stop_all``; scale-down goes through the master's drain) so another engine (Ray actors, a Kubernetes Deployment) can
 stand in for it.
 """
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
-from ..procs import stop as stop_process
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,11 @@ class LocalLauncher:
             self.procs.remove(p)
         return [p.returncode for p in exited]
 
-    def stop(self, n: Optional[int] = None) -> None:
-        victims = self.procs if n is None else self.procs[-n:]
-        for p in list(victims):
-            stop_process(p)
-            self.procs.remove(p)
+    def stop_all(self) -> None:
+        """Master shutdown: workers are stateless, so there is nothing to drain."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+        self.procs.clear()

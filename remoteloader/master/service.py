@@ -37,6 +37,13 @@ class MasterConfig:
     heartbeat_timeout: float = 5.0
     max_workers_per_client: int = 32
     no_split_retry_ms: int = 50
+    split_timeout: float = 60.0  # a worker producing nothing for this long loses its split
+
+
+def _check_acks(acks: list) -> list:
+    if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int for x in a) for a in acks):
+        raise RequestError("acks must be [[split_id, pieces], ...]")
+    return acks
 
 
 class MasterService:
@@ -89,13 +96,17 @@ class MasterService:
             return "error", {"message": str(e), **({"code": e.code} if e.code else {})}
 
     def tick(self) -> None:
-        """Periodic duties: workers that missed their heartbeats are dead."""
-        deadline = self.clock() - self.config.heartbeat_timeout
+        """Periodic duties: dead workers lose their splits, hung workers the split they hold."""
+        now = self.clock()
         for w in list(self.state.workers.values()):
-            if w.last_seen < deadline:
+            if w.last_seen < now - self.config.heartbeat_timeout:
                 log.warning("worker %s (%s) missed heartbeats for %.1f s: presumed dead",
-                            w.worker_id, w.addr, self.clock() - w.last_seen)
+                            w.worker_id, w.addr, now - w.last_seen)
                 self._commit(U.WorkerLost(w.worker_id, "heartbeat timeout"))
+        for epoch, split_id, worker_id, reason in self.state.stalled_splits(
+                now, self.config.heartbeat_interval, self.config.split_timeout):
+            log.warning("worker %s: split %d of epoch %d revoked: %s", worker_id, split_id, epoch, reason)
+            self._commit(U.SplitRevoked(epoch, split_id, worker_id, reason))
 
     def _require_job(self) -> None:
         if self.state.job is None:
@@ -124,10 +135,33 @@ class MasterService:
         return "spec", {"spec": job.spec, "schema": job.schema, "fingerprint": job.fingerprint}
 
     def _on_heartbeat(self, m: dict) -> Reply:
-        if m["worker_id"] not in self.state.workers:
+        w = self.state.workers.get(m["worker_id"])
+        if w is None:
             return "heartbeat_ok", {"state": "unknown"}
         self._commit(U.WorkerHeartbeat(m["worker_id"], self.clock(), m["buffered"], m.get("stats", {})))
-        return "heartbeat_ok", {"state": "run"}
+        if not w.draining:
+            return "heartbeat_ok", {"state": "run"}
+        if w.assigned:
+            return "heartbeat_ok", {"state": "drain"}
+        # Drained: every split it held has been consumed; it may go.
+        self._commit(U.WorkerLost(w.worker_id, "drained"))
+        return "heartbeat_ok", {"state": "stop"}
+
+    def _on_drain(self, m: dict) -> Reply:
+        self._require_worker(m["worker_id"])
+        self.drain(m["worker_id"])
+        return "ok", {}
+
+    def drain(self, worker_id: str) -> None:
+        """Stop giving this worker splits; it exits once its buffered splits are consumed."""
+        if not self.state.workers[worker_id].draining:
+            log.info("worker %s draining", worker_id)
+            self._commit(U.WorkerDraining(worker_id))
+
+    def _on_bye(self, m: dict) -> Reply:
+        if m["worker_id"] in self.state.workers:
+            self._commit(U.WorkerLost(m["worker_id"], "left"))
+        return "ok", {}
 
     def _on_get_split(self, m: dict) -> Reply:
         self._require_worker(m["worker_id"])
@@ -135,7 +169,7 @@ class MasterService:
         if progress is None:
             return "no_split", {"retry_ms": self.config.no_split_retry_ms, "reason": "no pending split for this worker"}
         s = progress.split
-        self._commit(U.SplitAssigned(self.state.ranks[s.rank].epoch, s.id, m["worker_id"]))
+        self._commit(U.SplitAssigned(self.state.ranks[s.rank].epoch, s.id, m["worker_id"], self.clock()))
         job = self.state.job
         task = make_task(job.files, job.splits[s.base], s, self.state.ranks[s.rank].epoch, skip=progress.consumed)
         return "split", {"split": task.to_wire()}
@@ -183,20 +217,21 @@ class MasterService:
         self._commit(U.ClientJoined(m["client_id"], m["rank"], m["world_size"], self.clock()))
         return "welcome", {"job": {
             "fingerprint": job.fingerprint, "total_rows": job.total_rows, "rank_rows": self.state.rank_rows(m["rank"]),
-            "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys,
+            "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys, "plan": job.plan_fingerprint,
             "dense_width": self.bound.pipeline.dense_width}}
 
     def _on_start_epoch(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])
+        consumed = _check_acks(m.get("consumed", []))
         self._commit(U.EpochStarted(rank, m["epoch"]))
+        if consumed:  # a resumed client: what it consumed before is not produced again
+            self._commit(U.SplitsConsumed(rank, m["epoch"], consumed))
         splits = [[p.split.id, p.split.rows] for p in self.state.epoch_splits(rank, m["epoch"])]
         return "epoch", {"epoch": m["epoch"], "splits": splits}
 
     def _on_client_heartbeat(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])
-        acks = m["acks"]
-        if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int for x in a) for a in acks):
-            raise RequestError("client_heartbeat: acks must be [[split_id, pieces], ...]")
+        acks = _check_acks(m["acks"])
         if acks:
             self._commit(U.SplitsConsumed(rank, m["epoch"], acks))
         self._commit(U.ClientHeartbeat(m["client_id"], self.clock(), m.get("stats", {})))

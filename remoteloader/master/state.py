@@ -6,6 +6,8 @@ does no I/O and reads no clock, so replaying a journal rebuilds exactly this sta
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -24,6 +26,10 @@ class WorkerInfo:
     buffered: int = 0
     stats: dict = field(default_factory=dict)
     assigned: set = field(default_factory=set)  # (epoch, split_id) not yet fully consumed
+    draining: bool = False
+    # Hung-split detection: what the worker last said it was producing, and since when.
+    producing: Optional[tuple] = None  # (epoch, split_id, pieces produced)
+    producing_since: float = 0.0
 
 
 @dataclass
@@ -32,6 +38,7 @@ class SplitProgress:
     pieces: int
     consumed: int = 0
     worker: Optional[str] = None
+    assigned_at: float = 0.0
     produced: bool = False
     failed: Optional[str] = None
 
@@ -57,6 +64,13 @@ class Job:
     splits: list[BaseSplit]
     total_rows: int
     world_size: Optional[int] = None
+
+    @property
+    def plan_fingerprint(self) -> str:
+        """Identity of the split plan: a resumed epoch is only exact over the same splits."""
+        blob = json.dumps([[s.file, s.first_unit, s.stop_unit, s.rows] for s in self.splits]
+                          + [[f[0], f[3]] for f in self.files]).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 class JobState:
@@ -91,8 +105,27 @@ class JobState:
 
     def _on_WorkerHeartbeat(self, u: U.WorkerHeartbeat) -> None:
         w = self.workers.get(u.worker_id)
+        if w is None:
+            return
+        w.last_seen, w.buffered, w.stats = u.time, u.buffered, u.stats
+        split = u.stats.get("split")
+        producing = tuple(split) if isinstance(split, list) else None
+        # A full buffer is backpressure from a slow trainer, not a hung worker.
+        if producing != w.producing or u.buffered >= u.stats.get("capacity", 1 << 30):
+            w.producing, w.producing_since = producing, u.time
+
+    def _on_WorkerDraining(self, u: U.WorkerDraining) -> None:
+        if u.worker_id in self.workers:
+            self.workers[u.worker_id].draining = True
+
+    def _on_SplitRevoked(self, u: U.SplitRevoked) -> None:
+        progress = self._progress(u.epoch, u.split_id)
+        w = self.workers.get(u.worker_id)
         if w is not None:
-            w.last_seen, w.buffered, w.stats = u.time, u.buffered, u.stats
+            w.assigned.discard((u.epoch, u.split_id))
+            w.producing = None
+        if progress is not None and progress.worker == u.worker_id:
+            self._requeue(lambda p: p is progress)
 
     def _on_WorkerLost(self, u: U.WorkerLost) -> None:
         w = self.workers.pop(u.worker_id, None)
@@ -100,11 +133,7 @@ class JobState:
             return
         # Unfinished splits go back to the front of their queue; the next worker skips
         # the pieces clients already consumed, and clients drop any piece they hold.
-        for epoch, split_id in sorted(w.assigned):
-            progress = self._progress(epoch, split_id)
-            if progress is not None and not progress.done:
-                progress.worker, progress.produced = None, False
-                self.ranks[progress.split.rank].pending.appendleft(split_id)
+        self._requeue(lambda p: p.worker == u.worker_id)
         for members in self.partitions.values():
             if u.worker_id in members:
                 members.remove(u.worker_id)
@@ -114,9 +143,14 @@ class JobState:
         assert self.job is not None
         if self.job.world_size is None:
             self.job.world_size = u.world_size
-        for cid, rank in list(self.clients.items()):
-            if rank == u.rank:  # a rank that reconnects (e.g. resumed in a new process)
-                del self.clients[cid]
+        replaced = [cid for cid, rank in self.clients.items() if rank == u.rank and cid != u.client_id]
+        for cid in replaced:
+            del self.clients[cid]
+        if replaced and u.rank in self.ranks:
+            # A rank back in a new process (resume): pieces already sent to the old client
+            # may be lost with it, so every split it had not consumed is produced again
+            # (from what was consumed, which the new client reports at start_epoch).
+            self._requeue(lambda p: p.split.rank == u.rank)
         self.clients[u.client_id] = u.rank
         self.partitions.setdefault(u.rank, [])
         self._rebalance()
@@ -126,9 +160,10 @@ class JobState:
             self.client_stats[u.client_id] = dict(u.stats, time=u.time)
 
     def _on_EpochStarted(self, u: U.EpochStarted) -> None:
+        # Always a fresh start from the plan: the client is the authority on what it has
+        # consumed and reports it right after (SplitsConsumed), whether it is new, resumed
+        # from a checkpoint, or rejoining a master that lost its state.
         current = self.ranks.get(u.rank)
-        if current is not None and current.epoch == u.epoch:
-            return  # the same client again, e.g. after a reconnect: keep the progress
         if current is not None:
             self._release(current)
         assert self.job is not None and self.job.world_size is not None
@@ -144,7 +179,7 @@ class JobState:
         progress = self._progress(u.epoch, u.split_id)
         rank_epoch = self.ranks[progress.split.rank]
         rank_epoch.pending.remove(u.split_id)
-        progress.worker, progress.produced = u.worker_id, False
+        progress.worker, progress.produced, progress.assigned_at = u.worker_id, False, u.time
         self.workers[u.worker_id].assigned.add((u.epoch, u.split_id))
 
     def _on_SplitProduced(self, u: U.SplitProduced) -> None:
@@ -180,6 +215,16 @@ class JobState:
             rank_epoch.finished = True
 
     # -- helpers of apply ----------------------------------------------------------------
+    def _requeue(self, which) -> None:
+        """Assigned, unfinished splits matching ``which`` go back to the front of their queues."""
+        for rank_epoch in self.ranks.values():
+            hit = [p for p in rank_epoch.splits.values() if p.worker is not None and not p.done and which(p)]
+            for p in sorted(hit, key=lambda p: p.split.id, reverse=True):
+                if p.worker in self.workers:
+                    self.workers[p.worker].assigned.discard((rank_epoch.epoch, p.split.id))
+                p.worker, p.produced = None, False
+                rank_epoch.pending.appendleft(p.split.id)
+
     def _plan(self, epoch: int) -> list[EpochSplit]:
         if epoch not in self._plans:
             spec = self.job.spec
@@ -210,15 +255,15 @@ class JobState:
         """Partitioned round robin: each rank reads from at most ``max_workers_per_client``
         workers. Live members stay put (a client never loses a worker that holds its data);
         free slots are filled from the workers serving the fewest ranks."""
-        live = sorted(self.workers.values(), key=lambda w: w.seq)
+        live = sorted((w for w in self.workers.values() if not w.draining), key=lambda w: w.seq)
         target = min(self.max_workers_per_client, len(live))
-        load = {w.worker_id: 0 for w in live}
+        load = {w.worker_id: 0 for w in self.workers.values()}
         for members in self.partitions.values():
             for wid in members:
                 load[wid] += 1
         for rank in sorted(self.partitions):
             members = self.partitions[rank]
-            while len(members) < target:
+            while sum(1 for m in members if not self.workers[m].draining) < target:
                 wid = min((w.worker_id for w in live if w.worker_id not in members),
                           key=lambda i: (load[i], self.workers[i].seq))
                 members.append(wid)
@@ -229,6 +274,8 @@ class JobState:
         """The next split for this worker: from the ranks it serves, the one with the fewest
         splits in flight, so every trainer's queue fills evenly."""
         best = None
+        if self.workers[worker_id].draining:
+            return None
         for rank, members in sorted(self.partitions.items()):
             rank_epoch = self.ranks.get(rank)
             if worker_id not in members or rank_epoch is None or rank_epoch.finished or not rank_epoch.pending:
@@ -237,6 +284,26 @@ class JobState:
             if best is None or in_flight < best[0]:
                 best = (in_flight, rank_epoch.splits[rank_epoch.pending[0]])
         return None if best is None else best[1]
+
+    def stalled_splits(self, now: float, heartbeat_interval: float, split_timeout: float) -> list[tuple]:
+        """(epoch, split_id, worker_id, reason) of assigned splits that make no progress:
+        not being produced although the worker has heartbeated since it got them (the
+        assignment reply was lost, e.g. in a master crash), or produced no piece for
+        ``split_timeout`` (a hung worker)."""
+        out = []
+        for w in self.workers.values():
+            current = w.producing[:2] if w.producing else None
+            for epoch, split_id in sorted(w.assigned):
+                p = self._progress(epoch, split_id)
+                if p is None or p.produced or p.done:
+                    continue
+                if current != (epoch, split_id):
+                    if w.last_seen - p.assigned_at > 2 * heartbeat_interval + 1.0:
+                        out.append((epoch, split_id, w.worker_id, "the worker does not hold it (assignment lost)"))
+                elif now - w.producing_since > split_timeout:
+                    out.append((epoch, split_id, w.worker_id, f"no progress for {now - w.producing_since:.1f} s "
+                                                              f"(stuck after piece {w.producing[2]})"))
+        return out
 
     def rank_rows(self, rank: int) -> int:
         assert self.job is not None and self.job.world_size is not None

@@ -59,6 +59,21 @@ class WorkerLost(Update):
 
 
 @dataclass(frozen=True)
+class WorkerDraining(Update):
+    """No new splits for this worker; it leaves once clients consumed what it holds."""
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class SplitRevoked(Update):
+    """A split whose worker made no progress for too long goes back to the queue."""
+    epoch: int
+    split_id: int
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class ClientJoined(Update):
     client_id: str
     rank: int
@@ -85,6 +100,7 @@ class SplitAssigned(Update):
     epoch: int
     split_id: int
     worker_id: str
+    time: float
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..procs import die_with_parent
-from .server import Worker
+from .server import Faults, Worker
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -16,14 +16,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--master", required=True, help="the master's address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--bind-host", default="127.0.0.1", help="interface the data port binds to (default 127.0.0.1)")
     p.add_argument("--buffer-batches", type=int, default=16, help="bounded buffer size in batches")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds to wait for clients to consume what this worker holds")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
+    p.add_argument("--inject-batch-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
+    p.add_argument("--inject-hang-after", type=int, default=-1, help=argparse.SUPPRESS)  # tests only
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
     if args.die_with_parent:
         die_with_parent()
-    worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
+    worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches,
+                    drain_timeout_s=args.drain_timeout,
+                    faults=Faults(args.inject_batch_delay, args.inject_hang_after))
+    # SIGTERM (scale-down, orderly shutdown) drains; SIGINT (Ctrl-C) stops at once.
+    signal.signal(signal.SIGTERM, lambda *_: worker.draining.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop_event.set())
     worker.run()
     return 0

@@ -53,6 +53,12 @@ class BatchBuffer:
             self._cond.notify_all()
             return queue.popleft()
 
+    def put_back(self, key: Key, piece: Piece) -> None:
+        """Return a piece that could not be delivered to the front of its queue."""
+        with self._cond:
+            self._queues.setdefault(key, deque()).appendleft(piece)
+            self._count += 1
+
     def drop_before(self, rank: int, epoch: int) -> int:
         """Forget pieces of a rank's earlier epochs: that client has moved on, so they are stale."""
         with self._cond:

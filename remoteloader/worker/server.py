@@ -36,15 +36,22 @@ log = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, master: str, bind_host: str = "127.0.0.1", buffer_batches: int = 16,
-                 rpc_timeout_s: float = 10.0) -> None:
+                 rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional["Faults"] = None) -> None:
         self.master = master
         self.ctx = zmq.Context.instance()
         self.stop_event = threading.Event()
+        self.draining = threading.Event()  # no new splits; leave once the master says so
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_reported = False
+        self._drain_deadline = float("inf")
+        self.faults = faults or Faults()
+        self._producing: Optional[list] = None  # [epoch, split_id, pieces produced]
         self.buffer = BatchBuffer(buffer_batches)
         self.rpc_timeout_s = rpc_timeout_s
         self.data = self.ctx.socket(zmq.ROUTER)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.MAXMSGSIZE, 64 << 10)  # clients only send small requests
+        self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises rather than vanishing
         self.data.bind(f"tcp://{bind_host}:0")
         self.addr = self.data.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.worker_id: Optional[str] = None
@@ -92,6 +99,13 @@ class Worker:
         finally:
             self.stop_event.set()
             producer.join(timeout=5)
+            # Leaving on purpose: tell the master now rather than after a heartbeat timeout,
+            # so whatever this worker still held is re-queued at once.
+            if self.worker_id is not None:
+                try:
+                    control.call("bye", worker_id=self.worker_id, timeout_s=1.0)
+                except (MasterUnavailable, RemoteError):
+                    pass
             control.close()
             self.data.close(linger=0)
 
@@ -102,6 +116,9 @@ class Worker:
         notify.connect("inproc://worker-notify")
         try:
             while self.buffer.wait_for_room(self.stop_event):
+                if self.draining.is_set():
+                    self.stop_event.wait(0.1)
+                    continue
                 try:
                     reply = rpc.call("get_split", worker_id=self.worker_id)
                 except (MasterUnavailable, RemoteError) as e:
@@ -119,23 +136,27 @@ class Worker:
 
     def _process(self, task: SplitTask, rpc: RpcClient, notify: zmq.Socket) -> None:
         start = time.perf_counter()
+        self._producing = [task.epoch, task.split_id, 0]
         try:
             for piece in self.processor.pieces(task):
+                self.faults.before_piece(self.stop_event)
                 if not self.buffer.put((task.rank, task.epoch), piece, self.stop_event):
                     return
+                self._producing[2] += 1
                 self._stats["rows"] += piece.rows
                 self._stats["batches"] += 1
                 notify.send(b"")
+            self._stats["splits"] += 1
+            # Still reported as producing until the master knows it is produced, so a
+            # heartbeat in between never makes the split look abandoned.
+            self._call_quietly(rpc, "split_produced", worker_id=self.worker_id, split_id=task.split_id)
         except SplitError as e:
             self._report_failure(rpc, task, str(e))
-            return
         except Exception:  # a bug must surface in the client, not hang the job
             self._report_failure(rpc, task, f"{task.describe()}: worker error:\n{traceback.format_exc()}")
-            return
         finally:
+            self._producing = None
             self._stats["busy_s"] += time.perf_counter() - start
-        self._stats["splits"] += 1
-        self._call_quietly(rpc, "split_produced", worker_id=self.worker_id, split_id=task.split_id)
 
     def _report_failure(self, rpc: RpcClient, task: SplitTask, message: str) -> None:
         log.error("%s", message)
@@ -158,6 +179,14 @@ class Worker:
         try:
             while not self.stop_event.is_set():
                 now = time.monotonic()
+                if self.draining.is_set() and not self._drain_reported:
+                    self._drain_reported = True
+                    self._drain_deadline = now + self.drain_timeout_s
+                    self._call_quietly(control, "drain", worker_id=self.worker_id)
+                if now >= self._drain_deadline:
+                    log.warning("drain timed out after %.0f s; handing splits back", self.drain_timeout_s)
+                    self.stop_event.set()
+                    break
                 if now >= next_heartbeat:
                     self._heartbeat(control)
                     next_heartbeat = now + self.heartbeat_interval
@@ -196,21 +225,55 @@ class Worker:
                 descs, frames = wire.pack_arrays(piece.arrays)
                 msg = wire.encode("batch", frames, rank=key[0], epoch=key[1], split_id=piece.split_id,
                                   piece=piece.index, rows=piece.rows, tensors=descs)
-                self.data.send_multipart([identities.popleft(), *msg], copy=False)
+                try:
+                    self.data.send_multipart([identities.popleft(), *msg], copy=False)
+                except zmq.ZMQError:
+                    # That client is gone (ROUTER_MANDATORY tells us instead of dropping the
+                    # message): keep the piece for the next request.
+                    self.buffer.put_back(key, piece)
             if not identities:
                 del self._waiting[key]
 
     def _heartbeat(self, control: RpcClient) -> None:
-        stats = dict(self._stats, cpu=self._proc.cpu_percent() / 100.0,
+        stats = dict(self._stats, cpu=self._proc.cpu_percent() / 100.0, capacity=self.buffer.capacity,
                      mem=float(self._proc.memory_info().rss), time=time.time())
+        producing = self._producing
+        if producing is not None:
+            stats["split"] = list(producing)
         try:
             reply = control.call("heartbeat", worker_id=self.worker_id, buffered=len(self.buffer), stats=stats,
                                  timeout_s=min(self.rpc_timeout_s, 2.0))
         except (MasterUnavailable, RemoteError) as e:
             log.warning("heartbeat: %s", e)
+            if self.draining.is_set():
+                self.stop_event.set()  # draining with no master to hand splits to: nothing to wait for
             return
-        if reply.get("state") == "unknown":
+        state = reply.get("state")
+        if state == "drain":
+            self.draining.set()
+            self._drain_reported = True
+            self._drain_deadline = min(self._drain_deadline, time.monotonic() + self.drain_timeout_s)
+        elif state == "stop":
+            log.info("worker %s drained; exiting", self.worker_id)
+            self.stop_event.set()
+        elif state == "unknown":
             # The master lost us (restart without journal, or we were presumed dead): rejoin.
             log.warning("master does not know worker %s; registering again", self.worker_id)
             self.worker_id = None
             self._join(control)
+
+
+class Faults:
+    """Test hooks for fault injection (chaos and autoscaling tests); inert by default."""
+
+    def __init__(self, batch_delay_s: float = 0.0, hang_after_pieces: int = -1) -> None:
+        self.batch_delay_s = batch_delay_s
+        self.hang_after_pieces = hang_after_pieces
+        self._pieces = 0
+
+    def before_piece(self, stop: threading.Event) -> None:
+        if self.batch_delay_s:
+            stop.wait(self.batch_delay_s)  # an expensive transform, for autoscaling tests
+        self._pieces += 1
+        if self.hang_after_pieces >= 0 and self._pieces > self.hang_after_pieces:
+            stop.wait()  # a hung worker: heartbeats go on, the split makes no progress

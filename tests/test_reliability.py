@@ -1,0 +1,240 @@
+"""Nothing lost, nothing twice: worker SIGKILL, master SIGKILL, hung workers, drain, resume, bad data."""
+from __future__ import annotations
+
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from remoteloader import RemoteDataLoader
+from tests.conftest import ROWS, spec_dict, wait_gone
+from tests.test_end_to_end import assert_same, collect, read_reference
+
+BIN = Path(sys.executable).parent
+
+
+def start_master(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([str(BIN / "remoteloader-master"), *args], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    return proc, line.rsplit(" ", 1)[1].strip()
+
+
+def start_workers(addr: str, n: int, *args: str) -> list[subprocess.Popen]:
+    return [subprocess.Popen([str(BIN / "remoteloader-worker"), "--master", addr, *args]) for _ in range(n)]
+
+
+def stop_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+    wait_gone([p.pid for p in procs])
+
+
+def test_chaos_worker_sigkill_exactly_once(tables, master_factory):
+    """20 seeded trials: each epoch kills 1-2 random workers at random moments."""
+    expected = read_reference(tables["orc"])
+    master = master_factory("--heartbeat-timeout", "1", workers=3)
+    rng = random.Random(2026)
+    spec = spec_dict(tables["orc"], shuffle=True, batch_size=128, split_rows=600)
+    with RemoteDataLoader(spec, master=master.addr, timeout=90, inflight=1) as loader:
+        n = len(loader)
+        for trial in range(20):
+            kill_at = sorted(rng.sample(range(1, n), rng.randint(1, 2)))
+            batches = []
+            for i, b in enumerate(loader):
+                batches.append(b)
+                if kill_at and i == kill_at[0]:
+                    kill_at.pop(0)
+                    victims = master.worker_pids()
+                    if victims:
+                        os.kill(rng.choice(victims), signal.SIGKILL)
+            got, sizes = collect(batches)
+            assert_same(got, expected)
+            assert len(sizes) == n, f"trial {trial}"
+
+
+def test_master_sigkill_with_journal_resumes_the_epoch(tables, tmp_path):
+    journal = tmp_path / "journal"
+    spec_path = tmp_path / "spec.json"
+    import json
+
+    spec_path.write_text(json.dumps(spec_dict(tables["parquet"], batch_size=100)))
+    master, addr = start_master("--bind", "tcp://127.0.0.1:0", "--journal", str(journal), "--heartbeat-timeout", "3")
+    workers = start_workers(addr, 2)
+    procs = [master, *workers]
+    try:
+        with RemoteDataLoader(spec_path, master=addr, timeout=120) as loader:
+            batches = []
+            for i, b in enumerate(loader):
+                batches.append(b)
+                if i == 15:
+                    master.send_signal(signal.SIGKILL)
+                    master.wait()
+                    time.sleep(0.5)
+                    master, _ = start_master("--bind", addr, "--journal", str(journal), "--heartbeat-timeout", "3")
+                    procs.append(master)
+            got, _ = collect(batches)
+            assert_same(got, read_reference(tables["parquet"]))
+            assert len(batches) == len(loader)
+    finally:
+        stop_all(procs)
+
+
+def test_master_restart_without_journal_still_exactly_once(tables):
+    """The client is the source of truth for what it consumed, so even a fresh master can continue."""
+    master, addr = start_master("--bind", "tcp://127.0.0.1:0", "--heartbeat-timeout", "3")
+    workers = start_workers(addr, 2)
+    procs = [master, *workers]
+    try:
+        with RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=addr, timeout=120) as loader:
+            batches = []
+            for i, b in enumerate(loader):
+                batches.append(b)
+                if i == 10:
+                    master.send_signal(signal.SIGKILL)
+                    master.wait()
+                    master, _ = start_master("--bind", addr, "--heartbeat-timeout", "3")
+                    procs.append(master)
+            got, _ = collect(batches)
+            assert sorted(got) == list(range(ROWS))
+    finally:
+        stop_all(procs)
+
+
+def test_hung_worker_loses_its_split(tables):
+    """A worker that heartbeats but stops producing gives its split back after --split-timeout."""
+    master, addr = start_master("--bind", "tcp://127.0.0.1:0", "--split-timeout", "2")
+    hung = start_workers(addr, 1, "--inject-hang-after", "2")
+    healthy = []
+    procs = [master, *hung]
+    try:
+        with RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=addr, timeout=120) as loader:
+            it = iter(loader)
+            batches = [next(it)]
+            healthy = start_workers(addr, 1)  # joins after the hung one took a split
+            procs += healthy
+            batches += list(it)
+            got, _ = collect(batches)
+            assert sorted(got) == list(range(ROWS))
+    finally:
+        stop_all(procs)
+
+
+def test_sigterm_drains_a_worker_without_loss(tables):
+    master, addr = start_master("--bind", "tcp://127.0.0.1:0")
+    workers = start_workers(addr, 2, "--buffer-batches", "4")
+    procs = [master, *workers]
+    try:
+        with RemoteDataLoader(spec_dict(tables["orc"], batch_size=64), master=addr, timeout=120) as loader:
+            batches = []
+            for i, b in enumerate(loader):
+                batches.append(b)
+                if i == 5:
+                    workers[0].send_signal(signal.SIGTERM)
+            got, _ = collect(batches)
+            assert sorted(got) == list(range(ROWS))
+        assert workers[0].wait(30) == 0  # it left by itself once drained
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_at_random_points_repeatedly(tables, master_factory, world_size):
+    """Checkpoint at random batches, restore in a fresh loader (and a new worker count): exactly once."""
+    rng = random.Random(world_size)
+    expected = set(range(ROWS))
+    spec = spec_dict(tables["orc"], shuffle=True, batch_size=100)
+    m1 = master_factory(workers=2)
+    m2 = master_factory(workers=3)
+    for epoch_trial in range(2):
+        seen = [set() for _ in range(world_size)]
+        states = [None] * world_size
+        for hop, master in enumerate([m1, m2, m1]):  # two resumes, alternating worker counts
+            loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=world_size, timeout=90)
+                       for r in range(world_size)]
+            try:
+                for r, loader in enumerate(loaders):
+                    if states[r] is not None:
+                        buf = io.BytesIO()
+                        torch.save(states[r], buf)
+                        buf.seek(0)
+                        loader.load_state_dict(torch.load(buf))
+                its = [iter(x) for x in loaders]
+                stop_after = rng.randint(1, 12) if hop < 2 else None
+                live = list(range(world_size))
+                count = 0
+                while live:
+                    for r in list(live):
+                        try:
+                            b = next(its[r])
+                        except StopIteration:
+                            live.remove(r)
+                            continue
+                        ids = set(b.passthrough["row_id"].tolist())
+                        assert not ids & seen[r]
+                        seen[r] |= ids
+                    count += 1
+                    if stop_after is not None and count >= stop_after:
+                        states = [x.state_dict() for x in loaders]
+                        break
+            finally:
+                for x in loaders:
+                    x.close()
+        assert not (world_size == 2 and seen[0] & seen[1])
+        assert set().union(*seen) == expected, f"trial {epoch_trial}"
+
+
+def test_state_dict_is_small_plain_data(tables, master_factory):
+    master = master_factory(workers=2)
+    with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    assert state["epoch"] == 0 and state["batches_yielded"] == 1
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    assert buf.tell() < 4096
+
+
+def corrupt_copy(src: Path, dst: Path, how: str) -> None:
+    import shutil
+
+    shutil.copytree(src, dst)
+    victim = sorted(dst.rglob("*.orc"))[1]
+    data = victim.read_bytes()
+    if how == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    else:  # garble the middle of the file, keep the footer: decoding fails, listing works
+        mid = len(data) // 3
+        victim.write_bytes(data[:mid] + bytes(4096) + data[mid + 4096:])
+
+
+def test_corrupt_file_fails_naming_the_file(tables, tmp_path, master_factory):
+    table = tmp_path / "bad"
+    corrupt_copy(tables["orc"], table, "garble")
+    master = master_factory(workers=2)
+    with RemoteDataLoader(spec_dict(table), master=master.addr, timeout=60) as loader:
+        with pytest.raises(RuntimeError, match=r"part-00001\.orc"):
+            list(loader)
+
+
+def test_corrupt_file_skipped_with_on_error_skip(tables, tmp_path, master_factory):
+    table = tmp_path / "bad"
+    corrupt_copy(tables["orc"], table, "garble")
+    master = master_factory(workers=2)
+    with RemoteDataLoader(spec_dict(table, on_error="skip"), master=master.addr, timeout=60) as loader:
+        with pytest.warns(RuntimeWarning, match=r"skipped .*part-00001\.orc"):
+            got, _ = collect(loader)
+        assert 0 < len(got) < ROWS
+        assert loader.warnings
