@@ -14,8 +14,8 @@ Workers send each split as full batches plus one short tail piece. ``EpochAssemb
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from .batch import Batch, concat_rows
 from .master.planner import pieces_of
@@ -114,6 +114,11 @@ class EpochAssembler:
                 return final
             self.consume(final)  # dropped rows count as used, so the epoch can close
         return None
+
+    @property
+    def ready_count(self) -> int:
+        """Batches assembled and waiting for the training loop (the client's queue depth)."""
+        return len(self._ready)
 
     @property
     def exhausted(self) -> bool:

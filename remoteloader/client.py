@@ -18,6 +18,7 @@ import time
 import uuid
 import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generator, Iterator, Optional, Union
 
@@ -41,6 +42,19 @@ def load_spec(spec: Union[DatasetSpec, dict, str, os.PathLike]) -> DatasetSpec:
     if isinstance(spec, dict):
         return DatasetSpec.from_dict(spec)
     return DatasetSpec.from_file(Path(spec))
+
+
+@dataclass
+class ClientStats:
+    """Cumulative counters; the master turns deltas between heartbeats into rates."""
+
+    wait_s: float = 0.0  # time the training loop spent blocked waiting for a batch
+    batches: int = 0
+    rows: int = 0
+
+    def to_wire(self, queued: int) -> dict:
+        return {"wait_s": self.wait_s, "batches": self.batches, "rows": self.rows, "queued": queued,
+                "time": time.monotonic()}
 
 
 def _acks_of(consumed: dict[int, tuple[int, int]]) -> list[list[int]]:
@@ -95,6 +109,7 @@ class RemoteDataLoader:
         self._plan: Optional[str] = None
         self._closed = False
         self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings
+        self.stats = ClientStats()
 
     # -- cluster and session ---------------------------------------------------------------
     def _start_or_find_master(self, num_workers: Optional[int]) -> str:
@@ -165,19 +180,26 @@ class RemoteDataLoader:
                 if now - last_beat >= HEARTBEAT_S or not fetcher.sockets:
                     self._heartbeat(epoch, assembler, fetcher)
                     last_beat = now
+                fetcher.top_up()  # keep every worker `inflight` requests ahead, also while batches are ready
                 ready = assembler.next_ready()
-                if ready is not None:
-                    assembler.consume(ready)
-                    self._batches_yielded += 1
-                    last_progress = time.monotonic()
-                    yield ready.batch.pin_memory() if self.pin_memory else ready.batch
-                    continue
-                fetcher.top_up()
-                for header, batch in fetcher.poll(int(HEARTBEAT_S * 1000)):
+                if ready is None:
+                    # The training loop is waiting on us: this is the stall the autoscaler minimizes.
+                    arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
+                    self.stats.wait_s += time.monotonic() - now
+                else:
+                    arrivals = fetcher.poll(0)
+                for header, batch in arrivals:
                     if assembler.wants(header["split_id"], header["piece"]):
                         assembler.add(header["split_id"], header["piece"], batch)
                         last_progress = time.monotonic()
-                if time.monotonic() - last_progress > self.timeout:
+                if ready is not None:
+                    assembler.consume(ready)
+                    self._batches_yielded += 1
+                    self.stats.batches += 1
+                    self.stats.rows += len(ready.batch)
+                    last_progress = time.monotonic()
+                    yield ready.batch.pin_memory() if self.pin_memory else ready.batch
+                elif time.monotonic() - last_progress > self.timeout:
                     raise TimeoutError(
                         f"rank {self.rank} epoch {epoch}: no batch for {self.timeout:g} s "
                         f"({assembler.received_rows} of {assembler.expected_rows} rows received); "
@@ -191,7 +213,8 @@ class RemoteDataLoader:
 
     def _heartbeat(self, epoch: int, assembler: EpochAssembler, fetcher: WorkerFetcher) -> None:
         try:
-            reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=assembler.take_acks())
+            reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=assembler.take_acks(),
+                               stats=self.stats.to_wire(assembler.ready_count))
         except RemoteError as e:
             if e.code != "unknown_client":
                 raise

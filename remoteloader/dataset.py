@@ -7,10 +7,12 @@ table again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from .formats import DataFile, TableError, Unit, list_table, table_schema
+from .formats import DataFile, TableError, Unit, list_table, read_schema
 from .spec import DatasetSpec, SpecError
 from .transforms import FeaturePipeline, TransformError, compile_features
 
@@ -24,6 +26,7 @@ class BoundDataset:
     pipeline: FeaturePipeline
     read_columns: list[str]  # every table column a worker reads: features, label, passthrough
     files: Optional[list[DataFile]] = None  # the master's view; workers get files per split
+    skipped: list[str] = field(default_factory=list)  # files left out by on_error: skip, with the reason
 
     @property
     def sparse_keys(self) -> list[str]:
@@ -31,15 +34,43 @@ class BoundDataset:
 
 
 def bind(spec: DatasetSpec) -> BoundDataset:
-    """List the table and check the spec against it; errors name the key and column."""
+    """List the table and check the spec against it; errors name the key, file and column.
+
+    Only the columns the spec reads must agree across files: a partition that gained an
+    unrelated column is fine. A file that lacks a read column or has it with another
+    type fails the bind (``on_error: fail``) or is left out and reported (``skip``).
+    """
     try:
         files = list_table(spec.table.path, spec.table.format, spec.table.partitions)
-        schema = table_schema(files)
+        with ThreadPoolExecutor(8) as pool:
+            schemas = list(pool.map(read_schema, files))
     except TableError as e:
         raise SpecError(f"table: {e}") from None
-    bound = bind_schema(spec, schema)
-    bound.files = files
+    bound = bind_schema(spec, _majority_schema(schemas))
+    kept, skipped = [], []
+    for f, schema in zip(files, schemas):
+        problem = next((f"column {c!r} is {schema.get(c, 'missing')} in {f.path}, "
+                        f"{bound.schema[c]} in the rest of the table"
+                        for c in bound.read_columns if schema.get(c) != bound.schema[c]), None)
+        if problem is None:
+            kept.append(f)
+        elif spec.on_error == "skip":
+            skipped.append(f"{f.path} skipped (on_error: skip): {problem}")
+        else:
+            raise SpecError(f"table: {problem}")
+    if not kept:
+        raise SpecError(f"table: no readable file left in {spec.table.path!r}: {'; '.join(skipped)[:2000]}")
+    bound.files, bound.skipped = kept, skipped
     return bound
+
+
+def _majority_schema(schemas: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """Each column's most common kind across files, so one odd file cannot define the table."""
+    votes: dict[str, Counter] = {}
+    for schema in schemas:
+        for column, kind in schema.items():
+            votes.setdefault(column, Counter())[kind] += 1
+    return {column: counts.most_common(1)[0][0] for column, counts in votes.items()}
 
 
 def bind_schema(spec: DatasetSpec, schema: Mapping[str, str]) -> BoundDataset:
