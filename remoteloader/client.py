@@ -229,11 +229,12 @@ class RemoteDataLoader:
         for err in reply["errors"]:
             if not err["skipped"]:
                 raise RuntimeError(f"rank {self.rank} epoch {epoch}: {err['message']}")
-            if err["split_id"] in assembler.cursors and not assembler.cursors[err["split_id"]].skipped:
+            if err["message"] in self.warnings:
+                continue
+            if err["split_id"] >= 0:  # a split quarantined this epoch; -1: a file left out at job start
                 assembler.skip_split(err["split_id"])
-                message = f"split {err['split_id']} skipped (on_error: skip): {err['message']}"
-                self.warnings.append(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            self.warnings.append(err["message"])
+            warnings.warn(f"remoteloader skipped data (on_error: skip): {err['message']}", RuntimeWarning, stacklevel=2)
 
     # -- checkpointing (torchdata StatefulDataLoader protocol) ------------------------------
     def state_dict(self) -> dict:

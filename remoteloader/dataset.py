@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from .formats import DataFile, TableError, Unit, list_table, read_schema
 from .spec import DatasetSpec, SpecError
-from .transforms import FeaturePipeline, TransformError, compile_features
+from .transforms import FeaturePipeline, TransformError, compile_features, validate_sampling
 
 SCALAR_KINDS = ("float", "int")
 
@@ -87,6 +87,13 @@ def bind_schema(spec: DatasetSpec, schema: Mapping[str, str]) -> BoundDataset:
         pipeline = compile_features(spec.dense, spec.sparse, schema)
     except TransformError as e:
         raise SpecError(f"features: {e}") from None
+    if spec.sampling is not None:
+        try:
+            sampling = validate_sampling(spec.sampling)
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+        if sampling["label_value"] is not None and not spec.label:
+            raise SpecError("sampling.label_value: needs features.label (the column it compares)")
     columns = set(pipeline.input_columns) | set(spec.passthrough)
     if spec.label:
         columns.add(spec.label)

@@ -36,7 +36,7 @@ class LocalDataset(IterableDataset):
         bound = bind(self.spec)
         self.schema = bound.schema
         self.files = [file_to_wire(f) for f in bound.files or []]
-        self.base = plan_base_splits(bound.files or [], self.spec.split_rows)
+        self.base = SplitProcessor(bound).sample(bound.files or [], plan_base_splits(bound.files or [], self.spec.split_rows))
         self.epoch = epoch
         self._bound: Optional[BoundDataset] = bound
 

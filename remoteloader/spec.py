@@ -252,6 +252,16 @@ def _parse_table(value: Any, base_dir: Path) -> TableSpec:
     return TableSpec(path=path, format=fmt, partitions=parts)
 
 
+def _str_keys(value: Any) -> Any:
+    """Mapping keys as strings, as JSON has them: a YAML ``{1: 10}`` and a JSON ``{"1": 10}``
+    are the same spec (and fingerprint), and the spec crosses the wire as msgpack."""
+    if isinstance(value, Mapping):
+        return {str(k): _str_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_str_keys(v) for v in value]
+    return value
+
+
 def _parse_feature(value: Any, kind: str, key: str) -> FeatureSpec:
     if isinstance(value, str):  # shorthand: a bare column name is a feature of the same name
         value = {"name": value, "column": value}
@@ -273,7 +283,7 @@ def _parse_feature(value: Any, kind: str, key: str) -> FeatureSpec:
         s = _mapping(step, f"{key}.transforms[{i}]")
         if not isinstance(s.get("op"), str):
             raise SpecError(f"{key}.transforms[{i}].op: each step needs an 'op' name")
-        steps.append(dict(s))
+        steps.append(_str_keys(s))
     default = f.get("default")
     if default is not None:
         default = float(_typed(default, (int, float), f"{key}.default", "a number"))

@@ -33,7 +33,7 @@ _STR, _INT, _NUM, _BOOL, _MAP, _LIST = (str,), (int,), (int, float), (bool,), (d
 SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     # worker -> master
     "register": {"addr": (_STR, True), "pid": (_INT, True), "host": (_STR, False)},
-    "get_spec": {"worker_id": (_STR, True)},
+    "get_spec": {},
     "heartbeat": {"worker_id": (_STR, True), "buffered": (_INT, True), "stats": (_MAP, False)},
     "get_split": {"worker_id": (_STR, True)},
     "split_produced": {"worker_id": (_STR, True), "split_id": (_INT, True)},

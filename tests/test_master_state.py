@@ -12,7 +12,7 @@ FILES = [["f0", "orc", "", 100, 1000, [[0, 0, 50, 500], [1, 50, 50, 500]]]]
 def history():
     return [
         U.MasterStarted(0.0),
-        U.JobSubmitted(SPEC, "fp", {"x": "float"}, FILES, [[0, 0, 1, 50], [0, 1, 2, 50]]),
+        U.JobSubmitted(SPEC, "fp", {"x": "float"}, FILES, [[0, 0, 1, 50, 50, 0], [0, 1, 2, 50, 50, 50]], []),
         U.WorkerRegistered("w1", "tcp://a", 1, 0.0),
         U.WorkerRegistered("w2", "tcp://b", 2, 0.0),
         U.ClientJoined("c0", 0, 2, 0.0),

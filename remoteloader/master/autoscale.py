@@ -15,6 +15,11 @@ Signals combined (see docs/autoscaling.md):
   estimated from trainers as consumption / (1 - stall); per-worker throughput is
   learned from workers that were producing flat out (buffer not full).
 
+Everything else is about not fooling ourselves: measurement windows that skip the
+seconds after a change, confidence margins before removing, and a remembered plateau
+(adding did not pay), floor (too few at this demand) and ceiling (trainers stall with
+full buffers) so that the same mistake is not made twice.
+
 CPU is deliberately not a scaling signal: an I/O-bound worker is saturated at 30%
 CPU. ``CpuTargetPolicy`` (the Kubernetes HPA rule) is here as the baseline that
 shows why, and ``OraclePolicy`` as the fixed-count yardstick.
@@ -91,24 +96,25 @@ class AutoscaleConfig:
     stall_threshold: float = 0.002  # 0.2% of wall time; the buffer test filters noise, so this can be low
     low_fill: float = 0.2           # mean buffer fill below which workers count as drained
     max_up_factor: float = 4.0      # at most x4 per step: the demand estimate is poor when stall ~ 100%
-    # Marginal gain (Cachew): an addition pays if client consumption rose by at least
-    # this fraction of what the added workers were expected to deliver.
-    gain_threshold: float = 0.7
+    # Marginal gain (Cachew): an addition pays if client consumption rose by at least this
+    # fraction of what the added workers produce (so a worker must deliver half its output).
+    gain_threshold: float = 0.5
     confidence_z: float = 2.0       # a shortfall or a spare capacity must exceed this many standard errors
     recheck_s: float = 300.0        # retry beyond a plateau after this long
     # Scale-down: buffers persistently full, and the learned throughput of fewer workers covers
-    # demand plus its uncertainty. Demand is tracked in 10 s blocks across worker changes (it does
-    # not depend on the worker count while buffers are full), so trims get finer the longer it runs.
-    high_fill: float = 0.7
-    demand_block_s: float = 10.0
+    # demand plus its uncertainty. Demand is tracked in blocks across worker changes (what the
+    # trainers want does not depend on the worker count), so trims get finer the longer it runs.
+    high_fill: float = 0.7          # mean buffer fill over `down_window_s` needed to scale down
+    demand_block_s: float = 10.0    # demand block length; the spread of block means gives its error
     max_down_fraction: float = 0.5  # remove at most half the workers per step
-    headroom: float = 0.02          # spare capacity kept: this fraction of demand ...
-    headroom_workers: float = 1.0   # ... but never more than this many workers' worth (noise shrinks with scale)
+    headroom: float = 0.02          # spare supply kept: this fraction of demand ...
+    headroom_workers: float = 1.0   # ... capped at this many workers' worth (1000 workers need not keep 20 spare)
+    jitter_margin: float = 7.0      # ... raised so demand jitter empties the buffers ~exp(-7) of the time
     hysteresis: float = 0.1         # demand must move this much before a remembered limit is forgotten
     # Learning per-worker throughput from workers whose buffer is at most `saturated_fill` full.
     saturated_fill: float = 0.5
-    learn_tau_s: float = 10.0       # EWMA time constant
-    hold_log_s: float = 300.0        # repeat an unchanged "hold" at most this often
+    learn_tau_s: float = 30.0       # EWMA time constant
+    hold_log_s: float = 300.0       # repeat an unchanged "hold" at most this often
 
 
 # ----------------------------------------------------------------------------- policy
@@ -128,11 +134,10 @@ class _Trial:
     """An addition made because trainers stalled, judged one window later."""
     n_before: int
     added: int
+    ids_before: frozenset[str]
     rows_before: float
     batches_before: float
     batches_se: float
-    expected_rows: float   # extra rows/s the added workers should have brought
-    mean_cap: float
     probe_interval: float  # > 0: this addition re-checked a plateau last confirmed this long ago
 
 
@@ -212,12 +217,14 @@ class AutoscalePolicy:
         self.config = config or AutoscaleConfig()
         self.decisions: list[Decision] = []
         self._caps: dict[str, float] = {}       # learned rows/s per worker id (flat-out rate)
-        self._mean_cap: Optional[float] = None  # fleet mean, survives churn and restarts
+        self._mean_cap: Optional[float] = None  # fleet mean of per-worker capacities, survives churn and restarts
         self._first_seen: dict[str, float] = {}
         self._ids: tuple[str, ...] = ()
         self._cap = np.empty(0)                 # learned caps aligned with _ids (nan = unknown)
+        self._obs: dict[str, float] = {}        # samples behind each learned capacity
+        self._nobs = np.empty(0)
         self._seen = np.empty(0)
-        self._rates = self._fill = self._cpu = self._buffered = np.empty(0)
+        self._rates = self._fill = self._cpu = self._buffered = self._capacity = np.empty(0)
         self._rpb: Optional[float] = None       # rows per batch, to convert buffered batches to rows
         self._samples: deque[_Sample] = deque()
         self._stable_since = -math.inf
@@ -227,13 +234,20 @@ class AutoscalePolicy:
         self._trial: Optional[_Trial] = None
         self._plateau: Optional[_Mark] = None   # adding beyond this count did not pay
         self._floor: Optional[_Mark] = None     # this count was too few at this demand
+        self._ceiling: Optional[_Mark] = None   # trainers stalled with full buffers at this rate
         self._probe = 0.0                       # > 0 while re-checking a plateau (its interval)
+        self._selected = False                  # survivors of a removal by estimated speed: fleet mean frozen
+        self._noise_var: Optional[float] = None  # variance of one rate sample around a worker's capacity
         self._demand = _DemandTracker(self.config.demand_block_s, self.config.confidence_z)
         self._last_hold: tuple[str, float] = ("", -math.inf)
 
     # ------------------------------------------------------------------ public
 
     def observe(self, snap: Snapshot) -> Optional[Decision]:
+        """One control tick. `snap.workers` are the live workers that take new splits (not
+        the draining ones); `pending_workers` those launched but not reporting yet. Returns
+        the action to carry out ("add" n, "remove" the named workers) or, now and then, a
+        "hold" saying why not; None otherwise. Never acts within `cooldown_s` of an action."""
         c, now = self.config, snap.time
         self._sync(snap)
         self._learn(now, snap)
@@ -279,6 +293,7 @@ class AutoscalePolicy:
             "mean_capacity": self._mean_cap,
             "plateau": None if self._plateau is None else [self._plateau.count, self._plateau.level],
             "floor": None if self._floor is None else [self._floor.count, self._floor.level],
+            "ceiling": None if self._ceiling is None else [self._ceiling.count, self._ceiling.level],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -289,6 +304,8 @@ class AutoscalePolicy:
         self._plateau = (None if state.get("plateau") is None
                          else _Mark(*state["plateau"], time=math.nan, interval=self.config.recheck_s))
         self._floor = None if state.get("floor") is None else _Mark(*state["floor"])
+        self._ceiling = None if state.get("ceiling") is None else _Mark(*state["ceiling"])
+        self._obs = {}
         self._ids = ()     # re-align arrays with the next snapshot
         self._stable_since = -math.inf
         self._last_action = -math.inf
@@ -302,11 +319,14 @@ class AutoscalePolicy:
             self._store_caps()
             live = set(ids)
             self._caps = {k: v for k, v in self._caps.items() if k in live}
+            self._obs = {k: v for k, v in self._obs.items() if k in live}
             self._first_seen = {k: v for k, v in self._first_seen.items() if k in live}
             for i in ids:
                 self._first_seen.setdefault(i, snap.time)
             self._ids = ids
             self._cap = np.array([self._caps.get(i, np.nan) for i in ids], dtype=float)
+            # Restored capacities (no count) weigh like a few time constants of samples.
+            self._nobs = np.array([self._obs.get(i, 10.0 if i in self._caps else 0.0) for i in ids], dtype=float)
             self._seen = np.array([self._first_seen[i] for i in ids], dtype=float)
             self._reset_window(snap.time)
         ws, n = snap.workers, len(snap.workers)
@@ -314,20 +334,22 @@ class AutoscalePolicy:
         buffered = np.fromiter((w.buffered for w in ws), float, n)
         capacity = np.fromiter((w.capacity for w in ws), float, n)
         self._fill = np.divide(buffered, capacity, out=np.ones(n), where=capacity > 0)
-        self._buffered = buffered
+        self._buffered, self._capacity = buffered, capacity
         self._cpu = np.fromiter((w.cpu for w in ws), float, n)
 
     def _store_caps(self) -> None:
-        for i, v in zip(self._ids, self._cap.tolist()):
+        for i, v, k in zip(self._ids, self._cap.tolist(), self._nobs.tolist()):
             if not math.isnan(v):
-                self._caps[i] = v
+                self._caps[i], self._obs[i] = v, k
 
     def _reset_window(self, now: float) -> None:
         self._stable_since = now
         self._samples.clear()
 
     def _learn(self, now: float, snap: Snapshot) -> None:
-        """EWMA of each worker's rate while its buffer is not full, i.e. while it runs flat out."""
+        """Each worker's rate while its buffer is not full, i.e. while it runs flat out: a plain
+        mean over its first samples, then an EWMA (a single noisy sample must not decide which
+        workers look fastest and are kept)."""
         c = self.config
         dt = 1.0 if self._last_learn is None else min(max(now - self._last_learn, 0.0), c.learn_tau_s)
         self._last_learn = now
@@ -336,11 +358,23 @@ class AutoscalePolicy:
         sat = (self._fill <= c.saturated_fill) & (now - self._seen >= c.settle_s)
         if not sat.any():
             return
-        fresh = sat & np.isnan(self._cap)
-        self._cap[fresh] = self._rates[fresh]
-        old = sat & ~fresh
-        self._cap[old] += (1.0 - math.exp(-dt / c.learn_tau_s)) * (self._rates[old] - self._cap[old])
-        self._mean_cap = float(np.nanmean(self._cap))
+        rates, cap = self._rates[sat], self._cap[sat]
+        seen = ~np.isnan(cap)
+        if seen.any():      # measurement noise of one sample, pooled over workers
+            var = float(np.mean((rates[seen] - cap[seen]) ** 2))
+            self._noise_var = var if self._noise_var is None else self._noise_var + 0.05 * (var - self._noise_var)
+        self._nobs[sat] += 1
+        weight = np.maximum(1.0 / self._nobs[sat], 1.0 - math.exp(-dt / c.learn_tau_s))
+        cap = np.where(seen, cap, rates)
+        self._cap[sat] = cap + weight * (rates - cap)
+        # The fleet mean is what per-worker estimates shrink towards, so it must not inherit
+        # their winner's curse: after workers were drained *because* they looked slow, the
+        # survivors' estimates are biased up, and the mean stays frozen until most of the
+        # fleet runs flat out again (fresh samples carry no selection).
+        if sat.mean() >= 0.5:
+            self._selected = False
+        if not self._selected:
+            self._mean_cap = float(np.nanmean(self._cap))   # per worker, not per sample: slow ones sample more
 
     def _sample(self, now: float, snap: Snapshot) -> _Sample:
         stall = np.fromiter((cl.stall_fraction for cl in snap.clients), float, len(snap.clients))
@@ -376,14 +410,25 @@ class AutoscalePolicy:
     # ------------------------------------------------------------------ estimates
 
     def _estimates(self) -> Optional[np.ndarray]:
-        """Flat-out rows/s of each current worker: learned, else the fleet mean, else a CPU guess."""
+        """Flat-out rows/s of each current worker, else the fleet mean, else a CPU guess.
+
+        A worker's own estimate is shrunk towards the fleet mean by n / (n + k), n its
+        samples, k = sample noise / spread between workers (empirical Bayes): with few
+        samples, looking fast is mostly luck, and the workers kept for looking fast would
+        otherwise make the fleet look faster than it is."""
         caps = self._cap.copy()
         unknown = np.isnan(caps)
-        if unknown.any():
+        if self._mean_cap:
+            k = 0.0
+            if self._noise_var and (~unknown).sum() > 2:
+                noise = self._noise_var / np.maximum(self._nobs[~unknown], 1.0)
+                spread = max(float(np.var(caps[~unknown])) - float(noise.mean()), 1e-6 * self._mean_cap ** 2)
+                k = self._noise_var / spread
+            weight = self._nobs / (self._nobs + k) if k > 0 else np.ones_like(caps)
+            caps = np.where(unknown, self._mean_cap, self._mean_cap + weight * (caps - self._mean_cap))
+        elif unknown.any():
             if not unknown.all():
                 caps[unknown] = np.nanmean(caps)
-            elif self._mean_cap:
-                caps[:] = self._mean_cap
             else:
                 # Never saw a worker run flat out: rate / CPU. Overestimates I/O-bound
                 # workers, so scale-down steps are capped and a stall undoes the error.
@@ -406,7 +451,19 @@ class AutoscalePolicy:
         return len(caps) + math.ceil((rows - total) / float(caps.mean()) - 1e-9)
 
     def _headroom(self, rows: float, mean_cap: float) -> float:
-        return min(self.config.headroom * rows, self.config.headroom_workers * mean_cap)
+        """Spare supply to keep above a demand of `rows`/s.
+
+        A small fixed margin, plus what demand jitter needs: with spare supply e, the
+        backlog of a jittery demand is exponential with mean var * tau / e (var*tau
+        measured from the 10 s blocks of the demand tracker), so buffers holding b
+        seconds run dry about exp(-e * b / (var * tau)) of the time."""
+        c = self.config
+        spare = min(c.headroom * rows, c.headroom_workers * mean_cap)
+        tr, buffer_rows = self._demand, float(self._capacity.sum()) * (self._rpb or 0.0)
+        if tr.n >= 3 and buffer_rows > 0:
+            var_tau = tr.sd ** 2 * tr.block_s / 2            # block variance ~ var * 2 tau / block
+            spare = max(spare, c.jitter_margin * var_tau / buffer_rows)
+        return spare
 
     def _least_useful(self, k: int) -> tuple[str, ...]:
         """Slowest learned throughput first, then fullest buffer, then lowest current rate."""
@@ -426,6 +483,7 @@ class AutoscalePolicy:
         batches_se = _se(batches_all)
         stall = float(np.mean([s.stall for s in up]))
         fill = float(np.mean([s.fill for s in up]))
+        fill_min = min(s.fill for s in up)
         # Rows/s the trainers would take if never blocked (unknown if they consume nothing at all).
         if stall <= 0:
             demand = rows
@@ -438,10 +496,25 @@ class AutoscalePolicy:
         mean_cap = float(caps.mean()) if caps is not None else 0.0
         numbers = f"stall {stall:.1%}, buffers {fill:.0%} full, {rows:,.0f} rows/s from {n} workers"
 
+        # 0. Trainers stall although worker buffers are full: the limit is past the workers.
+        # Remember the rate they reach (a ceiling), so that buffers draining later do not
+        # trigger an addition sized for what only the GPUs could consume.
+        if stall >= c.stall_threshold and fill_min >= c.high_fill:     # persistently full, not a transient
+            self._ceiling = _Mark(n, rows, now)
+        elif self._ceiling is not None and (stall < c.stall_threshold or (
+                worker_bound and rows > self._ceiling.level * (1 + c.hysteresis / 2))):
+            log.info("autoscale: forget ceiling %.0f rows/s (%s)", self._ceiling.level, numbers)
+            self._ceiling = None
+
         # 1. Judge the last addition (Cachew): did it pay?
         trial, self._trial = self._trial, None
-        if trial is not None and worker_bound and trial.batches_before > 0 and trial.expected_rows > 0:
-            expected = trial.expected_rows / trial.rows_before
+        new = np.fromiter((i not in trial.ids_before for i in self._ids), bool, n) if trial else None
+        added_rows = float(self._rates[new].sum()) if trial else 0.0
+        if trial is not None and worker_bound and trial.batches_before > 0 and added_rows > 0:
+            # What the added workers produce should reach the trainers: with drained buffers
+            # everything produced is consumed, unless something past the workers caps it (or
+            # the newcomers only slowed the others down, as on a shared storage).
+            expected = added_rows / trial.rows_before
             measured = batches / trial.batches_before - 1.0
             gain = measured / expected
             shortfall = (expected - measured) * trial.batches_before
@@ -449,8 +522,9 @@ class AutoscalePolicy:
             # Judge only what noise can resolve: a few workers among hundreds are within the jitter.
             conclusive = expected * trial.batches_before > 2 * c.confidence_z * noise
             if conclusive and gain < c.gain_threshold and shortfall > c.confidence_z * noise:
-                useful = max(0.0, measured * trial.rows_before / trial.mean_cap)
-                keep = min(n, trial.n_before + round(useful))
+                # In workers as they ran before (the newcomers' own rate is depressed by the contention).
+                useful = max(0.0, measured * trial.n_before)
+                keep = min(n, trial.n_before + math.floor(useful + 1 - c.gain_threshold))
                 # Each re-check that confirms the plateau doubles the wait for the next one.
                 interval = min(2 * trial.probe_interval, 8 * c.recheck_s) if trial.probe_interval else c.recheck_s
                 self._plateau = _Mark(keep, rows, now, interval)
@@ -465,7 +539,7 @@ class AutoscalePolicy:
         if self._plateau is not None:
             if math.isnan(self._plateau.time):      # restored from state_dict: start its clock now
                 self._plateau.time = now
-            if fill >= c.high_fill or rows > self._plateau.level * (1 + c.hysteresis):
+            if stall < c.stall_threshold or rows > self._plateau.level * (1 + c.hysteresis):
                 log.info("autoscale: forget plateau at %d workers (%s)", self._plateau.count, numbers)
                 self._plateau = None
             elif now - self._plateau.time >= self._plateau.interval:
@@ -476,6 +550,8 @@ class AutoscalePolicy:
         if worker_bound:
             if n >= c.max_workers:
                 return self._hold(now, "max", n, f"trainers stall but at max_workers {c.max_workers}; {numbers}")
+            if self._ceiling is not None:
+                demand = min(demand, self._ceiling.level * (1 + c.hysteresis))
             if caps is None or n == 0:
                 target = max(c.min_workers, 1, n + 1)
             else:
@@ -495,10 +571,8 @@ class AutoscalePolicy:
             probe, self._probe = self._probe, 0.0
             k = target - n
             if caps is not None and n > 0 and rows > 0:
-                supply_after = float(caps.sum()) + k * mean_cap
-                expected = min(demand, supply_after) - rows
-                self._trial = _Trial(n, k, rows, batches, batches_se, expected, mean_cap, probe)
-                self._floor = _Mark(n, min(demand, supply_after), now)
+                self._trial = _Trial(n, k, frozenset(self._ids), rows, batches, batches_se, probe)
+                self._floor = _Mark(n, min(demand, float(caps.sum()) + k * mean_cap), now)
             est = f"demand ~{demand:,.0f} rows/s" if math.isfinite(demand) else "demand unknown"
             return self._act(now, "add", k, target,
                              f"trainers stall and workers are drained: {numbers}; {est}, "
@@ -538,6 +612,7 @@ class AutoscalePolicy:
     def _act(self, now: float, action: str, count: int, target: int, reason: str,
              remove: tuple[str, ...] = ()) -> Decision:
         d = Decision(now, action, count, target, reason, remove)
+        self._selected = self._selected or action == "remove"
         self._record(d)
         self._last_action = now
         self._last_hold = ("", -math.inf)

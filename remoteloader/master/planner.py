@@ -12,7 +12,7 @@ straddles a boundary is shared by two ranks as two row ranges of the same base s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -26,7 +26,12 @@ class BaseSplit:
     file: int  # index into the job's file list
     first_unit: int
     stop_unit: int
-    rows: int
+    rows: int  # rows the split yields: after table-level sampling, if the spec samples
+    raw_rows: int  # rows stored in its units
+    position: int  # canonical position of its first stored row (files sorted by path)
+
+    def to_wire(self) -> list:
+        return [self.file, self.first_unit, self.stop_unit, self.rows, self.raw_rows, self.position]
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,9 @@ class SplitTask:
     file: list  # dataset.file_to_wire form
     first_unit: int
     stop_unit: int
-    base_rows: int
+    raw_rows: int  # rows stored in the units
+    position: int  # canonical position of the first of them (sampling hashes it)
+    base_rows: int  # rows after sampling: the space row_lo/row_hi index
     row_lo: int
     row_hi: int
     skip: int  # leading pieces already consumed by the client
@@ -61,7 +68,8 @@ class SplitTask:
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> "SplitTask":
-        ints = ("epoch", "split_id", "rank", "base", "first_unit", "stop_unit", "base_rows", "row_lo", "row_hi", "skip")
+        ints = ("epoch", "split_id", "rank", "base", "first_unit", "stop_unit", "raw_rows", "position", "base_rows",
+                "row_lo", "row_hi", "skip")
         if set(data) != set(ints) | {"file"} or not all(type(data[k]) is int for k in ints) or not isinstance(data["file"], list):
             raise ValueError(f"malformed split task: {sorted(data)}")
         return cls(**data)
@@ -73,16 +81,24 @@ class SplitTask:
 
 def plan_base_splits(files: Sequence[DataFile], split_rows: int) -> list[BaseSplit]:
     splits: list[BaseSplit] = []
+    position = 0
     for fi, f in enumerate(files):
         start, rows = 0, 0
         for u in f.units:
             if rows and rows + u.num_rows > split_rows:
-                splits.append(BaseSplit(len(splits), fi, start, u.index, rows))
+                splits.append(BaseSplit(len(splits), fi, start, u.index, rows, rows, position))
+                position += rows
                 start, rows = u.index, 0
             rows += u.num_rows
         if rows:
-            splits.append(BaseSplit(len(splits), fi, start, len(f.units), rows))
+            splits.append(BaseSplit(len(splits), fi, start, len(f.units), rows, rows, position))
+            position += rows
     return splits
+
+
+def with_sampled_rows(splits: Sequence[BaseSplit], kept: Sequence[int]) -> list[BaseSplit]:
+    """The same splits yielding ``kept[i]`` rows each after table-level sampling."""
+    return [replace(s, rows=int(k)) for s, k in zip(splits, kept)]
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
@@ -116,8 +132,9 @@ def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, 
 def make_task(files: Sequence[list], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0) -> SplitTask:
     """What a worker needs to produce one epoch split; ``files`` in ``file_to_wire`` form."""
     return SplitTask(epoch=epoch, split_id=split.id, rank=split.rank, base=base.id, file=files[base.file],
-                     first_unit=base.first_unit, stop_unit=base.stop_unit, base_rows=base.rows,
-                     row_lo=split.row_lo, row_hi=split.row_hi, skip=skip)
+                     first_unit=base.first_unit, stop_unit=base.stop_unit, raw_rows=base.raw_rows,
+                     position=base.position, base_rows=base.rows, row_lo=split.row_lo, row_hi=split.row_hi,
+                     skip=skip)
 
 
 def pieces_of(rows: int, batch_size: int) -> int:

@@ -57,8 +57,12 @@ class MasterServer:
         if len(parts) < 2:
             return
         identity = parts[0].bytes
-        msg = wire.safe_decode(parts[1:], f"peer {identity.hex()}")
-        if msg is None:
+        try:
+            msg = wire.decode(parts[1:])
+        except wire.ProtocolError as e:
+            # Dropped, but the sender hears why rather than waiting out its deadline.
+            log.warning("dropped malformed message from peer %s: %s", identity.hex(), e)
+            self.sock.send_multipart([identity, *wire.encode("error", message=f"malformed message: {e}", code="protocol")])
             return
         header, _ = msg
         try:

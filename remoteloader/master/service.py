@@ -16,6 +16,7 @@ from ..dataset import BoundDataset, bind, bind_schema, file_to_wire
 from ..spec import DatasetSpec, SpecError
 from . import updates as U
 from .journal import Journal
+from ..worker.processor import SplitProcessor
 from .planner import make_task, plan_base_splits
 from .state import JobState
 
@@ -75,12 +76,11 @@ class MasterService:
         """Bind and plan a job; raises SpecError naming the key or column at fault."""
         bound = bind(spec)
         files = bound.files or []
-        splits = plan_base_splits(files, spec.split_rows)
+        splits = SplitProcessor(bound).sample(files, plan_base_splits(files, spec.split_rows))
         if not splits or sum(s.rows for s in splits) == 0:
             raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
         self._commit(U.JobSubmitted(spec.to_dict(), spec.fingerprint(), bound.schema,
-                                    [file_to_wire(f) for f in files],
-                                    [[s.file, s.first_unit, s.stop_unit, s.rows] for s in splits]))
+                                    [file_to_wire(f) for f in files], [s.to_wire() for s in splits], bound.skipped))
         self.bound = bound
         log.info("job %s: %d files, %d splits, %d rows", spec.fingerprint(), len(files), len(splits),
                  self.state.job.total_rows)
@@ -129,7 +129,6 @@ class MasterService:
         return "registered", {"worker_id": worker_id, "heartbeat_interval": self.config.heartbeat_interval}
 
     def _on_get_spec(self, m: dict) -> Reply:
-        self._require_worker(m["worker_id"])
         self._require_job()
         job = self.state.job
         return "spec", {"spec": job.spec, "schema": job.schema, "fingerprint": job.fingerprint}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -190,17 +190,18 @@ class _Fleet:
 
 
 _NEW = object.__new__
-_SLOTS = [WorkerSignal.__dict__.get(f) for f in ("worker_id", "rows_per_s", "buffered", "capacity", "cpu")]
 
 
-def _signals(*columns: list) -> tuple[WorkerSignal, ...]:
-    """WorkerSignals from columns. Calling a frozen dataclass costs ~2.5 us per object
-    (its __init__ goes through object.__setattr__), the largest cost of a 1000-worker
-    tick; filling the slots directly gives equal, still frozen objects at half the cost."""
-    if not all(hasattr(s, "__set__") for s in _SLOTS):
-        return tuple(map(WorkerSignal, *columns))
-    objs = [_NEW(WorkerSignal) for _ in range(len(columns[0]))]
-    for slot, values in zip(_SLOTS, columns):
+def _signals(cls: type, *columns: list) -> tuple:
+    """Signals (WorkerSignal, ClientSignal) from columns. Calling a frozen dataclass costs
+    ~2.5 us per object (its __init__ goes through object.__setattr__), the largest cost of
+    a 1000-worker tick; filling the slots directly gives equal, still frozen objects at
+    half the cost."""
+    slots = [cls.__dict__.get(f.name) for f in fields(cls)]
+    if not all(hasattr(s, "__set__") for s in slots):
+        return tuple(map(cls, *columns))
+    objs = [_NEW(cls) for _ in range(len(columns[0]))]
+    for slot, values in zip(slots, columns):
         deque(map(slot.__set__, objs, values), maxlen=0)
     return tuple(objs)
 
@@ -219,6 +220,7 @@ def simulate(sc: Scenario, policy: Policy, name: str = "") -> SimResult:
     tr = {k: np.zeros(n_ticks) for k in ("t", "active", "starting", "draining", "demand", "consumed", "stall", "floor")}
     actions: list[Decision] = []
     ccap = sc.client_cap if sc.client_cap is not None else math.inf
+    client_ids = [f"c{k}" for k in range(sc.clients)]
 
     for tick in range(n_ticks):
         wanted = got = possible = 0.0
@@ -256,13 +258,13 @@ def simulate(sc: Scenario, policy: Policy, name: str = "") -> SimResult:
         cpu = np.maximum(0.0, sc.cpu_idle + sc.cpu_busy * util + sc.cpu_noise * rng.standard_normal(len(util)))
         buffered = (fleet.buf[act] // sc.batch_rows).astype(int)
         fleet.acc[:] = 0.0
-        workers = _signals(fleet.names[act].tolist(), rates.tolist(), buffered.tolist(),
+        workers = _signals(WorkerSignal, fleet.names[act].tolist(), rates.tolist(), buffered.tolist(),
                            [sc.buffer_batches] * len(rates), cpu.tolist())
         stall = 1.0 - got / wanted if wanted > 0 else 0.0
         cstall = np.clip(stall * (1 + 0.05 * rng.standard_normal(sc.clients))
                          + np.abs(0.0005 * rng.standard_normal(sc.clients)), 0.0, 1.0)
         cbps = got / sc.tick_s / sc.batch_rows / sc.clients * (1 + 0.02 * rng.standard_normal(sc.clients))
-        clients = tuple(ClientSignal(f"c{k}", float(s), float(b)) for k, (s, b) in enumerate(zip(cstall, cbps)))
+        clients = _signals(ClientSignal, client_ids, cstall.tolist(), cbps.tolist())
         pending = int((fleet.state == STARTING).sum())
         d = policy.observe(Snapshot(t, workers, clients, pending))
         if d is not None and d.count > 0:
@@ -310,8 +312,3 @@ def _result(sc: Scenario, name: str, tr: dict[str, np.ndarray], actions: list[De
     return SimResult(sc.name, name, oracle_workers(sc), worst, after_sum / after_len if after_len else 0.0,
                      ws, len(actions), sum(1 for x, y in zip(signs, signs[1:]) if x != y), final, launched,
                      tr, actions)
-
-
-def quick(sc: Scenario, policy: Policy, **overrides) -> SimResult:
-    """Run with scenario fields overridden (tests use shorter runs)."""
-    return simulate(replace(sc, **overrides), policy)

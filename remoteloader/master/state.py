@@ -68,7 +68,7 @@ class Job:
     @property
     def plan_fingerprint(self) -> str:
         """Identity of the split plan: a resumed epoch is only exact over the same splits."""
-        blob = json.dumps([[s.file, s.first_unit, s.stop_unit, s.rows] for s in self.splits]
+        blob = json.dumps([s.to_wire() for s in self.splits]
                           + [[f[0], f[3]] for f in self.files]).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -97,6 +97,8 @@ class JobState:
     def _on_JobSubmitted(self, u: U.JobSubmitted) -> None:
         splits = [BaseSplit(i, *row) for i, row in enumerate(u.splits)]
         self.job = Job(u.spec, u.fingerprint, u.schema, u.files, splits, sum(s.rows for s in splits))
+        self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
+                           for m in u.skipped)
 
     def _on_WorkerRegistered(self, u: U.WorkerRegistered) -> None:
         self._worker_seq += 1
@@ -315,4 +317,4 @@ class JobState:
         return list(rank_epoch.splits.values())
 
     def errors_for(self, rank: int, epoch: int) -> list[dict]:
-        return [e for e in self.errors if e["rank"] == rank and e["epoch"] == epoch]
+        return [e for e in self.errors if (e["rank"], e["epoch"]) in ((rank, epoch), (-1, -1))]

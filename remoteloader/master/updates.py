@@ -32,7 +32,8 @@ class JobSubmitted(Update):
     fingerprint: str
     schema: dict  # column -> kind, as the table's files agree on it
     files: list  # [[path, format, partition, num_rows, nbytes, [[index, first_row, num_rows, nbytes], ...]], ...]
-    splits: list  # [[file, first_unit, stop_unit, rows], ...]: the base splits
+    splits: list  # BaseSplit.to_wire() of each base split
+    skipped: list  # files left out (on_error: skip), with the reason
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,15 @@ if rows remain, one short tail piece that the client merges with other tails.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from ..columns import Column, DenseColumn, SparseColumn
-from ..dataset import BoundDataset, file_from_wire
-from ..formats import TableError, read_split
-from ..master.planner import SplitTask, epoch_rng, pieces_of
+from ..dataset import BoundDataset, file_from_wire, file_to_wire
+from ..formats import DataFile, TableError, read_split
+from ..master.planner import BaseSplit, SplitTask, epoch_rng, pieces_of, with_sampled_rows
+from ..transforms import sampling_keep, validate_sampling
 
 
 class SplitError(RuntimeError):
@@ -35,6 +36,7 @@ class SplitProcessor:
     def __init__(self, bound: BoundDataset) -> None:
         self.bound = bound
         self.spec = bound.spec
+        self.sampling = validate_sampling(self.spec.sampling) if self.spec.sampling else None
 
     def pieces(self, task: SplitTask) -> Iterator[Piece]:
         batch = self.transform(task)
@@ -44,31 +46,90 @@ class SplitProcessor:
             yield Piece(task.split_id, i, hi - lo, batch.arrays(lo, hi))
 
     def transform(self, task: SplitTask) -> "SplitBatch":
-        file = file_from_wire(task.file)
-        try:
-            columns = read_split(file, task.first_unit, task.stop_unit, self.bound.read_columns)
-        except TableError as e:
-            raise SplitError(f"{task.describe()}: {e}") from None
-        got = len(next(iter(columns.values()))) if columns else 0
-        if got != task.base_rows:
-            raise SplitError(f"{task.describe()}: read {got} rows, the file's metadata promised {task.base_rows}")
-        columns = self._select_rows(columns, task)
+        columns = self._read(task.file, task.first_unit, task.stop_unit, self.bound.read_columns, task.raw_rows,
+                             task.describe())
+        weights = None
+        if self.sampling is not None:
+            keep, row_weights = self._keep(columns, task.position, task.raw_rows)
+            rows = np.flatnonzero(keep)
+            if rows.shape[0] != task.base_rows:
+                raise SplitError(f"{task.describe()}: sampling kept {rows.shape[0]} rows, the plan expects {task.base_rows}")
+            columns = {k: c.take(rows) for k, c in columns.items()}
+            weights = row_weights[rows] if self.sampling["weight"] else None
+        order = self._row_order(task)
+        if order is not None:
+            columns = {k: c.take(order) for k, c in columns.items()}
+            weights = None if weights is None else weights[order]
         try:
             features = self.bound.pipeline.run(columns)
         except (ValueError, ArithmeticError) as e:
             raise SplitError(f"{task.describe()}: transform failed: {e}") from None
-        labels = _float_rows(columns[self.spec.label]) if self.spec.label else np.zeros(task.row_hi - task.row_lo, np.float32)
+        n = task.row_hi - task.row_lo
+        labels = _float_rows(columns[self.spec.label]) if self.spec.label else np.zeros(n, np.float32)
         passthrough = {name: columns[name].values for name in self.spec.passthrough}
-        return SplitBatch(features.dense, labels, features.sparse, passthrough)
+        return SplitBatch(features.dense, labels, features.sparse, passthrough, weights)
 
-    def _select_rows(self, columns: dict[str, Column], task: SplitTask) -> dict[str, Column]:
+    def warm_up(self) -> None:
+        """Run the pipeline once on a few synthetic rows so that its kernels are compiled
+        (or loaded from numba's cache) before the first split arrives."""
+        columns = {name: _synthetic(kind) for name, kind in self.bound.schema.items()
+                   if name in self.bound.pipeline.input_columns}
+        try:
+            self.bound.pipeline.run(columns)
+        except (ValueError, ArithmeticError):
+            pass  # synthetic values may not suit every parameter; real splits report real errors
+
+    def sample(self, files: Sequence[DataFile], splits: Sequence[BaseSplit]) -> list[BaseSplit]:
+        """Base splits with the row counts that table-level sampling keeps (reads labels only
+        when ``label_value`` needs them); unchanged without sampling."""
+        if self.sampling is None:
+            return list(splits)
+        kept = []
+        for s in splits:
+            f = files[s.file]
+            columns = {}
+            if self.sampling["label_value"] is not None:
+                columns = self._read(file_to_wire(f), s.first_unit, s.stop_unit, [self.spec.label], s.raw_rows,
+                                     f"split {s.id} ({f.path}, units {s.first_unit}..{s.stop_unit - 1})")
+            kept.append(int(self._keep(columns, s.position, s.raw_rows)[0].sum()))
+        return with_sampled_rows(splits, kept)
+
+    def _read(self, file: list, first: int, stop: int, names: Sequence[str], rows: int, where: str) -> dict[str, Column]:
+        try:
+            columns = read_split(file_from_wire(file), first, stop, names)
+        except TableError as e:
+            raise SplitError(f"{where}: {e}") from None
+        got = len(next(iter(columns.values()))) if columns else rows
+        if got != rows:
+            raise SplitError(f"{where}: read {got} rows, the file's metadata promised {rows}")
+        return columns
+
+    def _keep(self, columns: dict[str, Column], position: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        s = self.sampling
+        labels = columns[self.spec.label].values if s["label_value"] is not None else None
+        return sampling_keep(np.arange(position, position + rows, dtype=np.int64), s["rate"], s["seed"],
+                             labels, s["label_value"])
+
+    def _row_order(self, task: SplitTask) -> Optional[np.ndarray]:
+        """The epoch's rows of this split (after sampling), in order; None for all rows as stored."""
         if self.spec.shuffle:
             order = epoch_rng(self.spec.seed, task.epoch, task.base + 1).permutation(task.base_rows)
-            rows = order[task.row_lo : task.row_hi]
-            return {k: c.take(rows) for k, c in columns.items()}
+            return order[task.row_lo : task.row_hi]
         if task.row_lo == 0 and task.row_hi == task.base_rows:
-            return columns
-        return {k: c.slice(task.row_lo, task.row_hi) for k, c in columns.items()}
+            return None
+        return np.arange(task.row_lo, task.row_hi)
+
+
+def _synthetic(kind: str) -> Column:
+    """Three rows of a column of this kind, in the dtypes readers produce."""
+    offsets = np.array([0, 2, 2, 3], np.int64)
+    if kind == "id_list":
+        return SparseColumn(np.array([1, 2, 3], np.int64), offsets)
+    if kind == "float_list":
+        return SparseColumn(np.array([0.5, 1.0, 2.0], np.float32), offsets)
+    if kind == "int":
+        return DenseColumn(np.array([1, 2, 3], np.int64))
+    return DenseColumn(np.array([0.25, 0.5, 2.0], np.float32))
 
 
 def _float_rows(column: Column) -> np.ndarray:
@@ -84,6 +145,7 @@ class SplitBatch:
     labels: np.ndarray  # float32 [rows]
     sparse: list[SparseColumn]
     passthrough: dict[str, np.ndarray]
+    weights: Optional[np.ndarray] = None  # per-row sampling weights (sampling.weight: true)
 
     @property
     def rows(self) -> int:
@@ -101,6 +163,8 @@ class SplitBatch:
                  for c, (a, b) in zip(self.sparse, bounds)], np.float32)
         for name, values in self.passthrough.items():
             out["pt." + name] = values[lo:hi]
+        if self.weights is not None:
+            out["weights"] = self.weights[lo:hi]
         return out
 
 

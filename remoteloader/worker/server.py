@@ -64,26 +64,31 @@ class Worker:
 
     # -- set-up ----------------------------------------------------------------------
     def _join(self, rpc: RpcClient) -> bool:
-        """Register, then fetch the job's spec: a master may start before its first client
-        brings one, and may restart and forget us, so both steps retry until they succeed."""
+        """Fetch the job's spec and compile its pipeline, then register.
+
+        In that order so that the master only counts on this worker once it is ready:
+        compiling kernels holds the GIL for seconds, long enough to miss heartbeats.
+        A master may start before its first client brings a spec, and may restart and
+        forget us, so every step retries until it succeeds.
+        """
         while not self.stop_event.is_set():
             try:
+                if self.processor is None:
+                    reply = rpc.call("get_spec")
+                    spec = DatasetSpec.from_dict(reply["spec"])
+                    processor = SplitProcessor(bind_schema(spec, reply["schema"]))
+                    processor.warm_up()
+                    self.processor = processor
                 if self.worker_id is None:
                     reply = rpc.call("register", addr=self.addr, pid=os.getpid(), host=pysocket.gethostname())
                     self.worker_id = reply["worker_id"]
                     self.heartbeat_interval = float(reply["heartbeat_interval"])
                     log.info("worker %s serving on %s", self.worker_id, self.addr)
-                if self.processor is None:
-                    reply = rpc.call("get_spec", worker_id=self.worker_id)
-                    spec = DatasetSpec.from_dict(reply["spec"])
-                    self.processor = SplitProcessor(bind_schema(spec, reply["schema"]))
                 return True
             except MasterUnavailable as e:
                 log.warning("%s; retrying", e)
-            except RemoteError as e:
-                if e.code == "unknown_worker":
-                    self.worker_id = None
-                self.stop_event.wait(0.2)
+            except RemoteError:
+                self.stop_event.wait(0.2)  # no job yet
         return False
 
     def run(self) -> None:
