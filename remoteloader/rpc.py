@@ -6,6 +6,8 @@ be taken for the answer to the next one.
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any, Optional
 
 import zmq
@@ -38,14 +40,21 @@ class RpcClient:
             self._sock.connect(self.addr)
         return self._sock
 
-    def call(self, t: str, timeout_s: Optional[float] = None, **fields: Any) -> dict:
-        """Send one request; return the reply header. Raises MasterUnavailable or RemoteError."""
+    def call(self, t: str, timeout_s: Optional[float] = None, stop: Optional[threading.Event] = None,
+             **fields: Any) -> dict:
+        """Send one request; return the reply header. Raises MasterUnavailable or RemoteError.
+
+        With ``stop``, the wait ends early (as unavailable) once the event is set, so a
+        thread blocked on a dead master can still shut down promptly.
+        """
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
         sock = self._socket()
         sock.send_multipart(wire.encode(t, **fields))
-        if not sock.poll(int(1000 * (timeout_s if timeout_s is not None else self.timeout_s))):
-            self.reset()
-            raise MasterUnavailable(f"master at {self.addr} did not answer {t!r} within "
-                                    f"{timeout_s if timeout_s is not None else self.timeout_s:g} s")
+        deadline = time.monotonic() + timeout
+        while not sock.poll(int(1000 * min(0.1, max(0.0, deadline - time.monotonic())))):
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                self.reset()
+                raise MasterUnavailable(f"master at {self.addr} did not answer {t!r} within {timeout:g} s")
         header, _ = wire.decode(sock.recv_multipart(copy=False))
         if header["t"] == "error":
             raise RemoteError(header["message"], header.get("code", ""))

@@ -43,6 +43,7 @@ class Worker:
         self.draining = threading.Event()  # no new splits; leave once the master says so
         self.drain_timeout_s = drain_timeout_s
         self._drain_reported = False
+        self._master_gone = False
         self._drain_deadline = float("inf")
         self.faults = faults or Faults()
         self._producing: Optional[list] = None  # [epoch, split_id, pieces produced]
@@ -106,7 +107,7 @@ class Worker:
             producer.join(timeout=5)
             # Leaving on purpose: tell the master now rather than after a heartbeat timeout,
             # so whatever this worker still held is re-queued at once.
-            if self.worker_id is not None:
+            if self.worker_id is not None and not self._master_gone:
                 try:
                     control.call("bye", worker_id=self.worker_id, timeout_s=1.0)
                 except (MasterUnavailable, RemoteError):
@@ -125,7 +126,7 @@ class Worker:
                     self.stop_event.wait(0.1)
                     continue
                 try:
-                    reply = rpc.call("get_split", worker_id=self.worker_id)
+                    reply = rpc.call("get_split", worker_id=self.worker_id, stop=self.stop_event)
                 except (MasterUnavailable, RemoteError) as e:
                     log.warning("get_split: %s", e)
                     time.sleep(0.5)
@@ -169,7 +170,7 @@ class Worker:
 
     def _call_quietly(self, rpc: RpcClient, t: str, **fields) -> None:
         try:
-            rpc.call(t, **fields)
+            rpc.call(t, stop=self.stop_event, **fields)
         except (MasterUnavailable, RemoteError) as e:
             log.warning("%s: %s", t, e)
 
@@ -187,7 +188,15 @@ class Worker:
                 if self.draining.is_set() and not self._drain_reported:
                     self._drain_reported = True
                     self._drain_deadline = now + self.drain_timeout_s
-                    self._call_quietly(control, "drain", worker_id=self.worker_id)
+                    try:
+                        control.call("drain", worker_id=self.worker_id, timeout_s=2.0, stop=self.stop_event)
+                    except (MasterUnavailable, RemoteError) as e:
+                        # No master to hand splits to (e.g. the whole service is shutting
+                        # down): nothing to wait for.
+                        log.warning("drain: %s; exiting", e)
+                        self._master_gone = True
+                        self.stop_event.set()
+                        break
                 if now >= self._drain_deadline:
                     log.warning("drain timed out after %.0f s; handing splits back", self.drain_timeout_s)
                     self.stop_event.set()
