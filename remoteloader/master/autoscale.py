@@ -534,6 +534,8 @@ class AutoscalePolicy:
                 if keep < n:
                     return self._act(now, "remove", n - keep, keep, "step back: " + why, self._least_useful(n - keep))
                 return self._hold(now, "plateau", n, why)
+            if trial.probe_interval:
+                self._probe = trial.probe_interval  # a re-check that paid: keep probing in small steps
 
         # 2. Forget a plateau when the situation changed or it is time to re-check.
         if self._plateau is not None:
