@@ -118,7 +118,10 @@ class RemoteDataLoader:
             return discover_master(fingerprint, self.connect_timeout)
         if os.environ.get("REMOTELOADER_MASTER"):
             return os.environ["REMOTELOADER_MASTER"]
-        self._cluster = EmbeddedCluster(num_workers or os.cpu_count() or 1)
+        scaling = self.spec.autoscale
+        extra = () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
+                                            "--max-workers", str(scaling.get("max_workers", os.cpu_count() or 1)))
+        self._cluster = EmbeddedCluster(num_workers or os.cpu_count() or 1, extra_args=extra)
         self._finalizer = weakref.finalize(self, self._cluster.close)
         publish_master(self._cluster.addr, fingerprint)
         return self._cluster.addr

@@ -78,6 +78,7 @@ class DatasetSpec:
     split_rows: int = 64 * 1024
     sampling: Optional[dict] = None
     on_error: str = "fail"
+    autoscale: Optional[dict] = None  # {min_workers, max_workers}: let the master size the worker pool
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -118,6 +119,8 @@ class DatasetSpec:
         }
         if self.sampling is not None:
             out["sampling"] = dict(self.sampling)
+        if self.autoscale is not None:
+            out["autoscale"] = dict(self.autoscale)
         return out
 
     def fingerprint(self) -> str:
@@ -132,7 +135,9 @@ class DatasetSpec:
 
 
 # -- parsing ---------------------------------------------------------------------------
-_TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "split_rows", "sampling", "on_error"}
+_TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "split_rows", "sampling", "on_error",
+             "autoscale"}
+_AUTOSCALE_KEYS = {"min_workers", "max_workers"}
 _TABLE_KEYS = {"path", "format", "partitions"}
 _FEATURE_GROUP_KEYS = {"label", "dense", "sparse", "passthrough"}
 _FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
@@ -209,6 +214,7 @@ def _parse(data: Any, base_dir: Path) -> DatasetSpec:
         split_rows=_typed(top.get("split_rows", 64 * 1024), (int,), "split_rows", "a positive integer"),
         sampling=dict(_mapping(top["sampling"], "sampling")) if top.get("sampling") is not None else None,
         on_error=_typed(top.get("on_error", "fail"), (str,), "on_error", "'fail' or 'skip'"),
+        autoscale=_parse_autoscale(top.get("autoscale")),
     )
     _check_batching(spec)
     return spec
@@ -223,6 +229,19 @@ def _check_batching(spec: DatasetSpec) -> None:
         raise SpecError(f"on_error: must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}")
     if spec.seed < 0 or spec.seed >= 2**63:
         raise SpecError(f"seed: must be in [0, 2**63), got {spec.seed}")
+
+
+def _parse_autoscale(value: Any) -> Optional[dict]:
+    if value is None:
+        return None
+    a = _mapping(value, "autoscale")
+    _no_unknown(a, _AUTOSCALE_KEYS, "autoscale")
+    out = {k: _typed(a[k], (int,), f"autoscale.{k}", "a positive integer") for k in sorted(a)}
+    if any(v < 1 for v in out.values()):
+        raise SpecError("autoscale: min_workers and max_workers must be at least 1")
+    if out.get("min_workers", 1) > out.get("max_workers", 1 << 30):
+        raise SpecError("autoscale.min_workers: larger than autoscale.max_workers")
+    return out
 
 
 def _list(value: Any, key: str) -> Sequence:

@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import signal
 import sys
+import time
 from typing import Optional, Sequence
 
 from ..procs import die_with_parent
 from ..spec import DatasetSpec, SpecError
 from .journal import Journal
-from .launcher import LocalLauncher
+from .autoscale import AutoscaleConfig
+from .launcher import make_launcher
+from .metrics import MetricsServer
+from .scaling import Autoscaler
 from .server import MasterServer
 from .service import MasterConfig, MasterService
 
@@ -20,12 +25,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bind", default="tcp://127.0.0.1:5555", help="address to listen on (port 0: any free port)")
     p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
     p.add_argument("--journal", help="directory of the state journal; without it state lives in memory only")
-    p.add_argument("--workers", type=int, default=0, help="local worker processes to start and keep running")
-    p.add_argument("--worker-buffer", type=int, default=16, help="batches each local worker may buffer")
+    p.add_argument("--workers", type=int, default=0, help="workers to start and keep running (a fixed pool)")
+    p.add_argument("--autoscale", action="store_true", help="let the autoscaler choose the worker count")
+    p.add_argument("--min-workers", type=int, help="autoscaling lower bound (default: spec's autoscale, else 1)")
+    p.add_argument("--max-workers", type=int, help="autoscaling upper bound (default: spec's autoscale, else 64)")
+    p.add_argument("--launcher", choices=("local", "ray"), default="local", help="how workers are started")
+    p.add_argument("--ray-address", help="Ray cluster address for --launcher ray (e.g. 127.0.0.1:6379, auto)")
+    p.add_argument("--worker-buffer", type=int, default=16, help="batches each launched worker may buffer")
+    p.add_argument("--worker-args", default="", help="extra arguments for launched local workers (one string)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds without heartbeat before a worker is dead")
     p.add_argument("--split-timeout", type=float, default=60.0,
                    help="seconds a worker may hold a split without progress before it is re-queued")
     p.add_argument("--max-workers-per-client", type=int, default=32, help="partitioned round robin: workers per client")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any port)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics endpoint")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
@@ -43,14 +56,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"remoteloader-master: {e}", file=sys.stderr)
             return 2
     server = MasterServer(service, args.bind)
-    launcher = LocalLauncher(server.addr, ["--buffer-batches", str(args.worker_buffer)])
-    if args.workers:
+    try:
+        launcher = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
+                                 worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer)
+    except (ValueError, ImportError, ConnectionError) as e:
+        print(f"remoteloader-master: {e}", file=sys.stderr)
+        return 2
+    scaling = _autoscale_config(args, service)
+    if scaling is not None:
+        autoscaler = Autoscaler(service, launcher, scaling)
+        autoscaler.start()
+        server.periodic.append(autoscaler.tick)
+    elif args.workers:
         launcher.start(args.workers)
 
         def keep_workers() -> None:  # DPP's master restarts failed workers; so does this one
             if launcher.reap():
                 launcher.start(args.workers - launcher.running())
         server.periodic.append(keep_workers)
+
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = MetricsServer(args.metrics_port, args.metrics_host)
+        last_publish = [0.0]
+
+        def publish() -> None:
+            if time.monotonic() - last_publish[0] >= 1.0:
+                metrics.publish(service.status())
+                last_publish[0] = time.monotonic()
+        server.periodic.append(publish)
+        print(f"remoteloader-master metrics on http://{args.metrics_host}:{metrics.port}/metrics", file=sys.stderr)
 
     signal.signal(signal.SIGTERM, lambda *_: server.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: server.stop_event.set())
@@ -59,9 +94,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.serve_forever()
     finally:
         launcher.stop_all()
+        if metrics is not None:
+            metrics.close()
         if service.journal is not None:
             service.journal.close()
     return 0
+
+
+def _autoscale_config(args: argparse.Namespace, service: MasterService) -> Optional[AutoscaleConfig]:
+    """CLI flags win over the spec's ``autoscale`` section; neither means a fixed pool."""
+    from_spec = (service.state.job.spec.get("autoscale") if service.state.job else None) or {}
+    if not args.autoscale and not from_spec:
+        return None
+    config = AutoscaleConfig()
+    config.min_workers = args.min_workers or from_spec.get("min_workers", config.min_workers)
+    config.max_workers = args.max_workers or from_spec.get("max_workers", config.max_workers)
+    return config
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from ..dataset import BoundDataset, bind, bind_schema, file_to_wire
 from ..spec import DatasetSpec, SpecError
 from . import updates as U
 from .journal import Journal
+from .metrics import RateWindow
 from ..worker.processor import SplitProcessor
 from .planner import make_task, plan_base_splits
 from .state import JobState
@@ -39,6 +40,7 @@ class MasterConfig:
     max_workers_per_client: int = 32
     no_split_retry_ms: int = 50
     split_timeout: float = 60.0  # a worker producing nothing for this long loses its split
+    rate_window_s: float = 10.0  # throughput and stall are measured over this window
 
 
 def _check_acks(acks: list) -> list:
@@ -54,6 +56,8 @@ class MasterService:
         self.journal = journal
         self.clock = clock
         self.state = JobState(config.max_workers_per_client)
+        self.rates = RateWindow(config.rate_window_s)
+        self.decisions: list[dict] = []  # the autoscaler's recent decisions, for status
         self.bound: Optional[BoundDataset] = None
         if journal is not None:
             replayed = 0
@@ -98,6 +102,7 @@ class MasterService:
     def tick(self) -> None:
         """Periodic duties: dead workers lose their splits, hung workers the split they hold."""
         now = self.clock()
+        self.rates.forget({"w:" + w for w in self.state.workers} | {"c:" + c for c in self.state.clients})
         for w in list(self.state.workers.values()):
             if w.last_seen < now - self.config.heartbeat_timeout:
                 log.warning("worker %s (%s) missed heartbeats for %.1f s: presumed dead",
@@ -137,7 +142,9 @@ class MasterService:
         w = self.state.workers.get(m["worker_id"])
         if w is None:
             return "heartbeat_ok", {"state": "unknown"}
-        self._commit(U.WorkerHeartbeat(m["worker_id"], self.clock(), m["buffered"], m.get("stats", {})))
+        stats = m.get("stats", {})
+        self._commit(U.WorkerHeartbeat(m["worker_id"], self.clock(), m["buffered"], stats))
+        self.rates.update("w:" + m["worker_id"], self.clock(), stats)
         if not w.draining:
             return "heartbeat_ok", {"state": "run"}
         if w.assigned:
@@ -234,6 +241,7 @@ class MasterService:
         if acks:
             self._commit(U.SplitsConsumed(rank, m["epoch"], acks))
         self._commit(U.ClientHeartbeat(m["client_id"], self.clock(), m.get("stats", {})))
+        self.rates.update("c:" + m["client_id"], self.clock(), m.get("stats", {}))
         workers = [[wid, self.state.workers[wid].addr] for wid in self.state.partitions.get(rank, [])]
         return "membership", {"workers": workers, "errors": self.state.errors_for(rank, m["epoch"])}
 
@@ -244,6 +252,10 @@ class MasterService:
 
     def _on_status(self, m: dict) -> Reply:
         return "status_reply", {"status": self.status()}
+
+    def client_stall(self, client_id: str) -> float:
+        """Share of the window the client's training loop spent waiting for batches."""
+        return min(1.0, self.rates.rate("c:" + client_id, "wait_s"))
 
     def status(self) -> dict:
         st, now = self.state, self.clock()
@@ -258,9 +270,15 @@ class MasterService:
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size},
             "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, "buffered": w.buffered,
-                         "assigned": len(w.assigned), "last_seen_s": round(now - w.last_seen, 3), **w.stats}
+                         "assigned": len(w.assigned), "draining": w.draining,
+                         "last_seen_s": round(now - w.last_seen, 3), **w.stats,
+                         "rows_per_s": round(self.rates.rate("w:" + w.worker_id, "rows"), 1)}
                         for w in sorted(st.workers.values(), key=lambda w: w.seq)],
-            "clients": [{"id": cid, "rank": rank, **st.client_stats.get(cid, {})} for cid, rank in st.clients.items()],
+            "clients": [{"id": cid, "rank": rank, **st.client_stats.get(cid, {}),
+                         "stall": round(self.client_stall(cid), 4),
+                         "batches_per_s": round(self.rates.rate("c:" + cid, "batches"), 2)}
+                        for cid, rank in st.clients.items()],
+            "autoscaler": self.decisions[-10:],
             "ranks": ranks,
             "errors": st.errors[-20:],
         }

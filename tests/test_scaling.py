@@ -1,0 +1,117 @@
+"""Autoscaling with real processes: the local launcher converges; Ray actors start and drain."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from remoteloader import RemoteDataLoader
+from remoteloader.master.launcher import RayLauncher
+from remoteloader.master.server import MasterServer
+from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.rpc import RpcClient
+from remoteloader.spec import DatasetSpec
+from tests.conftest import spec_dict, wait_gone
+
+BIN = Path(sys.executable).parent
+
+
+def status(addr: str) -> dict:
+    import json
+
+    out = subprocess.run([str(BIN / "remoteloader"), "status", "--master", addr, "--json"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_local_autoscaler_converges_to_the_needed_count(tables, master_factory):
+    """Workers slowed to ~640 rows/s each; a trainer wanting ~1600 rows/s needs 3 of them."""
+    master = master_factory("--autoscale", "--min-workers", "1", "--max-workers", "5",
+                            "--worker-args", "--inject-batch-delay 0.1 --buffer-batches 8", workers=0)
+    spec = spec_dict(tables["orc"], batch_size=64)
+    deadline = time.monotonic() + 120
+    counts, settled_since = [], None
+    with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
+        while time.monotonic() < deadline:
+            for i, _ in enumerate(loader):
+                time.sleep(0.04)  # the training step: 25 batches/s = 1600 rows/s
+                if i % 25 == 0:
+                    counts.append(len([w for w in status(master.addr)["workers"] if not w["draining"]]))
+                    in_range = 3 <= counts[-1] <= 4
+                    settled_since = (settled_since or time.monotonic()) if in_range else None
+                    if settled_since and time.monotonic() - settled_since > 20:
+                        deadline = 0  # held the needed count for 20 s: converged
+                if time.monotonic() >= deadline:
+                    break
+    st = status(master.addr)
+    decisions = st["autoscaler"]
+    assert decisions and all(d["reason"] for d in decisions)
+    assert any(d["action"] == "add" for d in decisions)
+    active = len([w for w in st["workers"] if not w["draining"]])
+    assert 3 <= active <= 4, (active, counts, decisions)
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch):
+    """A Ray head on 127.0.0.1 only, stopped afterwards."""
+    ray_bin = BIN / "ray"
+    if not ray_bin.exists():
+        pytest.skip("ray is not installed")
+    # Ray refuses a loopback node address unless told this is a single-machine
+    # "cluster"; with it, GCS and raylet bind to 127.0.0.1 instead of every interface.
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # Ray's socket paths must stay short
+    port = "6390"
+    subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
+                    "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+                    "--temp-dir", temp_dir], check=True, capture_output=True)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
+    import ray
+
+    spec = DatasetSpec.from_dict(spec_dict(tables["orc"]))
+    service = MasterService(MasterConfig(heartbeat_timeout=10))
+    service.submit(spec)
+    server = MasterServer(service, "tcp://127.0.0.1:0")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    launcher = None
+    try:
+        launcher = RayLauncher(server.addr, ray_cluster)
+        launcher.start(2)
+        deadline = time.monotonic() + 120
+        while len(status(server.addr)["workers"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        workers = status(server.addr)["workers"]
+        assert len(workers) == 2 and all(w["addr"].startswith("tcp://127.0.0.1:") for w in workers)
+        with RemoteDataLoader(spec, master=server.addr, timeout=60) as loader:
+            assert sum(len(b) for b in loader) == 5000
+        # Drain one (through the master's loop, as the autoscaler would): the actor leaves by itself.
+        rpc = RpcClient(zmq.Context.instance(), server.addr, 10)
+        rpc.call("drain", worker_id=workers[0]["id"])
+        rpc.close()
+        while launcher.running() > 1 and time.monotonic() < deadline:
+            launcher.reap()
+            time.sleep(0.2)
+        assert launcher.running() == 1
+        assert [w["id"] for w in status(server.addr)["workers"]] == [workers[1]["id"]]
+    finally:
+        if launcher is not None:
+            launcher.stop_all()
+        server.stop_event.set()
+        thread.join(5)
+        ray.shutdown()
