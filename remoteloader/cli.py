@@ -80,10 +80,16 @@ def _status(args: argparse.Namespace) -> int:
     print(f"job: {job['fingerprint']} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)" if job else "job: none yet")
     print(f"workers: {len(status['workers'])}")
     for w in status["workers"]:
-        print(f"  {w['id']}  {w['addr']}  pid {w['pid']}  buffered {w['buffered']}  assigned {w['assigned']}  "
-              f"rows {w.get('rows', 0):,}  cpu {w.get('cpu', 0):.0%}")
+        print(f"  {w['id']}  {w['addr']}  pid {w['pid']}{'  DRAINING' if w.get('draining') else ''}  "
+              f"buffered {w['buffered']}/{w.get('capacity', '?')}  assigned {w['assigned']}  "
+              f"{w.get('rows_per_s', 0):,.0f} rows/s  cpu {w.get('cpu', 0):.0%}")
+    for c in status["clients"]:
+        print(f"client {c['id']} rank {c['rank']}: stall {c.get('stall', 0):.1%}  "
+              f"{c.get('batches_per_s', 0):.1f} batches/s  queued {c.get('queued', 0)}")
     for rank, r in status["ranks"].items():
         print(f"rank {rank}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
+    for d in status.get("autoscaler", [])[-5:]:
+        print(f"autoscaler: {d['action']} {d['count']} -> {d['workers']} workers: {d['reason']}")
     for e in status["errors"]:
         print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
     return 0

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from ..procs import die_with_parent
 from ..spec import DatasetSpec, SpecError
 from .journal import Journal
-from .autoscale import AutoscaleConfig
+from .autoscale import AutoscaleConfig, CpuTargetConfig, CpuTargetPolicy
 from .launcher import make_launcher
 from .metrics import MetricsServer
 from .scaling import Autoscaler
@@ -29,6 +29,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--autoscale", action="store_true", help="let the autoscaler choose the worker count")
     p.add_argument("--min-workers", type=int, help="autoscaling lower bound (default: spec's autoscale, else 1)")
     p.add_argument("--max-workers", type=int, help="autoscaling upper bound (default: spec's autoscale, else 64)")
+    p.add_argument("--autoscale-policy", choices=("stall", "cpu"), default="stall",
+                   help="stall: remoteloader's policy; cpu: a Kubernetes-style 80%% CPU target (for comparison)")
     p.add_argument("--launcher", choices=("local", "ray"), default="local", help="how workers are started")
     p.add_argument("--ray-address", help="Ray cluster address for --launcher ray (e.g. 127.0.0.1:6379, auto)")
     p.add_argument("--worker-buffer", type=int, default=16, help="batches each launched worker may buffer")
@@ -64,7 +66,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     scaling = _autoscale_config(args, service)
     if scaling is not None:
-        autoscaler = Autoscaler(service, launcher, scaling)
+        policy = None
+        if args.autoscale_policy == "cpu":
+            policy = CpuTargetPolicy(CpuTargetConfig(min_workers=scaling.min_workers, max_workers=scaling.max_workers))
+        autoscaler = Autoscaler(service, launcher, scaling, policy)
         autoscaler.start()
         server.periodic.append(autoscaler.tick)
     elif args.workers:
