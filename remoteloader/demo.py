@@ -41,7 +41,7 @@ class DLRM(nn.Module):
     def __init__(self, dense: int, keys: list[str], dim: int = 16) -> None:
         super().__init__()
         self.keys = keys
-        self.bags = nn.ModuleDict({k: nn.EmbeddingBag(HASH_SIZE, dim, mode="sum") for k in keys})
+        self.bags = nn.ModuleDict({k: nn.EmbeddingBag(HASH_SIZE, dim, mode="sum", sparse=True) for k in keys})
         self.bottom = nn.Sequential(nn.Linear(dense, 64), nn.ReLU(), nn.Linear(64, dim), nn.ReLU())
         self.top = nn.Sequential(nn.Linear(dim * (len(keys) + 1), 64), nn.ReLU(), nn.Linear(64, 1))
 
@@ -70,10 +70,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         generate_table(str(table), rows=args.rows, partitions=2, dense=args.dense, sparse=args.sparse + 4,
                        format="orc", seed=0)
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # leave the other cores to the workers: this is a 2-core demo
     spec = demo_spec(str(table.resolve()), args.dense, args.sparse, args.batch_size)
     with RemoteDataLoader(spec, num_workers=args.workers) as loader:
         model = DLRM(args.dense, loader.sparse_keys)
-        opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.05)  # handles the bags' sparse gradients
         loss_fn = nn.BCEWithLogitsLoss()
         print(f"{len(loader)} batches of {args.batch_size} rows per epoch; training {args.steps} steps")
         step, rows, start, window_loss = 0, 0, time.perf_counter(), 0.0
@@ -86,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 opt.step()
                 step += 1
                 rows += len(batch)
-                window_loss += float(loss)
+                window_loss += loss.item()
                 if step % 50 == 0:
                     elapsed = time.perf_counter() - start
                     print(f"epoch {epoch} step {step:4d}  loss {window_loss / 50:.4f}  {rows / elapsed:,.0f} rows/s")
