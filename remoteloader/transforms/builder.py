@@ -116,17 +116,7 @@ class Feature:
     # -- output ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The feature entry exactly as written in a spec's ``dense:`` or ``sparse:`` list."""
-        out: dict[str, Any] = {"name": self.name}
-        if self.column is not None:
-            out["column"] = self.column
-        else:
-            out["inputs"] = list(self.inputs)
-        if self.scores is not None:
-            out["scores"] = self.scores
-        if self.default is not None:
-            out["default"] = self.default
-        out["transforms"] = [dict(t) for t in self.transforms]
-        return out
+        return self.to_spec().to_dict()
 
     def to_spec(self) -> Any:
         """The ``remoteloader.spec.FeatureSpec`` this entry parses to."""
