@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -38,7 +39,7 @@ class FeatureSpec:
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"name": self.name}
         if self.column is not None:
-            out["column"] = self.column
+            out["column"] = column_ref_to_dict(self.column)
         else:
             out["inputs"] = list(self.inputs)
         if self.scores is not None:
@@ -271,6 +272,28 @@ def _parse_table(value: Any, base_dir: Path) -> TableSpec:
     return TableSpec(path=path, format=fmt, partitions=parts)
 
 
+MAP_REF = re.compile(r"^(.+)\[(-?\d+)\]$")
+
+
+def _column_ref(value: Any, key: str) -> str:
+    """A column name, or ``{map: COLUMN, key: K}`` for one key of a map column, which is
+    held as the virtual column name ``COLUMN[K]`` (what the readers understand)."""
+    if isinstance(value, Mapping):
+        _no_unknown(value, {"map", "key"}, key)
+        if "map" not in value or "key" not in value:
+            raise SpecError(f"{key}: a map column reference needs both 'map' and 'key'")
+        _name(value["map"], f"{key}.map")
+        _typed(value["key"], (int,), f"{key}.key", "an integer map key")
+        return f"{value['map']}[{value['key']}]"
+    return _name(value, key)
+
+
+def column_ref_to_dict(name: str) -> Any:
+    """The declarative form of a column reference (inverse of ``_column_ref``)."""
+    m = MAP_REF.match(name)
+    return {"map": m.group(1), "key": int(m.group(2))} if m else name
+
+
 def _str_keys(value: Any) -> Any:
     """Mapping keys as strings, as JSON has them: a YAML ``{1: 10}`` and a JSON ``{"1": 10}``
     are the same spec (and fingerprint), and the spec crosses the wire as msgpack."""
@@ -291,7 +314,7 @@ def _parse_feature(value: Any, kind: str, key: str) -> FeatureSpec:
     if (column is None) == (inputs is None):
         raise SpecError(f"{key}: feature {name!r} needs exactly one of 'column' or 'inputs'")
     if column is not None:
-        _name(column, f"{key}.column")
+        column = _column_ref(column, f"{key}.column")
         inputs_t: tuple[str, ...] = ()
     else:
         inputs_t = tuple(_name(x, f"{key}.inputs[{i}]") for i, x in enumerate(_list(inputs, f"{key}.inputs")))

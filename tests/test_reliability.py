@@ -87,6 +87,9 @@ def test_master_sigkill_with_journal_resumes_the_epoch(tables, tmp_path):
             got, _ = collect(batches)
             assert_same(got, read_reference(tables["parquet"]))
             assert len(batches) == len(loader)
+        # The job's projection went into the popularity log kept with the journal.
+        logged = json.loads((journal / "popularity.jsonl").read_text().splitlines()[0])
+        assert logged["columns"] == ["float_0", "float_1", "idlist_0", "idlist_1", "label", "row_id"]
     finally:
         stop_all(procs)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -25,6 +26,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bind", default="tcp://127.0.0.1:5555", help="address to listen on (port 0: any free port)")
     p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
     p.add_argument("--journal", help="directory of the state journal; without it state lives in memory only")
+    p.add_argument("--popularity-log", help="append each job's feature projection here "
+                   "(default: popularity.jsonl in the journal directory)")
     p.add_argument("--workers", type=int, default=0, help="workers to start and keep running (a fixed pool)")
     p.add_argument("--autoscale", action="store_true", help="let the autoscaler choose the worker count")
     p.add_argument("--min-workers", type=int, help="autoscaling lower bound (default: spec's autoscale, else 1)")
@@ -49,7 +52,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         die_with_parent()
 
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
-                          split_timeout=args.split_timeout)
+                          split_timeout=args.split_timeout,
+                          popularity_log=args.popularity_log or (os.path.join(args.journal, "popularity.jsonl")
+                                                                 if args.journal else None))
     service = MasterService(config, Journal(args.journal) if args.journal else None)
     if args.spec and service.state.job is None:
         try:

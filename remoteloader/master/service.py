@@ -6,6 +6,7 @@ always consistent with what a restarted master would rebuild from the journal.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -41,6 +42,7 @@ class MasterConfig:
     no_split_retry_ms: int = 50
     split_timeout: float = 60.0  # a worker producing nothing for this long loses its split
     rate_window_s: float = 10.0  # throughput and stall are measured over this window
+    popularity_log: Optional[str] = None  # JSON lines: each job's projected columns (feature reordering)
 
 
 def _check_acks(acks: list) -> list:
@@ -86,6 +88,10 @@ class MasterService:
         self._commit(U.JobSubmitted(spec.to_dict(), spec.fingerprint(), bound.schema,
                                     [file_to_wire(f) for f in files], [s.to_wire() for s in splits], bound.skipped))
         self.bound = bound
+        if self.config.popularity_log:
+            # Which columns jobs read together: `remoteloader reorder` stores them together.
+            with open(self.config.popularity_log, "a") as f:
+                f.write(json.dumps({"time": time.time(), "table": spec.table.path, "columns": bound.read_columns}) + "\n")
         log.info("job %s: %d files, %d splits, %d rows", spec.fingerprint(), len(files), len(splits),
                  self.state.job.total_rows)
 
