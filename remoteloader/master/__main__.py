@@ -97,8 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.periodic.append(publish)
         print(f"remoteloader-master metrics on http://{args.metrics_host}:{metrics.port}/metrics", file=sys.stderr)
 
-    signal.signal(signal.SIGTERM, lambda *_: server.stop_event.set())
-    signal.signal(signal.SIGINT, lambda *_: server.stop_event.set())
+    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     print(f"remoteloader-master listening on {server.addr}", flush=True)
     try:
         server.serve_forever()

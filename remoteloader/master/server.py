@@ -36,12 +36,13 @@ class MasterServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES + 1024)
         self.addr = bind_endpoint(self.sock, bind)
         self.stop_event = threading.Event()
+        self._stop_requested = False  # set by signal handlers: a plain flag is safe there, Event.set is not
         self.periodic: list[Callable[[], None]] = [service.tick]
 
     def serve_forever(self) -> None:
         next_tick = 0.0
         try:
-            while not self.stop_event.is_set():
+            while not (self.stop_event.is_set() or self._stop_requested):
                 if self.sock.poll(int(TICK_S * 1000)):
                     while self.sock.poll(0):
                         self._handle(self.sock.recv_multipart(copy=False))
@@ -52,6 +53,10 @@ class MasterServer:
                     next_tick = now + TICK_S
         finally:
             self.sock.close(linger=0)
+
+    def request_stop(self) -> None:
+        """Async-signal-safe: Event.set takes a lock that a second signal could deadlock on."""
+        self._stop_requested = True
 
     def _handle(self, parts: list) -> None:
         if len(parts) < 2:

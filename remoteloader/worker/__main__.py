@@ -30,8 +30,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     drain_timeout_s=args.drain_timeout,
                     faults=Faults(args.inject_batch_delay, args.inject_hang_after))
     # SIGTERM (scale-down, orderly shutdown) drains; SIGINT (Ctrl-C) stops at once.
-    signal.signal(signal.SIGTERM, lambda *_: worker.draining.set())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop_event.set())
+    signal.signal(signal.SIGTERM, lambda *_: worker.request("drain"))
+    signal.signal(signal.SIGINT, lambda *_: worker.request("stop"))
     worker.run()
     return 0
 

@@ -42,6 +42,7 @@ class Worker:
         self.stop_event = threading.Event()
         self.draining = threading.Event()  # no new splits; leave once the master says so
         self.drain_timeout_s = drain_timeout_s
+        self._requested: Optional[str] = None  # "drain" | "stop", from a signal handler
         self._drain_reported = False
         self._master_gone = False
         self._drain_deadline = float("inf")
@@ -63,6 +64,12 @@ class Worker:
         self._proc = psutil.Process()
         self._proc.cpu_percent()  # first call primes the counter
 
+    def request(self, what: str) -> None:
+        """For signal handlers: only a plain assignment there (Event.set takes a lock a
+        second signal could deadlock on); the server loop acts on it within a tick."""
+        if self._requested != "stop":
+            self._requested = what
+
     # -- set-up ----------------------------------------------------------------------
     def _join(self, rpc: RpcClient) -> bool:
         """Fetch the job's spec and compile its pipeline, then register.
@@ -72,7 +79,7 @@ class Worker:
         A master may start before its first client brings a spec, and may restart and
         forget us, so every step retries until it succeeds.
         """
-        while not self.stop_event.is_set():
+        while not self.stop_event.is_set() and self._requested is None:
             try:
                 if self.processor is None:
                     reply = rpc.call("get_spec")
@@ -185,6 +192,11 @@ class Worker:
         try:
             while not self.stop_event.is_set():
                 now = time.monotonic()
+                if self._requested == "stop":
+                    self.stop_event.set()
+                    break
+                if self._requested == "drain":
+                    self.draining.set()
                 if self.draining.is_set() and not self._drain_reported:
                     self._drain_reported = True
                     self._drain_deadline = now + self.drain_timeout_s
