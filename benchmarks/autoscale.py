@@ -109,10 +109,12 @@ def run_real(duration_s: float) -> list[Row]:
     from remoteloader.datagen import generate_table
 
     table = Path(tempfile.mkdtemp(prefix="rl-autoscale-")) / "t"
-    generate_table(str(table), rows=20_000, partitions=2, dense=4, sparse=4, format="orc", seed=1,
-                   stripe_size=256 << 10, progress=False)
+    # Big enough that an epoch outlasts the run (epoch boundaries are their own stall),
+    # with small splits (~1 s of one worker's output) so new workers get work at once.
+    generate_table(str(table), rows=300_000, partitions=2, dense=4, sparse=4, format="orc", seed=1,
+                   stripe_size=64 << 10, progress=False)
     spec = {"table": {"path": str(table)}, "features": {"label": "label", "dense": ["float_0"],
-            "sparse": [{"name": "s0", "column": "idlist_0"}]}, "batch_size": 64, "split_rows": 2000}
+            "sparse": [{"name": "s0", "column": "idlist_0"}]}, "batch_size": 64, "split_rows": 640}
     worker_args = f"--inject-batch-delay {REAL_BATCH_DELAY_S} --buffer-batches 8"
     runs = {"autoscale": ["--autoscale", "--min-workers", "1", "--max-workers", "6"],
             "oracle": ["--workers", str(REAL_ORACLE)],
