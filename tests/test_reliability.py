@@ -241,3 +241,41 @@ def test_corrupt_file_skipped_with_on_error_skip(tables, tmp_path, master_factor
             got, _ = collect(loader)
         assert 0 < len(got) < ROWS
         assert loader.warnings
+
+
+def retyped_partition(src: Path, dst: Path) -> Path:
+    """A copy of the table whose second partition stores float_1 as strings."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.orc as orc
+
+    shutil.copytree(src, dst)
+    victim = sorted((dst / "ds=2026-01-02").glob("*.orc"))[0]
+    t = orc.read_table(victim)
+    t = t.set_column(t.schema.get_field_index("float_1"), "float_1", t.column("float_1").cast(pa.string()))
+    orc.write_table(t, victim)
+    return victim
+
+
+def test_partition_schema_disagreement_fails_naming_file_and_column(tables, tmp_path, master_factory):
+    victim = retyped_partition(tables["orc"], tmp_path / "t")
+    master = master_factory(workers=1)
+    loader = RemoteDataLoader(spec_dict(tmp_path / "t"), master=master.addr, timeout=60)
+    with pytest.raises(RuntimeError, match=rf"float_1.*{victim.name}|{victim.name}.*float_1"):
+        len(loader)
+    loader.close()
+
+
+def test_partition_schema_disagreement_skipped_and_reported(tables, tmp_path, master_factory):
+    victim = retyped_partition(tables["orc"], tmp_path / "t")
+    master = master_factory(workers=2)
+    with RemoteDataLoader(spec_dict(tmp_path / "t", on_error="skip"), master=master.addr, timeout=60) as loader:
+        with pytest.warns(RuntimeWarning, match=victim.name):
+            got, _ = collect(loader)
+        assert 0 < len(got) < ROWS
+    # A column the spec does not read may differ freely: nothing is skipped then.
+    spec = spec_dict(tmp_path / "t")
+    spec["features"]["dense"] = ["float_0"]
+    with RemoteDataLoader(spec, master=master_factory(workers=1).addr, timeout=60) as loader:
+        assert sum(len(b) for b in loader) == ROWS
