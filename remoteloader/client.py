@@ -48,12 +48,14 @@ def load_spec(spec: Union[DatasetSpec, dict, str, os.PathLike]) -> DatasetSpec:
 class ClientStats:
     """Cumulative counters; the master turns deltas between heartbeats into rates."""
 
-    wait_s: float = 0.0  # time the training loop spent blocked waiting for a batch
+    wait_s: float = 0.0  # time the training loop spent blocked waiting for a batch (mid-epoch)
+    epoch_start_s: float = 0.0  # time spent waiting for the first batch of an epoch
     batches: int = 0
     rows: int = 0
 
     def to_wire(self, queued: int) -> dict:
-        return {"wait_s": self.wait_s, "batches": self.batches, "rows": self.rows, "queued": queued,
+        return {"wait_s": self.wait_s, "epoch_start_s": self.epoch_start_s, "batches": self.batches,
+                "rows": self.rows, "queued": queued,
                 "time": time.monotonic()}
 
 
@@ -186,9 +188,14 @@ class RemoteDataLoader:
                 fetcher.top_up()  # keep every worker `inflight` requests ahead, also while batches are ready
                 ready = assembler.next_ready()
                 if ready is None:
-                    # The training loop is waiting on us: this is the stall the autoscaler minimizes.
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
-                    self.stats.wait_s += time.monotonic() - now
+                    # The training loop is waiting on us: the stall the autoscaler minimizes.
+                    # Waiting for the first batch of an iteration is kept apart: the time to
+                    # produce one split, which no number of workers shortens.
+                    if self._batches_yielded:
+                        self.stats.wait_s += time.monotonic() - now
+                    else:
+                        self.stats.epoch_start_s += time.monotonic() - now
                 else:
                     arrivals = fetcher.poll(0)
                 for header, batch in arrivals:
