@@ -9,6 +9,15 @@ ratios, amounts; up to 15% nulls) and ``idlist_*`` id-list features (coverage
 per-feature id space, hashed to large int64 values for most features), plus optionally
 ``idscore_*`` id lists with float32 ``idscore_*_scores`` of the same lengths.
 
+``layout="map"`` writes the same features unflattened, as production tables keep them:
+``float_features map<int32, float>``, ``id_list_features map<int32, list<int64>>`` and
+``id_score_list_features map<int32, map<int64, float>>`` (id -> score), next to plain
+``row_id``, ``label``, ``ts``. Feature ``float_i`` / ``idlist_i`` / ``idscore_i`` is key
+``map_key(i) = 100 + 7 * i`` of its map (spread out, as production feature ids are), a
+null feature is an absent key, and the values are those of the flat layout with the same
+seed. ``column_order`` permutes the written columns (popular features first, see
+``remoteloader.storage.reorder``); it never changes the rows.
+
 Everything is vectorized numpy turned into Arrow arrays from offsets and values. Rows are
 generated in fixed-size chunks, each column of each chunk from its own random stream
 keyed by (seed, file, chunk, column), so the content depends only on the arguments and
@@ -21,29 +30,28 @@ import posixpath
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.orc as paorc
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from .formats.fs import child_name, open_filesystem, table_root
+from .formats.writer import SUFFIX, TableWriter, check_no_stale_files
 
 FIRST_DAY = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
 CHUNK_ROWS = 1 << 15  # rows per random stream; fixed so files never depend on writer settings
 MAX_LIST_LENGTH = 1000
 POSITIVE_RATE = 0.03
 HOT_RANK = 20  # ids of popularity rank <= HOT_RANK count as "hot" for the label signal
-# snappy: ORC encodes about 30% faster than with zstd; the data is synthetic anyway.
-COMPRESSION = "snappy"
-# ORC 0.11 (RLE v1 integers) writes 1.6x and reads 1.3x faster than 0.12 (RLE v2) here,
-# and is the integer encoding of DWRF, the ORC dialect of DPP's production tables.
-ORC_FILE_VERSION = "0.11"
-_SUFFIX = {"orc": ".orc", "parquet": ".parquet"}
 _DENSE_KINDS = ("count", "ratio", "amount")
+LAYOUTS = ("flat", "map")
+MAP_COLUMNS = ("float_features", "id_list_features", "id_score_list_features")
+
+
+def map_key(index: int) -> int:
+    """The map key of feature ``index`` (``float_i``, ``idlist_i``, ``idscore_i``) in the map layout."""
+    return 100 + 7 * index
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,23 @@ class _Plan:
                 fields.append((s.scores, pa.list_(pa.float32())))
         return pa.schema(fields)
 
+    def map_schema(self) -> pa.Schema:
+        return pa.schema([("row_id", pa.int64()), ("label", pa.float32()), ("ts", pa.int64()),
+                          ("float_features", pa.map_(pa.int32(), pa.float32())),
+                          ("id_list_features", pa.map_(pa.int32(), pa.list_(pa.int64()))),
+                          ("id_score_list_features", pa.map_(pa.int32(), pa.map_(pa.int64(), pa.float32())))])
+
+    def layout_schema(self, layout: str, column_order: Optional[Sequence[str]]) -> pa.Schema:
+        """The written schema: the layout's columns, those in ``column_order`` first."""
+        schema = self.schema() if layout == "flat" else self.map_schema()
+        if not column_order:
+            return schema
+        unknown = [c for c in column_order if c not in schema.names]
+        if unknown:
+            raise ValueError(f"column_order names columns the {layout} layout does not have: {unknown[:5]}")
+        first = list(dict.fromkeys(column_order))
+        return pa.schema([schema.field(c) for c in first + [c for c in schema.names if c not in first]])
+
 
 def _plan(seed: int, dense: int, sparse: int, scored: int) -> _Plan:
     """Per-feature distributions, drawn once from the seed."""
@@ -208,66 +233,100 @@ def _rows_per(total: int, parts: int) -> list[int]:
 
 
 def _chunk(plan: _Plan, seed: int, file_index: int, chunk_index: int, first_row_id: int,
-           ts: np.ndarray) -> pa.Table:
+           ts: np.ndarray, layout: str, schema: pa.Schema) -> pa.Table:
     """One chunk of rows; ``ts`` gives its timestamps (their count is the chunk's size)."""
     n = len(ts)
 
     def rng(column: int) -> np.random.Generator:
         return np.random.default_rng([seed, file_index, chunk_index, column])
 
-    columns: dict[str, pa.Array] = {}
-    dense_signal, hot = [], []
+    dense, sparse, hot = [], [], []
     for i, d in enumerate(plan.dense):
         r = rng(3 + i)
         values = d.sample(r, n)
         valid = r.random(n) < d.coverage
         values[~valid] = 0
-        columns[d.name] = pa.array(values.astype(np.float32), mask=~valid)
-        dense_signal.append((values, valid))
+        dense.append((values, valid))
     for i, s in enumerate(plan.sparse):
         r = rng(3 + len(plan.dense) + i)
         valid, offsets, ranks = s.sample(r, n)
-        mask = pa.array(~valid)
-        columns[s.name] = pa.ListArray.from_arrays(offsets, s.ids(ranks), mask=mask)
-        if s.scores:
-            scores = r.random(len(ranks), dtype=np.float32)
-            columns[s.scores] = pa.ListArray.from_arrays(offsets, scores, mask=mask)
+        scores = r.random(len(ranks), dtype=np.float32) if s.scores else None
+        sparse.append((valid, offsets, s.ids(ranks), scores))
         if i < 2:
             hot.append(_hot_rows(valid, offsets, ranks))
-    signal = _signal(plan, n, dense_signal[:3], hot)
+    signal = _signal(plan, n, dense[:3], hot)
     label = (rng(1).random(n) < _sigmoid(plan.label_bias + signal)).astype(np.float32)
-    head = {
+    columns = {
         "row_id": pa.array(np.arange(first_row_id, first_row_id + n, dtype=np.int64)),
         "label": pa.array(label),
         "ts": pa.array(ts),
     }
-    return pa.Table.from_pydict({**head, **columns}, schema=plan.schema())
+    columns.update(_flat_columns(plan, dense, sparse) if layout == "flat" else _map_columns(dense, sparse, n))
+    return pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
 
 
-class _ParquetSink:
-    """Writes row groups of exactly ``row_group_rows`` rows (pyarrow starts a new row
-    group at every write call, so chunks are gathered until a group is full)."""
+_DenseData = tuple[np.ndarray, np.ndarray]  # values, valid
+_SparseData = tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]  # valid, offsets, ids, scores
 
-    def __init__(self, sink: pa.NativeFile, schema: pa.Schema, row_group_rows: int):
-        self._writer = pq.ParquetWriter(sink, schema, compression=COMPRESSION)
-        self._group = row_group_rows
-        self._pending: list[pa.Table] = []
-        self._rows = 0
 
-    def write(self, table: pa.Table) -> None:
-        self._pending.append(table)
-        self._rows += table.num_rows
-        if self._rows >= self._group:
-            pending = pa.concat_tables(self._pending)
-            full = self._rows - self._rows % self._group
-            self._writer.write_table(pending.slice(0, full), row_group_size=self._group)
-            rest = pending.slice(full)
-            self._pending, self._rows = ([rest] if rest.num_rows else []), rest.num_rows
+def _flat_columns(plan: _Plan, dense: list[_DenseData], sparse: list[_SparseData]) -> dict[str, pa.Array]:
+    columns = {}
+    for d, (values, valid) in zip(plan.dense, dense):
+        columns[d.name] = pa.array(values.astype(np.float32), mask=~valid)
+    for s, (valid, offsets, ids, scores) in zip(plan.sparse, sparse):
+        mask = pa.array(~valid)
+        columns[s.name] = pa.ListArray.from_arrays(offsets, ids, mask=mask)
+        if scores is not None:
+            columns[s.scores] = pa.ListArray.from_arrays(offsets, scores, mask=mask)
+    return columns
 
-    def close(self) -> None:
-        if self._pending:
-            self._writer.write_table(pa.concat_tables(self._pending), row_group_size=self._group)
-        self._writer.close()
+
+def _map_columns(dense: list[_DenseData], sparse: list[_SparseData], n: int) -> dict[str, pa.Array]:
+    """The three feature maps; a row's entries are in feature order, a null feature has none."""
+    valid = np.stack([v for _, v in dense], axis=1) if dense else np.zeros((n, 0), bool)
+    rows, features = np.nonzero(valid)  # row-major: each row's entries together
+    values = np.stack([d for d, _ in dense], axis=1)[rows, features] if dense else np.zeros(0)
+    return {
+        "float_features": pa.MapArray.from_arrays(_row_offsets(valid), _keys(features), values.astype(np.float32)),
+        "id_list_features": _list_map([s for s in sparse if s[3] is None], n, scored=False),
+        "id_score_list_features": _list_map([s for s in sparse if s[3] is not None], n, scored=True),
+    }
+
+
+def _row_offsets(valid: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(valid.shape[0] + 1, dtype=np.int32)
+    np.cumsum(valid.sum(axis=1), out=offsets[1:])
+    return offsets
+
+
+def _keys(features: np.ndarray) -> np.ndarray:
+    return map_key(features).astype(np.int32)
+
+
+def _list_map(features: list[_SparseData], n: int, scored: bool) -> pa.Array:
+    """map<key, list<id>> (scored: map<key, map<id, score>>) from per-feature id lists:
+    entry (row, feature) holds that feature's list of that row, gathered in one pass."""
+    if not features:
+        items = pa.array([], pa.map_(pa.int64(), pa.float32()) if scored else pa.list_(pa.int64()))
+        return pa.MapArray.from_arrays(np.zeros(n + 1, np.int32), pa.array([], pa.int32()), items)
+    valid = np.stack([f[0] for f in features], axis=1)
+    rows, columns = np.nonzero(valid)
+    base = np.cumsum([0] + [len(f[2]) for f in features])[:-1]
+    starts = np.stack([f[1][:-1] for f in features], axis=1)[rows, columns] + base[columns]
+    lengths = np.stack([np.diff(f[1]) for f in features], axis=1)[rows, columns]
+    item_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=item_offsets[1:])
+    if item_offsets[-1] >= 1 << 31:
+        raise ValueError("a generation chunk holds 2**31 ids or more: lower CHUNK_ROWS")
+    # Source index of every id: its entry's start plus its place in the entry.
+    gather = np.repeat(starts - item_offsets[:-1], lengths) + np.arange(item_offsets[-1], dtype=np.int64)
+    ids = np.concatenate([f[2] for f in features])[gather]
+    item_offsets = item_offsets.astype(np.int32)
+    if scored:
+        items = pa.MapArray.from_arrays(item_offsets, ids, np.concatenate([f[3] for f in features])[gather])
+    else:
+        items = pa.ListArray.from_arrays(item_offsets, ids)
+    return pa.MapArray.from_arrays(_row_offsets(valid), _keys(columns), items)
 
 
 @dataclass(frozen=True)
@@ -287,12 +346,9 @@ class _FileJob:
     row_group_rows: int
     seed: int
     plan: _Plan
-
-
-def _orc_batch_rows(plan: _Plan, stripe_size: int) -> int:
-    """The ORC writer checks the stripe size once per batch of rows: batches of about a
-    quarter of a stripe honour small stripe sizes, and large stripes keep the default 1024."""
-    return int(np.clip(stripe_size / 4 / plan.row_bytes(), 64, 1024))
+    layout: str
+    schema: pa.Schema
+    stripe_rows: Optional[int]
 
 
 def _write_file(job: _FileJob, report: Callable[[int], object]) -> None:
@@ -308,13 +364,13 @@ def _write_file(job: _FileJob, report: Callable[[int], object]) -> None:
         # Time advances through the day with the rows, as in an event log.
         position = np.arange(job.partition_position + start, job.partition_position + start + n, dtype=np.int64)
         ts = job.day_start + position * 86400 // job.partition_rows
-        return _chunk(job.plan, job.seed, job.file_index, index, job.first_row_id + start, ts)
+        return _chunk(job.plan, job.seed, job.file_index, index, job.first_row_id + start, ts, job.layout, job.schema)
 
     chunks = -(-job.rows // CHUNK_ROWS)
     with fs.open_output_stream(path) as sink, ThreadPoolExecutor(1) as generator:
-        writer = (paorc.ORCWriter(sink, file_version=ORC_FILE_VERSION, stripe_size=job.stripe_size,
-                                    batch_size=_orc_batch_rows(job.plan, job.stripe_size), compression=COMPRESSION)
-                  if job.format == "orc" else _ParquetSink(sink, job.plan.schema(), job.row_group_rows))
+        writer = (TableWriter(sink, "orc", job.schema, stripe_size=job.stripe_size, row_bytes=job.plan.row_bytes())
+                  if job.format == "orc" and not job.stripe_rows else
+                  TableWriter(sink, job.format, job.schema, unit_rows=job.stripe_rows or job.row_group_rows))
         upcoming = generator.submit(chunk, 0)
         for index in range(chunks):
             table = upcoming.result()
@@ -328,13 +384,22 @@ def _write_file(job: _FileJob, report: Callable[[int], object]) -> None:
 def generate_table(out: str, rows: int, partitions: int = 1, dense: int = 13, sparse: int = 26,
                    format: str = "orc", seed: int = 0, stripe_size: int = 64 << 20,
                    row_group_rows: int = 128 * 1024, files_per_partition: int = 1, scored: int = 0,
-                   progress: bool = True) -> list[str]:
+                   progress: bool = True, layout: str = "flat",
+                   column_order: Optional[Sequence[str]] = None, stripe_rows: Optional[int] = None) -> list[str]:
     """Write the table under ``out`` (local path or pyarrow filesystem URI) as
-    ``out/ds=2026-01-01/part-00000.orc`` ...; return the files' names in canonical order."""
-    if format not in _SUFFIX:
+    ``out/ds=2026-01-01/part-00000.orc`` ...; return the files' names in canonical order.
+
+    ``layout``: "flat" (one column per feature) or "map" (features in three map columns).
+    ``column_order``: columns to write first, in this order (the others follow in the
+    layout's order). ``stripe_size`` (ORC, bytes, as estimated by the ORC writer) and
+    ``row_group_rows`` (Parquet) size the read units; ``stripe_rows`` gives every unit
+    (either format) exactly that many rows instead. See docs/storage.md for how large."""
+    if format not in SUFFIX:
         raise ValueError(f"format must be orc or parquet, not {format!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be flat or map, not {layout!r}")
     for name, value in (("partitions", partitions), ("files_per_partition", files_per_partition),
-                        ("stripe_size", stripe_size), ("row_group_rows", row_group_rows)):
+                        ("stripe_size", stripe_size), ("row_group_rows", row_group_rows), ("stripe_rows", stripe_rows or 1)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, not {value}")
     if min(dense, sparse, scored) < 0:
@@ -343,36 +408,21 @@ def generate_table(out: str, rows: int, partitions: int = 1, dense: int = 13, sp
         raise ValueError(f"rows ({rows}) must be at least partitions x files_per_partition "
                          f"({partitions * files_per_partition}): every file gets rows")
     plan = _plan(seed, dense, sparse, scored)
+    schema = plan.layout_schema(layout, column_order)
     jobs, row_id = [], 0
     for p, partition_rows in enumerate(_rows_per(rows, partitions)):
         day = FIRST_DAY + _dt.timedelta(days=p)
         position = 0
         for f, file_rows in enumerate(_rows_per(partition_rows, files_per_partition)):
-            relative = f"ds={day.date().isoformat()}/part-{f:05d}{_SUFFIX[format]}"
+            relative = f"ds={day.date().isoformat()}/part-{f:05d}{SUFFIX[format]}"
             jobs.append(_FileJob(out, relative, len(jobs), file_rows, row_id, int(day.timestamp()), partition_rows,
-                                 position, format, stripe_size, row_group_rows, seed, plan))
+                                 position, format, stripe_size, row_group_rows, seed, plan, layout, schema, stripe_rows))
             row_id += file_rows
             position += file_rows
     fs, root = open_filesystem(out)
-    _check_no_stale_files(fs, root, [j.relative for j in jobs], out)
+    check_no_stale_files(fs, root, [j.relative for j in jobs], out)
     with tqdm(total=rows, unit="rows", unit_scale=True, desc="gen-data", file=sys.stderr, disable=not progress) as bar:
         for job in jobs:
             _write_file(job, bar.update)
     name = table_root(out)
     return [child_name(name, j.relative) for j in jobs]
-
-
-def _check_no_stale_files(fs: pafs.FileSystem, root: str, relatives: list[str], out: str) -> None:
-    """Refuse to mix a new table with files it would not overwrite: readers would take
-    them as part of the table."""
-    if fs.get_file_info(root).type == pafs.FileType.NotFound:
-        return
-    prefix = root.rstrip("/") + "/"
-    ours = set(relatives)
-    stale = [
-        info.path[len(prefix):] for info in fs.get_file_info(pafs.FileSelector(root, recursive=True))
-        if info.type == pafs.FileType.File and info.path[len(prefix):] not in ours
-    ]
-    if stale:
-        raise ValueError(f"{out} already holds files this table would not replace (e.g. {sorted(stale)[0]}): "
-                         "remove them or pick another directory")

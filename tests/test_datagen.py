@@ -167,3 +167,39 @@ def test_bad_arguments(tmp_path, kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         generate_table(str(tmp_path / "t"), **args)
+
+
+def test_map_layout_holds_the_flat_features(tmp_path):
+    kwargs = dict(rows=700, dense=3, sparse=2, scored=1, seed=8, progress=False, format="parquet")
+    flat = read_all(generate_table(str(tmp_path / "flat"), **kwargs))
+    mapped = read_all(generate_table(str(tmp_path / "map"), layout="map", **kwargs))
+    assert {f.name: f.type for f in mapped.schema} == {
+        "row_id": pa.int64(), "label": pa.float32(), "ts": pa.int64(),
+        "float_features": pa.map_(pa.int32(), pa.float32()),
+        "id_list_features": pa.map_(pa.int32(), pa.list_(pa.int64())),
+        "id_score_list_features": pa.map_(pa.int32(), pa.map_(pa.int64(), pa.float32()))}
+    assert mapped.select(["row_id", "label", "ts"]).equals(flat.select(["row_id", "label", "ts"]))
+    dense, lists, scored = (mapped[c].to_pylist() for c in ("float_features", "id_list_features", "id_score_list_features"))
+    for row in range(0, 700, 7):
+        assert [k for k, _ in dense[row]] == sorted(k for k, _ in dense[row])  # feature order
+        assert dict(dense[row]) == {datagen.map_key(i): flat[f"float_{i}"][row].as_py() for i in range(3)
+                                    if flat[f"float_{i}"][row].is_valid}
+        assert dict(lists[row]) == {datagen.map_key(i): flat[f"idlist_{i}"][row].as_py() for i in range(2)
+                                    if flat[f"idlist_{i}"][row].is_valid}
+        ids, scores = flat["idscore_0"][row].as_py(), flat["idscore_0_scores"][row].as_py()
+        assert dict(scored[row]) == ({} if ids is None else {datagen.map_key(0): list(zip(ids, scores))})
+
+
+def test_column_order_and_stripe_rows(tmp_path):
+    kwargs = dict(rows=3000, dense=2, sparse=4, seed=4, progress=False, format="orc", stripe_rows=1000)
+    default = read_all(generate_table(str(tmp_path / "a"), **kwargs))
+    files = generate_table(str(tmp_path / "b"), column_order=["idlist_1", "label", "float_0"], **kwargs)
+    reordered = read_all(files)
+    assert reordered.column_names[:6] == ["idlist_1", "label", "float_0", "row_id", "ts", "float_1"]
+    assert reordered.select(default.column_names).equals(default)
+    reader = paorc.ORCFile(files[0])
+    assert [reader.read_stripe(i).num_rows for i in range(reader.nstripes)] == [1000] * 3
+    with pytest.raises(ValueError, match="nope"):
+        generate_table(str(tmp_path / "c"), column_order=["nope"], **kwargs)
+    with pytest.raises(ValueError, match="layout"):
+        generate_table(str(tmp_path / "d"), layout="wide", **kwargs)

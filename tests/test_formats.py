@@ -364,3 +364,11 @@ def test_column_kinds_and_unsupported_types():
     assert column_kind(pa.bool_()) == "other:bool"
     with pytest.raises(TableError, match="map"):
         arrow_to_column(pa.array([[(1, 2.0)]], pa.map_(pa.int32(), pa.float32())))
+
+
+def test_map_column_kinds():
+    assert column_kind(pa.map_(pa.int32(), pa.float32())) == "map:float"
+    assert column_kind(pa.map_(pa.int64(), pa.list_(pa.int64()))) == "map:id_list"
+    assert column_kind(pa.map_(pa.int32(), pa.map_(pa.int64(), pa.float32()))) == "map:scored"
+    assert column_kind(pa.map_(pa.string(), pa.float32())) == "other:map<string, float>"
+    assert column_kind(pa.map_(pa.int32(), pa.string())) == "other:map<int32, string>"

@@ -2,25 +2,38 @@
 (stripes / row groups), and read one split with only the projected columns straight into
 the worker's columns.
 
-Modules: ``types`` (DataFile, Unit, TableError), ``fs`` (paths and URIs), ``table``
-(listing, footers, schema), ``split`` (reading a unit range), ``convert`` (Arrow to
-columns), ``orc`` / ``parquet`` (format specifics).
+Modules: ``types`` (DataFile, Unit, TableError, IOStats), ``fs`` (paths and URIs),
+``slowfs`` (simulated slow storage), ``table`` (listing, footers, schema), ``split``
+(reading a unit range), ``prefetch`` (coalesced reads), ``orc_layout`` (ORC byte layout),
+``maps`` (features inside map columns), ``convert`` (Arrow to columns), ``orc`` /
+``parquet`` (format specifics), ``writer`` (writing files). See docs/storage.md.
 """
 from .convert import arrow_to_column, column_kind
 from .fs import open_filesystem
-from .split import read_split
+from .maps import flat_name, virtual_column_kind
+from .prefetch import DEFAULT_COALESCE_GAP, clear_tail_cache
+from .slowfs import PROFILES, SLOW_IO
+from .split import read_split, read_units
 from .table import list_table, read_schema, table_schema
-from .types import DataFile, TableError, Unit
+from .types import DataFile, IOStats, TableError, Unit
 
 __all__ = [
+    "DEFAULT_COALESCE_GAP",
+    "PROFILES",
+    "SLOW_IO",
     "DataFile",
+    "IOStats",
     "TableError",
     "Unit",
     "arrow_to_column",
+    "clear_tail_cache",
     "column_kind",
+    "flat_name",
     "list_table",
     "open_filesystem",
     "read_schema",
     "read_split",
+    "read_units",
     "table_schema",
+    "virtual_column_kind",
 ]

@@ -18,7 +18,8 @@ from .types import TableError
 
 
 def column_kind(type_: pa.DataType) -> str:
-    """'float' | 'int' | 'id_list' | 'float_list' | 'other:<arrow type>'."""
+    """'float' | 'int' | 'id_list' | 'float_list' | 'map:float' | 'map:id_list' |
+    'map:scored' | 'other:<arrow type>'."""
     if pat.is_floating(type_):
         return "float"
     if pat.is_integer(type_):
@@ -29,7 +30,23 @@ def column_kind(type_: pa.DataType) -> str:
             return "id_list"
         if pat.is_floating(item):
             return "float_list"
-    return f"other:{type_}"
+    return map_kind(type_) or f"other:{type_}"
+
+
+def map_kind(type_: pa.DataType) -> Optional[str]:
+    """The kind of a feature map column keyed by integer feature ids, or None:
+    'map:float' (map<int, float>: dense features), 'map:id_list' (map<int, list<int>>:
+    id-list features), 'map:scored' (map<int, map<int, float>>: id -> score features)."""
+    if not pat.is_map(type_) or not pat.is_integer(type_.key_type):
+        return None
+    item = type_.item_type
+    if pat.is_floating(item):
+        return "map:float"
+    if (pat.is_list(item) or pat.is_large_list(item)) and pat.is_integer(item.value_type):
+        return "map:id_list"
+    if pat.is_map(item) and pat.is_integer(item.key_type) and pat.is_floating(item.item_type):
+        return "map:scored"
+    return None
 
 
 def arrow_to_column(array: Union[pa.Array, pa.ChunkedArray]) -> Column:

@@ -1,52 +1,99 @@
-"""Reading one split: a range of units of one file, only the projected columns."""
+"""Reading one split: a range of units of one file, only the projected columns.
+
+The bytes come through a coalescing read planner (``prefetch``): the format module plans
+the byte ranges of the selected columns from the file's metadata, ranges closer than
+``coalesce_gap`` are merged into one request, and pyarrow decodes from memory.
+Columns may be virtual (``X[K]``: a feature inside map column ``X``, see ``maps``).
+"""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import pyarrow as pa
 
 from ..columns import Column
-from .convert import arrow_to_column
+from . import maps
+from .convert import arrow_to_column, column_kind
 from .fs import open_filesystem
+from .prefetch import DEFAULT_COALESCE_GAP, PrefetchedFile
 from .table import format_module
-from .types import DataFile, TableError
+from .types import DataFile, IOStats, TableError
 
 
-def read_split(file: DataFile, first_unit: int, stop_unit: int, columns: Sequence[str]) -> dict[str, Column]:
-    """Units ``[first_unit, stop_unit)`` of ``file``, columns in the order given."""
+def read_split(file: DataFile, first_unit: int, stop_unit: int, columns: Sequence[str], *,
+               coalesce_gap: int = DEFAULT_COALESCE_GAP, io_stats: Optional[IOStats] = None) -> dict[str, Column]:
+    """Units ``[first_unit, stop_unit)`` of ``file``, columns in the order given.
+
+    ``coalesce_gap``: merge the byte ranges of selected streams / column chunks whose gap
+    is at most this many bytes into one request (0: one request per stream / chunk).
+    ``io_stats``: the read's requests and bytes are added to it."""
     where = f"{file.path} units [{first_unit}, {stop_unit})"
     if not 0 <= first_unit < stop_unit <= len(file.units):
         raise TableError(f"{where}: out of range, the file has {len(file.units)} units")
     columns = list(dict.fromkeys(columns))
-    table = read_units(file, first_unit, stop_unit, columns)
+    table = read_units(file, first_unit, stop_unit, columns, coalesce_gap=coalesce_gap, io_stats=io_stats)
     expected = sum(u.num_rows for u in file.units[first_unit:stop_unit])
     if table.num_rows != expected:
         raise TableError(f"{where}: read {table.num_rows} rows where the listing promised {expected} (file changed?)")
-    out = {}
+    names = set(table.column_names)
+    virtual: dict[str, list[maps.Virtual]] = {}
     for name in columns:
-        try:
-            out[name] = arrow_to_column(table.column(name))
-        except TableError as e:
-            raise TableError(f"{where}: column {name!r}: {e}") from None
-    return out
+        if name not in names:
+            v = maps.parse_virtual(name)
+            virtual.setdefault(v.base, []).append(v)
+    out: dict[str, Column] = {}
+    try:
+        for base, wanted in virtual.items():
+            out.update(maps.extract(table.column(base), column_kind(table.schema.field(base).type), wanted))
+    except TableError as e:
+        raise TableError(f"{where}: {e}") from None
+    for name in columns:
+        if name in names:
+            try:
+                out[name] = arrow_to_column(table.column(name))
+            except TableError as e:
+                raise TableError(f"{where}: column {name!r}: {e}") from None
+    return {name: out[name] for name in columns}
 
 
-def read_units(file: DataFile, first_unit: int, stop_unit: int, columns: Sequence[str]) -> pa.Table:
-    """The Arrow table of a unit range: the one place a split touches storage. The format
-    readers take an open random-access file, so a coalescing read planner can hand them a
-    source that serves prefetched, merged byte ranges instead of a plain file."""
+def read_units(file: DataFile, first_unit: int, stop_unit: int, columns: Sequence[str], *,
+               coalesce_gap: int = DEFAULT_COALESCE_GAP, io_stats: Optional[IOStats] = None) -> pa.Table:
+    """The Arrow table of a unit range: the one place a split touches storage. A virtual
+    column (``X[K]``) is answered by its whole map column ``X``, so the table holds the
+    file's columns named in ``columns`` or behind their virtual names (ORC answers in the
+    file's column order, Parquet in the order asked)."""
     where = f"{file.path} units [{first_unit}, {stop_unit})"
     module = format_module(file.format, where)
+    stats = IOStats(splits=1)
     fs, path = open_filesystem(file.path)
+    missing: list[str] = []
     try:
         with fs.open_input_file(path) as source:
-            reader = module.Reader(source)
-            names = set(reader.schema.names)
-            missing = [c for c in columns if c not in names]
-            if missing:
-                raise TableError(f"{where}: no column {missing[0]!r} in the file" + (f" (nor {missing[1:]})" if missing[1:] else ""))
-            return reader.read(first_unit, stop_unit, columns)
-    except TableError:
-        raise
-    except module.READ_ERRORS as e:
+            prefetched = PrefetchedFile(source, source.size(), stats)
+            layout = module.read_tail(prefetched, file.path)
+            physical, missing = _physical(columns, layout.columns)
+            if not missing:
+                reader = module.prefetched_reader(prefetched, layout, first_unit, stop_unit, physical, coalesce_gap)
+                return reader.read(first_unit, stop_unit, physical)
+    except module.READ_ERRORS as e:  # TableError is a ValueError: planning errors land here too
         raise TableError(f"cannot read {where}: {e}") from e
+    finally:
+        if io_stats is not None:
+            io_stats.add(stats)
+    raise TableError(f"{where}: no column {missing[0]!r} in the file" + (f" (nor {missing[1:]})" if missing[1:] else ""))
+
+
+def _physical(columns: Sequence[str], names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the file's columns to read, the names that are neither a column nor a feature
+    inside one)."""
+    physical, missing = [], []
+    for name in columns:
+        if name in names:
+            physical.append(name)
+            continue
+        v = maps.parse_virtual(name)
+        if v is not None and v.base in names:
+            physical.append(v.base)
+        else:
+            missing.append(name)
+    return list(dict.fromkeys(physical)), missing

@@ -28,3 +28,29 @@ class DataFile:
     num_rows: int
     nbytes: int  # file size
     units: tuple[Unit, ...]
+
+
+@dataclass
+class IOStats:
+    """Storage reads of split reads: what a worker adds up and reports in its heartbeats.
+
+    ``requests`` counts read requests (one per merged byte range, tail or stripe footer
+    fetch, or unplanned read); ``bytes_requested`` is what those requests transferred and
+    ``bytes_needed`` what the decoder actually needed (selected streams or column chunks,
+    stripe footers, file tail), so ``bytes_requested / bytes_needed`` is the over-read.
+    """
+
+    requests: int = 0
+    bytes_requested: int = 0
+    bytes_needed: int = 0
+    splits: int = 0
+
+    def add(self, other: "IOStats") -> None:
+        self.requests += other.requests
+        self.bytes_requested += other.bytes_requested
+        self.bytes_needed += other.bytes_needed
+        self.splits += other.splits
+
+    def to_dict(self) -> dict[str, int]:
+        return {"requests": self.requests, "bytes_requested": self.bytes_requested,
+                "bytes_needed": self.bytes_needed, "splits": self.splits}
