@@ -10,6 +10,7 @@ from received frames is a handful of zero-copy views.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -189,6 +190,15 @@ class Batch:
         for name, t in self.passthrough.items():
             out["pt." + name] = t
         return out
+
+    @classmethod
+    def from_numpy(cls, arrays: Mapping[str, Any], sparse_keys: Sequence[str]) -> "Batch":
+        """Tensors viewing the arrays' memory (no copy): received frames, or Arrow buffers
+        in local mode. They may be read-only; remoteloader never writes them."""
+        with warnings.catch_warnings():  # torch warns that it cannot protect a read-only buffer
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}
+        return cls.from_tensors(tensors, sparse_keys)
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], sparse_keys: Sequence[str]) -> "Batch":

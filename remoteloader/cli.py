@@ -15,8 +15,36 @@ def _gen_data(args: argparse.Namespace) -> int:
     paths = generate_table(args.out, rows=args.rows, partitions=args.partitions, dense=args.dense, sparse=args.sparse,
                            format=args.format, seed=args.seed, stripe_size=args.stripe_size,
                            row_group_rows=args.row_group_rows, files_per_partition=args.files_per_partition,
-                           scored=args.scored, progress=not args.quiet)
+                           scored=args.scored, progress=not args.quiet, layout=args.layout)
     print(f"wrote {len(paths)} files under {args.out}")
+    return 0
+
+
+def _flatten(args: argparse.Namespace) -> int:
+    from .storage.flatten import flatten_table
+
+    report = flatten_table(args.src, args.dst, progress=not args.quiet, format=args.format,
+                           stripe_size=args.stripe_size)
+    keys = ", ".join(f"{m}: {n}" for m, n in report.keys.items())
+    print(f"flattened {report.files} files, {report.rows:,} rows into {report.columns} columns ({keys}); "
+          f"{'verified ' + format(report.values_verified, ',') + ' values' if report.verified else 'not verified'}; "
+          f"{report.bytes_in:,} -> {report.bytes_out:,} bytes in {report.seconds:.1f} s")
+    return 0
+
+
+def _reorder(args: argparse.Namespace) -> int:
+    from .formats import list_table, table_schema
+    from .storage.reorder import column_order, load_popularity, reorder_table
+
+    window = args.window_days * 86400 if args.window_days else None
+    popularity = load_popularity(args.log, window_s=window)
+    if not popularity:
+        print(f"remoteloader: no job in the popularity log {args.log} (within the window)", file=sys.stderr)
+        return 1
+    order = column_order(list(table_schema(list_table(args.src))), popularity)
+    report = reorder_table(args.src, args.dst, order, stripe_size=args.stripe_size, progress=not args.quiet)
+    print(f"reordered {args.src} -> {args.dst}: first columns {', '.join(order[:8])}{' ...' if len(order) > 8 else ''}")
+    print(report)
     return 0
 
 
@@ -111,8 +139,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stripe-size", type=int, default=64 << 20, help="ORC stripe size in bytes")
     g.add_argument("--row-group-rows", type=int, default=128 * 1024, help="Parquet row-group size in rows")
+    g.add_argument("--layout", choices=("flat", "map"), default="flat",
+                   help="flat: one column per feature; map: production map columns (float_features, ...)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(run=_gen_data)
+
+    f = sub.add_parser("flatten", help="rewrite a map-column table with one column per feature")
+    f.add_argument("src")
+    f.add_argument("dst")
+    f.add_argument("--format", choices=("orc", "parquet"), help="output format (default: the source's)")
+    f.add_argument("--stripe-size", type=int, help="output stripe size in bytes")
+    f.add_argument("--quiet", action="store_true")
+    f.set_defaults(run=_flatten)
+
+    r = sub.add_parser("reorder", help="rewrite a table with popular columns first and together")
+    r.add_argument("src")
+    r.add_argument("dst")
+    r.add_argument("--log", required=True, help="popularity log (popularity.jsonl beside the master's journal)")
+    r.add_argument("--window-days", type=float, help="only jobs of the last N days (default: all)")
+    r.add_argument("--stripe-size", type=int, help="output stripe size in bytes (large stripes: fewer requests)")
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(run=_reorder)
 
     v = sub.add_parser("validate", help="check a spec against its table and show what it would read")
     v.add_argument("spec")
@@ -134,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SpecError as e:
         print(f"remoteloader: {e}", file=sys.stderr)
         return 2
-    except (ConnectionError, RuntimeError) as e:
+    except (ConnectionError, RuntimeError, ValueError) as e:
         print(f"remoteloader: {e}", file=sys.stderr)
         return 1
 

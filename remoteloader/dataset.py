@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
-from .formats import DataFile, TableError, Unit, list_table, read_schema
-from .spec import DatasetSpec, SpecError
+from .formats import DataFile, TableError, Unit, list_table, read_schema, virtual_column_kind
+from .spec import MAP_REF, DatasetSpec, FeatureSpec, SpecError
 from .transforms import FeaturePipeline, TransformError, compile_features, validate_sampling
 
 SCALAR_KINDS = ("float", "int")
@@ -49,9 +49,10 @@ def bind(spec: DatasetSpec) -> BoundDataset:
     bound = bind_schema(spec, _majority_schema(schemas))
     kept, skipped = [], []
     for f, schema in zip(files, schemas):
+        stored = sorted({_stored_column(c) for c in bound.read_columns})
         problem = next((f"column {c!r} is {schema.get(c, 'missing')} in {f.path}, "
                         f"{bound.schema[c]} in the rest of the table"
-                        for c in bound.read_columns if schema.get(c) != bound.schema[c]), None)
+                        for c in stored if schema.get(c) != bound.schema[c]), None)
         if problem is None:
             kept.append(f)
         elif spec.on_error == "skip":
@@ -62,6 +63,12 @@ def bind(spec: DatasetSpec) -> BoundDataset:
         raise SpecError(f"table: no readable file left in {spec.table.path!r}: {'; '.join(skipped)[:2000]}")
     bound.files, bound.skipped = kept, skipped
     return bound
+
+
+def _stored_column(name: str) -> str:
+    """The file column behind a read column: ``X[K]``, ``X[K].ids`` and ``X[K].scores`` live in map ``X``."""
+    m = MAP_REF.match(name.removesuffix(".ids").removesuffix(".scores"))
+    return m.group(1) if m else name
 
 
 def _majority_schema(schemas: Sequence[Mapping[str, str]]) -> dict[str, str]:
@@ -83,8 +90,9 @@ def bind_schema(spec: DatasetSpec, schema: Mapping[str, str]) -> BoundDataset:
             raise SpecError(f"{key}: column {column!r} is not in {where}")
         if schema[column] not in SCALAR_KINDS:
             raise SpecError(f"{key}: column {column!r} has type {schema[column]}, a scalar (float or int) column is needed")
+    dense, sparse = _resolve_map_columns(spec.dense, schema), _resolve_map_columns(spec.sparse, schema)
     try:
-        pipeline = compile_features(spec.dense, spec.sparse, schema)
+        pipeline = compile_features(dense, sparse, schema)
     except TransformError as e:
         raise SpecError(f"features: {e}") from None
     if spec.sampling is not None:
@@ -98,6 +106,21 @@ def bind_schema(spec: DatasetSpec, schema: Mapping[str, str]) -> BoundDataset:
     if spec.label:
         columns.add(spec.label)
     return BoundDataset(spec, schema, pipeline, sorted(columns))
+
+
+def _resolve_map_columns(features: Sequence[FeatureSpec], schema: dict[str, str]) -> tuple[FeatureSpec, ...]:
+    """Give each ``{map: X, key: K}`` column (held as ``X[K]``) a schema entry, so the
+    pipeline treats it like any column; a scored map's key becomes ids + scores."""
+    out = []
+    for f in features:
+        m = MAP_REF.match(f.column or "")
+        if m and f.column not in schema and schema.get(m.group(1)) == "map:scored":
+            f = replace(f, column=f.column + ".ids", scores=f.column + ".scores")
+        for name in (f.column, f.scores):
+            if name and name not in schema and (kind := virtual_column_kind(schema, name)) is not None:
+                schema[name] = kind
+        out.append(f)
+    return tuple(out)
 
 
 # -- files on the wire: the master ships each split's file description to its worker ---

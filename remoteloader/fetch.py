@@ -7,20 +7,14 @@ is already receiving the next batches. Received frames become tensors without a 
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Optional
 
-import torch
 import zmq
 
 from . import wire
 from .batch import Batch
 
 log = logging.getLogger(__name__)
-
-# Received frames are read-only buffers owned by ZeroMQ; the tensors viewing them are
-# never written by remoteloader. torch warns about that once per call site.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
 
 
 class WorkerFetcher:
@@ -77,7 +71,7 @@ class WorkerFetcher:
                     continue
                 try:
                     arrays = wire.unpack_arrays(header["tensors"], frames)
-                    batch = Batch.from_tensors({k: torch.from_numpy(a) for k, a in arrays.items()}, self.sparse_keys)
+                    batch = Batch.from_numpy(arrays, self.sparse_keys)
                 except (wire.ProtocolError, KeyError) as e:
                     log.warning("dropped a malformed batch from worker %s: %s", wid, e)
                     continue

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from typing import Iterator, Optional, Union
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .assembly import EpochAssembler
@@ -70,8 +69,7 @@ class LocalDataset(IterableDataset):
         for split in plan:
             task = make_task(self.files, self.base[split.base], split, self.epoch)
             for piece in processor.pieces(task):
-                tensors = {k: torch.from_numpy(a) for k, a in piece.arrays.items()}
-                assembler.add(piece.split_id, piece.index, Batch.from_tensors(tensors, keys))
+                assembler.add(piece.split_id, piece.index, Batch.from_numpy(piece.arrays, keys))
                 yield from self._drain(assembler)
         yield from self._drain(assembler)
 

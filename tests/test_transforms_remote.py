@@ -76,7 +76,8 @@ def by_row(batches) -> dict:
                 wsplit[k] = w.split(per_key[k].lengths().tolist())
         for i, rid in enumerate(b.passthrough["row_id"].tolist()):
             assert rid not in out
-            out[rid] = (b.dense_features[i].numpy(), float(b.weights[i]), float(b.labels[i]),
+            out[rid] = (b.dense_features[i].numpy(), None if b.weights is None else float(b.weights[i]),
+                        float(b.labels[i]),
                         {k: v[i].tolist() for k, v in lists.items()},
                         {k: v[i].tolist() for k, v in wsplit.items()})
     return out

@@ -6,7 +6,6 @@ always consistent with what a restarted master would rebuild from the journal.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -15,6 +14,7 @@ from typing import Callable, Optional
 
 from ..dataset import BoundDataset, bind, bind_schema, file_to_wire
 from ..spec import DatasetSpec, SpecError
+from ..storage.reorder import record_projection
 from . import updates as U
 from .journal import Journal
 from .metrics import RateWindow
@@ -90,8 +90,7 @@ class MasterService:
         self.bound = bound
         if self.config.popularity_log:
             # Which columns jobs read together: `remoteloader reorder` stores them together.
-            with open(self.config.popularity_log, "a") as f:
-                f.write(json.dumps({"time": time.time(), "table": spec.table.path, "columns": bound.read_columns}) + "\n")
+            record_projection(self.config.popularity_log, spec.table.path, bound.read_columns)
         log.info("job %s: %d files, %d splits, %d rows", spec.fingerprint(), len(files), len(splits),
                  self.state.job.total_rows)
 

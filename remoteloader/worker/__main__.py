@@ -16,6 +16,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--master", required=True, help="the master's address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--bind-host", default="127.0.0.1", help="interface the data port binds to (default 127.0.0.1)")
     p.add_argument("--buffer-batches", type=int, default=16, help="bounded buffer size in batches")
+    p.add_argument("--coalesce-gap", type=int, default=None,
+                   help="merge reads of selected column streams whose gap is at most this many bytes "
+                        "(default 1.25 MiB; 0: one request per stream)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to wait for clients to consume what this worker holds")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
@@ -27,7 +30,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.die_with_parent:
         die_with_parent()
     worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches,
-                    drain_timeout_s=args.drain_timeout,
+                    drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
                     faults=Faults(args.inject_batch_delay, args.inject_hang_after))
     # SIGTERM (scale-down, orderly shutdown) drains; SIGINT (Ctrl-C) stops at once.
     signal.signal(signal.SIGTERM, lambda *_: worker.request("drain"))

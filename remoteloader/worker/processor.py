@@ -15,7 +15,7 @@ import numpy as np
 
 from ..columns import Column, DenseColumn, SparseColumn
 from ..dataset import BoundDataset, file_from_wire, file_to_wire
-from ..formats import DataFile, TableError, read_split
+from ..formats import DEFAULT_COALESCE_GAP, DataFile, IOStats, TableError, read_split
 from ..master.planner import BaseSplit, SplitTask, epoch_rng, pieces_of, with_sampled_rows
 from ..transforms import sampling_keep, validate_sampling
 
@@ -33,9 +33,11 @@ class Piece:
 
 
 class SplitProcessor:
-    def __init__(self, bound: BoundDataset) -> None:
+    def __init__(self, bound: BoundDataset, coalesce_gap: int = DEFAULT_COALESCE_GAP) -> None:
         self.bound = bound
         self.spec = bound.spec
+        self.coalesce_gap = coalesce_gap
+        self.io = IOStats()  # storage requests and bytes, reported in heartbeats
         self.sampling = validate_sampling(self.spec.sampling) if self.spec.sampling else None
 
     def pieces(self, task: SplitTask) -> Iterator[Piece]:
@@ -96,7 +98,8 @@ class SplitProcessor:
 
     def _read(self, file: list, first: int, stop: int, names: Sequence[str], rows: int, where: str) -> dict[str, Column]:
         try:
-            columns = read_split(file_from_wire(file), first, stop, names)
+            columns = read_split(file_from_wire(file), first, stop, names, coalesce_gap=self.coalesce_gap,
+                                 io_stats=self.io)
         except TableError as e:
             raise SplitError(f"{where}: {e}") from None
         got = len(next(iter(columns.values()))) if columns else rows

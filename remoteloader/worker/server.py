@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, master: str, bind_host: str = "127.0.0.1", buffer_batches: int = 16,
-                 rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional["Faults"] = None) -> None:
+                 rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional["Faults"] = None,
+                 coalesce_gap: Optional[int] = None) -> None:
         self.master = master
         self.ctx = zmq.Context.instance()
         self.stop_event = threading.Event()
@@ -47,6 +48,7 @@ class Worker:
         self._master_gone = False
         self._drain_deadline = float("inf")
         self.faults = faults or Faults()
+        self.coalesce_gap = coalesce_gap
         self._producing: Optional[list] = None  # [epoch, split_id, pieces produced]
         self.buffer = BatchBuffer(buffer_batches)
         self.rpc_timeout_s = rpc_timeout_s
@@ -84,7 +86,9 @@ class Worker:
                 if self.processor is None:
                     reply = rpc.call("get_spec")
                     spec = DatasetSpec.from_dict(reply["spec"])
-                    processor = SplitProcessor(bind_schema(spec, reply["schema"]))
+                    bound = bind_schema(spec, reply["schema"])
+                    processor = (SplitProcessor(bound) if self.coalesce_gap is None
+                                 else SplitProcessor(bound, self.coalesce_gap))
                     processor.warm_up()
                     self.processor = processor
                 if self.worker_id is None:
@@ -266,6 +270,8 @@ class Worker:
         producing = self._producing
         if producing is not None:
             stats["split"] = list(producing)
+        if self.processor is not None:
+            stats["io"] = self.processor.io.to_dict()
         try:
             reply = control.call("heartbeat", worker_id=self.worker_id, buffered=len(self.buffer), stats=stats,
                                  timeout_s=min(self.rpc_timeout_s, 2.0))
