@@ -90,6 +90,24 @@ def intersect_mask_kernel(av, ao, bv, bo):
     return keep, out_offsets
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _claim_slot(x, r, shift, mask, keys, stamp, cb, ca, sb, sa):
+    """Slot of id ``x`` in row ``r``'s open-addressing table; a new id's slot is claimed
+    and its counters zeroed (a stamp per slot avoids clearing the table per row)."""
+    h = numba.int64((numba.uint64(x) * _GOLDEN) >> shift)
+    while stamp[h] == r and keys[h] != x:
+        h = (h + 1) & mask
+    if stamp[h] == r:
+        return h, False
+    stamp[h] = r
+    keys[h] = x
+    cb[h] = 0
+    ca[h] = 0
+    sb[h] = 0.0
+    sa[h] = 0.0
+    return h, True
+
+
 @njit(cache=True, nogil=True)
 def compute_score_kernel(av, ao, aw, bv, bo, bw, kind):
     """One float per row; see transforms.md for each kind. Weights may be empty (unscored).
@@ -120,17 +138,8 @@ def compute_score_kernel(av, ao, aw, bv, bo, bw, kind):
         mask = (1 << bits) - 1
         nb = 0
         for j in range(b0, b1):
-            x = bv[j]
-            h = numba.int64((numba.uint64(x) * _GOLDEN) >> shift)
-            while stamp[h] == r and keys[h] != x:
-                h = (h + 1) & mask
-            if stamp[h] != r:
-                stamp[h] = r
-                keys[h] = x
-                cb[h] = 0
-                ca[h] = 0
-                sb[h] = 0.0
-                sa[h] = 0.0
+            h, new = _claim_slot(bv[j], r, shift, mask, keys, stamp, cb, ca, sb, sa)
+            if new:
                 b_order[nb] = h
                 nb += 1
             cb[h] += 1
@@ -138,17 +147,7 @@ def compute_score_kernel(av, ao, aw, bv, bo, bw, kind):
                 sb[h] += numba.float64(bw[j])
         na = 0
         for i in range(a0, a1):
-            x = av[i]
-            h = numba.int64((numba.uint64(x) * _GOLDEN) >> shift)
-            while stamp[h] == r and keys[h] != x:
-                h = (h + 1) & mask
-            if stamp[h] != r:
-                stamp[h] = r
-                keys[h] = x
-                cb[h] = 0
-                ca[h] = 0
-                sb[h] = 0.0
-                sa[h] = 0.0
+            h, _ = _claim_slot(av[i], r, shift, mask, keys, stamp, cb, ca, sb, sa)
             if ca[h] == 0:
                 a_order[na] = h
                 na += 1
