@@ -47,3 +47,12 @@ def test_malformed_messages_are_rejected(parts, match):
 def test_bad_tensor_descriptors(descs, frames, match):
     with pytest.raises(wire.ProtocolError, match=match):
         wire.unpack_arrays(descs, frames)
+
+
+def test_every_message_type_is_documented():
+    """docs/protocol.md and wire.SCHEMAS describe the same protocol."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    missing = [t for t in wire.SCHEMAS if f"`{t}" not in doc]
+    assert not missing, f"message types missing from docs/protocol.md: {missing}"
