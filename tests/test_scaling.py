@@ -19,7 +19,7 @@ from remoteloader.master.server import MasterServer
 from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.rpc import RpcClient
 from remoteloader.spec import DatasetSpec
-from tests.conftest import spec_dict, wait_gone
+from tests.conftest import spec_dict
 
 BIN = Path(sys.executable).parent
 

@@ -236,7 +236,6 @@ def sampling_u(seed: int, r: int) -> float:
 # scored one a list of (id, score) pairs.
 def _apply(op: str, p: dict, v: Any, scored: bool, rows_b=None) -> tuple[Any, bool]:
     ids = (lambda row: [x for x, _ in row]) if scored else (lambda row: row)
-    sc = (lambda row: [s for _, s in row]) if scored else (lambda row: None)
     rebuild = (lambda row, new: [(n, s) for n, (_, s) in zip(new, row)]) if scored else (lambda row, new: new)
     is_list = isinstance(v, list)
     if op == "sigrid_hash":
