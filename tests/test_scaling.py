@@ -43,7 +43,7 @@ def test_local_autoscaler_converges_to_the_needed_count(tmp_path, master_factory
                    stripe_size=64 << 10, progress=False)
     spec = {"table": {"path": str(table)}, "features": {"dense": ["float_0"], "sparse": ["idlist_0"]},
             "batch_size": 64, "split_rows": 640}
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 150
     counts, settled_since = [], None
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         while time.monotonic() < deadline:
