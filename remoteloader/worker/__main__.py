@@ -7,6 +7,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+from ..formats import DEFAULT_COALESCE_GAP
 from ..procs import die_with_parent
 from .server import Faults, Worker
 
@@ -16,7 +17,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--master", required=True, help="the master's address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--bind-host", default="127.0.0.1", help="interface the data port binds to (default 127.0.0.1)")
     p.add_argument("--buffer-batches", type=int, default=16, help="bounded buffer size in batches")
-    p.add_argument("--coalesce-gap", type=int, default=None,
+    p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "
                         "(default 1.25 MiB; 0: one request per stream)")
     p.add_argument("--drain-timeout", type=float, default=60.0,

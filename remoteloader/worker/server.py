@@ -26,6 +26,7 @@ import zmq
 
 from .. import wire
 from ..dataset import bind_schema
+from ..formats import DEFAULT_COALESCE_GAP
 from ..rpc import MasterUnavailable, RemoteError, RpcClient
 from ..spec import DatasetSpec
 from .buffer import BatchBuffer
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 class Worker:
     def __init__(self, master: str, bind_host: str = "127.0.0.1", buffer_batches: int = 16,
                  rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional["Faults"] = None,
-                 coalesce_gap: Optional[int] = None) -> None:
+                 coalesce_gap: int = DEFAULT_COALESCE_GAP) -> None:
         self.master = master
         self.ctx = zmq.Context.instance()
         self.stop_event = threading.Event()
@@ -86,9 +87,7 @@ class Worker:
                 if self.processor is None:
                     reply = rpc.call("get_spec")
                     spec = DatasetSpec.from_dict(reply["spec"])
-                    bound = bind_schema(spec, reply["schema"])
-                    processor = (SplitProcessor(bound) if self.coalesce_gap is None
-                                 else SplitProcessor(bound, self.coalesce_gap))
+                    processor = SplitProcessor(bind_schema(spec, reply["schema"]), self.coalesce_gap)
                     processor.warm_up()
                     self.processor = processor
                 if self.worker_id is None:
