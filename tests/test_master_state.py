@@ -32,8 +32,8 @@ def test_worker_lost_requeues_its_unfinished_splits_with_consumed_progress():
     assert st.partitions == {0: ["w1", "w2"], 1: ["w1", "w2"]}
     assert st.choose_split("w1") is None  # everything assigned
     st.apply(U.WorkerLost("w1", "test"))
-    p = st.choose_split("w2")
-    assert p is not None and p.split.id == 0 and p.consumed == 2 and p.worker is None
+    epoch, p = st.choose_split("w2")
+    assert epoch == 0 and p.split.id == 0 and p.consumed == 2 and p.worker is None
     assert st.partitions == {0: ["w2"], 1: ["w2"]}
     st.apply(U.SplitAssigned(0, 0, "w2", 0.0))
     st.apply(U.SplitsConsumed(0, 0, [[0, 5]]))
@@ -86,3 +86,20 @@ def test_rebalance_caps_workers_per_client():
         for w in m:
             load[w] = load.get(w, 0) + 1
     assert sorted(load.values()) == [2, 2, 2, 2]
+
+
+def test_prefetched_next_epoch_is_taken_over_with_its_progress():
+    st = JobState()
+    for u in history():
+        st.apply(u)
+    assert st.prefetch_candidates("w1") == [(0, 1), (1, 1)]  # nothing pending in epoch 0
+    st.apply(U.EpochPrefetched(0, 1))
+    epoch, p = st.choose_split("w1")
+    assert epoch == 1 and p.split.rank == 0
+    st.apply(U.SplitAssigned(1, p.split.id, "w1", 0.0))
+    st.apply(U.EpochStarted(0, 1))  # the trainer reaches epoch 1: the head start stands
+    assert st.ranks[0].epoch == 1 and st.ranks[0].splits[p.split.id].worker == "w1"
+    assert 0 not in st.prefetched
+    st.apply(U.EpochPrefetched(1, 1))
+    st.apply(U.EpochStarted(1, 0))  # rank 1 restarts epoch 0 instead: the prefetch is dropped
+    assert st.ranks[1].epoch == 0 and 1 not in st.prefetched

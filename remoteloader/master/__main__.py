@@ -41,6 +41,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds without heartbeat before a worker is dead")
     p.add_argument("--split-timeout", type=float, default=60.0,
                    help="seconds a worker may hold a split without progress before it is re-queued")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="do not let idle workers start a rank's next epoch early (for comparison)")
     p.add_argument("--max-workers-per-client", type=int, default=32, help="partitioned round robin: workers per client")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any port)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics endpoint")
@@ -52,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         die_with_parent()
 
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
-                          split_timeout=args.split_timeout,
+                          split_timeout=args.split_timeout, prefetch_next_epoch=not args.no_prefetch,
                           popularity_log=args.popularity_log or (os.path.join(args.journal, "popularity.jsonl")
                                                                  if args.journal else None))
     service = MasterService(config, Journal(args.journal) if args.journal else None)

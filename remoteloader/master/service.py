@@ -43,6 +43,7 @@ class MasterConfig:
     split_timeout: float = 60.0  # a worker producing nothing for this long loses its split
     rate_window_s: float = 10.0  # throughput and stall are measured over this window
     popularity_log: Optional[str] = None  # JSON lines: each job's projected columns (feature reordering)
+    prefetch_next_epoch: bool = True  # idle workers start a rank's next epoch before it asks
 
 
 def _check_acks(acks: list) -> list:
@@ -176,14 +177,25 @@ class MasterService:
 
     def _on_get_split(self, m: dict) -> Reply:
         self._require_worker(m["worker_id"])
-        progress = self.state.choose_split(m["worker_id"]) if self.state.job else None
-        if progress is None:
+        choice = self.state.choose_split(m["worker_id"]) if self.state.job else None
+        if (choice is None and self.config.prefetch_next_epoch and self.state.job is not None
+                and self._room_to_prefetch(m["worker_id"])):
+            for rank, epoch in self.state.prefetch_candidates(m["worker_id"]):
+                self._commit(U.EpochPrefetched(rank, epoch))
+            choice = self.state.choose_split(m["worker_id"])
+        if choice is None:
             return "no_split", {"retry_ms": self.config.no_split_retry_ms, "reason": "no pending split for this worker"}
+        epoch, progress = choice
         s = progress.split
-        self._commit(U.SplitAssigned(self.state.ranks[s.rank].epoch, s.id, m["worker_id"], self.clock()))
+        self._commit(U.SplitAssigned(epoch, s.id, m["worker_id"], self.clock()))
         job = self.state.job
-        task = make_task(job.files, job.splits[s.base], s, self.state.ranks[s.rank].epoch, skip=progress.consumed)
+        task = make_task(job.files, job.splits[s.base], s, epoch, skip=progress.consumed)
         return "split", {"split": task.to_wire()}
+
+    def _room_to_prefetch(self, worker_id: str) -> bool:
+        """A worker starts a next epoch only while it holds nothing ahead: those pieces wait
+        in its buffer until the trainer gets there (about one split per worker)."""
+        return self.state.workers[worker_id].stats.get("ahead", 1) == 0
 
     def _on_split_produced(self, m: dict) -> Reply:
         self._require_worker(m["worker_id"])

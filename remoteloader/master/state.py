@@ -82,6 +82,7 @@ class JobState:
         self.client_stats: dict[str, dict] = {}
         self.partitions: dict[int, list[str]] = {}  # rank -> worker ids it reads from
         self.ranks: dict[int, RankEpoch] = {}
+        self.prefetched: dict[int, RankEpoch] = {}  # rank -> its next epoch, started early
         self.errors: list[dict] = []
         self._worker_seq = 0
         self._plans: dict[int, list[EpochSplit]] = {}  # memo of the pure epoch plan
@@ -162,24 +163,34 @@ class JobState:
             self.client_stats[u.client_id] = dict(u.stats, time=u.time)
 
     def _on_EpochStarted(self, u: U.EpochStarted) -> None:
-        # Always a fresh start from the plan: the client is the authority on what it has
-        # consumed and reports it right after (SplitsConsumed), whether it is new, resumed
-        # from a checkpoint, or rejoining a master that lost its state.
+        # A fresh start from the plan, unless workers already started this epoch ahead of
+        # time (prefetch): its pieces are deterministic, so they stand whatever the client
+        # then reports it has consumed (SplitsConsumed, right after), whether it is new,
+        # resumed from a checkpoint, or rejoining a master that lost its state.
         current = self.ranks.get(u.rank)
         if current is not None:
             self._release(current)
+        ahead = self.prefetched.pop(u.rank, None)
+        if ahead is not None and ahead.epoch == u.epoch:
+            self.ranks[u.rank] = ahead
+            return
+        if ahead is not None:
+            self._release(ahead)
+        self.ranks[u.rank] = self._new_rank_epoch(u.rank, u.epoch)
+
+    def _on_EpochPrefetched(self, u: U.EpochPrefetched) -> None:
+        if u.rank not in self.prefetched:
+            self.prefetched[u.rank] = self._new_rank_epoch(u.rank, u.epoch)
+
+    def _new_rank_epoch(self, rank: int, epoch: int) -> RankEpoch:
         assert self.job is not None and self.job.world_size is not None
         batch_size = self.job.spec["batch_size"]
-        mine = [s for s in self._plan(u.epoch) if s.rank == u.rank]
-        self.ranks[u.rank] = RankEpoch(
-            u.epoch,
-            {s.id: SplitProgress(s, pieces_of(s.rows, batch_size)) for s in mine},
-            deque(s.id for s in mine),
-        )
+        mine = [s for s in self._plan(epoch) if s.rank == rank]
+        return RankEpoch(epoch, {s.id: SplitProgress(s, pieces_of(s.rows, batch_size)) for s in mine},
+                         deque(s.id for s in mine))
 
     def _on_SplitAssigned(self, u: U.SplitAssigned) -> None:
-        progress = self._progress(u.epoch, u.split_id)
-        rank_epoch = self.ranks[progress.split.rank]
+        rank_epoch, progress = self._owner(u.epoch, u.split_id)
         rank_epoch.pending.remove(u.split_id)
         progress.worker, progress.produced, progress.assigned_at = u.worker_id, False, u.time
         self.workers[u.worker_id].assigned.add((u.epoch, u.split_id))
@@ -217,9 +228,12 @@ class JobState:
             rank_epoch.finished = True
 
     # -- helpers of apply ----------------------------------------------------------------
+    def _rank_epochs(self) -> list[RankEpoch]:
+        return [*self.ranks.values(), *self.prefetched.values()]
+
     def _requeue(self, which) -> None:
         """Assigned, unfinished splits matching ``which`` go back to the front of their queues."""
-        for rank_epoch in self.ranks.values():
+        for rank_epoch in self._rank_epochs():
             hit = [p for p in rank_epoch.splits.values() if p.worker is not None and not p.done and which(p)]
             for p in sorted(hit, key=lambda p: p.split.id, reverse=True):
                 if p.worker in self.workers:
@@ -235,17 +249,21 @@ class JobState:
             self._plans = {e: p for e, p in self._plans.items() if e >= min(oldest, epoch)}
         return self._plans[epoch]
 
-    def _progress(self, epoch: int, split_id: int) -> Optional[SplitProgress]:
-        for rank_epoch in self.ranks.values():
+    def _owner(self, epoch: int, split_id: int) -> tuple[Optional[RankEpoch], Optional[SplitProgress]]:
+        for rank_epoch in self._rank_epochs():
             if rank_epoch.epoch == epoch and split_id in rank_epoch.splits:
-                return rank_epoch.splits[split_id]
-        return None
+                return rank_epoch, rank_epoch.splits[split_id]
+        return None, None
+
+    def _progress(self, epoch: int, split_id: int) -> Optional[SplitProgress]:
+        return self._owner(epoch, split_id)[1]
 
     def _finish(self, epoch: int, progress: SplitProgress) -> None:
         if progress.worker in self.workers:
             self.workers[progress.worker].assigned.discard((epoch, progress.split.id))
-        if progress.worker is None and progress.split.id in self.ranks[progress.split.rank].pending:
-            self.ranks[progress.split.rank].pending.remove(progress.split.id)
+        rank_epoch, _ = self._owner(epoch, progress.split.id)
+        if progress.worker is None and rank_epoch is not None and progress.split.id in rank_epoch.pending:
+            rank_epoch.pending.remove(progress.split.id)
 
     def _release(self, rank_epoch: RankEpoch) -> None:
         rank_epoch.pending.clear()
@@ -272,20 +290,30 @@ class JobState:
                 load[wid] += 1
 
     # -- queries ---------------------------------------------------------------------------
-    def choose_split(self, worker_id: str) -> Optional[SplitProgress]:
-        """The next split for this worker: from the ranks it serves, the one with the fewest
-        splits in flight, so every trainer's queue fills evenly."""
-        best = None
+    def choose_split(self, worker_id: str) -> Optional[tuple[int, SplitProgress]]:
+        """(epoch, split) next for this worker: from the ranks it serves, the one with the
+        fewest splits in flight, so every trainer's queue fills evenly; a prefetched next
+        epoch only when no current epoch has work for it."""
         if self.workers[worker_id].draining:
             return None
-        for rank, members in sorted(self.partitions.items()):
-            rank_epoch = self.ranks.get(rank)
-            if worker_id not in members or rank_epoch is None or rank_epoch.finished or not rank_epoch.pending:
-                continue
-            in_flight = sum(1 for p in rank_epoch.splits.values() if p.worker is not None and not p.done)
-            if best is None or in_flight < best[0]:
-                best = (in_flight, rank_epoch.splits[rank_epoch.pending[0]])
-        return None if best is None else best[1]
+        for epochs in (self.ranks, self.prefetched):
+            best = None
+            for rank, members in sorted(self.partitions.items()):
+                rank_epoch = epochs.get(rank)
+                if worker_id not in members or rank_epoch is None or rank_epoch.finished or not rank_epoch.pending:
+                    continue
+                in_flight = sum(1 for p in rank_epoch.splits.values() if p.worker is not None and not p.done)
+                if best is None or in_flight < best[0]:
+                    best = (in_flight, rank_epoch.epoch, rank_epoch.splits[rank_epoch.pending[0]])
+            if best is not None:
+                return best[1], best[2]
+        return None
+
+    def prefetch_candidates(self, worker_id: str) -> list[tuple[int, int]]:
+        """(rank, next epoch) for ranks this worker serves whose current epoch has nothing
+        left to hand out and whose next epoch has not been started yet."""
+        return [(rank, re.epoch + 1) for rank, re in sorted(self.ranks.items())
+                if worker_id in self.partitions.get(rank, ()) and not re.pending and rank not in self.prefetched]
 
     def stalled_splits(self, now: float, heartbeat_interval: float, split_timeout: float) -> list[tuple]:
         """(epoch, split_id, worker_id, reason) of assigned splits that make no progress:

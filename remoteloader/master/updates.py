@@ -97,6 +97,14 @@ class EpochStarted(Update):
 
 
 @dataclass(frozen=True)
+class EpochPrefetched(Update):
+    """Workers with nothing left of a rank's epoch may start its next one, so the trainer
+    does not wait at the epoch boundary; the rank takes it over at its next start_epoch."""
+    rank: int
+    epoch: int
+
+
+@dataclass(frozen=True)
 class SplitAssigned(Update):
     epoch: int
     split_id: int

@@ -28,7 +28,12 @@ class BatchBuffer:
     def put(self, key: Key, piece: Piece, stop: threading.Event) -> bool:
         """Add a piece, waiting while full; False if ``stop`` was set while waiting."""
         with self._cond:
-            while self._count >= self.capacity and not stop.is_set():
+            # Pieces of an epoch the rank has not asked for yet (a prefetched next epoch)
+            # never wait: blocking on them could starve the epoch the trainer is in. The
+            # master hands a worker a next-epoch split only while it holds none ahead, so
+            # this overshoots the capacity by about one split.
+            ahead = self._is_ahead(key)
+            while self._current_count() >= self.capacity and not ahead and not stop.is_set():
                 self._cond.wait(0.1)
             if stop.is_set():
                 return False
@@ -39,10 +44,24 @@ class BatchBuffer:
             return True
 
     def wait_for_room(self, stop: threading.Event) -> bool:
+        """Wait until pieces of epochs that clients are reading leave room; pieces held for
+        a next epoch do not count, so they can never keep the worker from the current one."""
         with self._cond:
-            while self._count >= self.capacity and not stop.is_set():
+            while self._current_count() >= self.capacity and not stop.is_set():
                 self._cond.wait(0.1)
             return not stop.is_set()
+
+    def ahead_count(self) -> int:
+        """Pieces held for epochs their rank has not started reading (prefetched)."""
+        with self._cond:
+            return self._count - self._current_count()
+
+    def _is_ahead(self, key: Key) -> bool:
+        rank, epoch = key
+        return rank in self._latest and epoch > self._latest[rank]
+
+    def _current_count(self) -> int:
+        return self._count - sum(len(q) for k, q in self._queues.items() if self._is_ahead(k))
 
     def pop(self, key: Key) -> Optional[Piece]:
         with self._cond:

@@ -265,6 +265,7 @@ class Worker:
 
     def _heartbeat(self, control: RpcClient) -> None:
         stats = dict(self._stats, cpu=self._proc.cpu_percent() / 100.0, capacity=self.buffer.capacity,
+                     ahead=self.buffer.ahead_count(),
                      mem=float(self._proc.memory_info().rss), time=time.time())
         producing = self._producing
         if producing is not None:
