@@ -36,8 +36,9 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "get_spec": {},
     "heartbeat": {"worker_id": (_STR, True), "buffered": (_INT, True), "stats": (_MAP, False)},
     "get_split": {"worker_id": (_STR, True)},
-    "split_produced": {"worker_id": (_STR, True), "split_id": (_INT, True)},
-    "split_failed": {"worker_id": (_STR, True), "split_id": (_INT, True), "error": (_STR, True)},
+    "split_produced": {"worker_id": (_STR, True), "epoch": (_INT, True), "split_id": (_INT, True)},
+    "split_failed": {"worker_id": (_STR, True), "epoch": (_INT, True), "split_id": (_INT, True),
+                     "error": (_STR, True)},
     "drain": {"worker_id": (_STR, True)},
     "bye": {"worker_id": (_STR, True)},
     # client -> master

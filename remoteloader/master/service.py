@@ -198,26 +198,22 @@ class MasterService:
         return self.state.workers[worker_id].stats.get("ahead", 1) == 0
 
     def _on_split_produced(self, m: dict) -> Reply:
-        self._require_worker(m["worker_id"])
-        epoch = self._epoch_of_worker_split(m["worker_id"], m["split_id"])
-        if epoch is not None:
-            self._commit(U.SplitProduced(epoch, m["split_id"], m["worker_id"]))
+        if self._holds(m):
+            self._commit(U.SplitProduced(m["epoch"], m["split_id"], m["worker_id"]))
         return "ok", {}
 
     def _on_split_failed(self, m: dict) -> Reply:
-        self._require_worker(m["worker_id"])
-        epoch = self._epoch_of_worker_split(m["worker_id"], m["split_id"])
-        if epoch is not None:
+        if self._holds(m):
             skipped = self.state.job.spec["on_error"] == "skip"
             log.error("split %d failed%s: %s", m["split_id"], " (skipped)" if skipped else "", m["error"])
-            self._commit(U.SplitFailed(epoch, m["split_id"], m["worker_id"], m["error"], skipped))
+            self._commit(U.SplitFailed(m["epoch"], m["split_id"], m["worker_id"], m["error"], skipped))
         return "ok", {}
 
-    def _epoch_of_worker_split(self, worker_id: str, split_id: int) -> Optional[int]:
-        for epoch, sid in self.state.workers[worker_id].assigned:
-            if sid == split_id:
-                return epoch
-        return None  # reassigned meanwhile (we were presumed dead); the report is stale
+    def _holds(self, m: dict) -> bool:
+        """Whether the reporting worker still holds that split; if it was re-assigned
+        meanwhile (the worker was presumed dead, or the rank restarted), the report is stale."""
+        self._require_worker(m["worker_id"])
+        return (m["epoch"], m["split_id"]) in self.state.workers[m["worker_id"]].assigned
 
     # -- clients ------------------------------------------------------------------------
     def _on_hello(self, m: dict) -> Reply:

@@ -165,7 +165,8 @@ class Worker:
             self._stats["splits"] += 1
             # Still reported as producing until the master knows it is produced, so a
             # heartbeat in between never makes the split look abandoned.
-            self._call_quietly(rpc, "split_produced", worker_id=self.worker_id, split_id=task.split_id)
+            self._call_quietly(rpc, "split_produced", worker_id=self.worker_id, epoch=task.epoch,
+                               split_id=task.split_id)
         except SplitError as e:
             self._report_failure(rpc, task, str(e))
         except Exception:  # a bug must surface in the client, not hang the job
@@ -176,7 +177,8 @@ class Worker:
 
     def _report_failure(self, rpc: RpcClient, task: SplitTask, message: str) -> None:
         log.error("%s", message)
-        self._call_quietly(rpc, "split_failed", worker_id=self.worker_id, split_id=task.split_id, error=message[:8000])
+        self._call_quietly(rpc, "split_failed", worker_id=self.worker_id, epoch=task.epoch, split_id=task.split_id,
+                           error=message[:8000])
 
     def _call_quietly(self, rpc: RpcClient, t: str, **fields) -> None:
         try:
