@@ -17,13 +17,12 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 
-@dataclass
-class JaggedTensor:
-    """One sparse feature of a batch: ids of all rows concatenated, and ids per row."""
+class _Jagged:
+    """torchrec's accessors over ``_values`` (ids), ``_lengths`` (per row) and ``_weights``."""
 
     _values: torch.Tensor
     _lengths: torch.Tensor
-    _weights: Optional[torch.Tensor] = None
+    _weights: Optional[torch.Tensor]
 
     def values(self) -> torch.Tensor:
         return self._values
@@ -36,11 +35,20 @@ class JaggedTensor:
 
     def weights(self) -> torch.Tensor:
         if self._weights is None:
-            raise ValueError("this feature carries no weights (it is not a scored feature)")
+            raise ValueError("no weights here: only scored sparse features carry them")
         return self._weights
 
     def weights_or_none(self) -> Optional[torch.Tensor]:
         return self._weights
+
+
+@dataclass
+class JaggedTensor(_Jagged):
+    """One sparse feature of a batch: ids of all rows concatenated, and ids per row."""
+
+    _values: torch.Tensor
+    _lengths: torch.Tensor
+    _weights: Optional[torch.Tensor] = None
 
     def to_dense(self) -> list[torch.Tensor]:
         return list(torch.split(self._values, self._lengths.tolist()))
@@ -52,7 +60,7 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(_Jagged):
     """torchrec's KeyedJaggedTensor layout, without needing torchrec installed.
 
     ``lengths()`` has ``len(keys) * stride()`` entries, key-major; ``values()`` holds the
@@ -73,23 +81,6 @@ class KeyedJaggedTensor:
 
     def keys(self) -> list[str]:
         return self._keys
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        return _offsets(self._lengths)
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise ValueError("no sparse feature of this batch carries weights")
-        return self._weights
-
-    def weights_or_none(self) -> Optional[torch.Tensor]:
-        return self._weights
 
     def stride(self) -> int:
         return self._stride

@@ -44,25 +44,29 @@ def test_local_autoscaler_converges_to_the_needed_count(tmp_path, master_factory
     spec = {"table": {"path": str(table)}, "features": {"dense": ["float_0"], "sparse": ["idlist_0"]},
             "batch_size": 64, "split_rows": 640}
     deadline = time.monotonic() + 150
-    counts, settled_since = [], None
+    trace, converged = [], None  # (workers, stall); converged: the count held stall-free for 25 s
+    held_since = None
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and converged is None:
             for i, _ in enumerate(loader):
                 time.sleep(0.04)  # the training step: 25 batches/s = 1600 rows/s
                 if i % 25 == 0:
-                    counts.append(len([w for w in status(master.addr)["workers"] if not w["draining"]]))
-                    in_range = 3 <= counts[-1] <= 4
-                    settled_since = (settled_since or time.monotonic()) if in_range else None
-                    if settled_since and time.monotonic() - settled_since > 20:
-                        deadline = 0  # held the needed count for 20 s: converged
-                if time.monotonic() >= deadline:
+                    st = status(master.addr)
+                    n = len([w for w in st["workers"] if not w["draining"]])
+                    stall = max((c["stall"] for c in st["clients"]), default=1.0)
+                    same = bool(trace) and trace[-1][0] == n
+                    trace.append((n, stall))
+                    held_since = (held_since or time.monotonic()) if same and stall < 0.02 else None
+                    if held_since and time.monotonic() - held_since > 25:
+                        converged = n
+                if converged is not None or time.monotonic() >= deadline:
                     break
-    st = status(master.addr)
-    decisions = st["autoscaler"]
+    decisions = status(master.addr)["autoscaler"]
     assert decisions and all(d["reason"] for d in decisions)
     assert any(d["action"] == "add" for d in decisions)
-    active = len([w for w in st["workers"] if not w["draining"]])
-    assert 3 <= active <= 4, (active, counts, decisions)
+    # Nominally 3 workers are needed; on a slower machine the trainer's own steps take
+    # longer and 2 may suffice. Either way: stall-free, and at most one worker to spare.
+    assert converged is not None and 2 <= converged <= 4, (trace, decisions)
 
 
 @pytest.fixture
