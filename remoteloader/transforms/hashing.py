@@ -37,6 +37,14 @@ def combine(u, l):  # (uint64, uint64) -> uint64
     return b * _C
 
 
+@njit(inline="always")
+def signed_mod(h, max_value):  # uint64 -> int64: signed(h), then floormod(., max_value) when max_value > 0
+    v = numba.int64(h)
+    if max_value > 0:
+        v = v % max_value
+    return v
+
+
 @njit(cache=True, nogil=True)
 def sigrid_hash_kernel(values, salt, max_value):
     """floormod(signed(combine(salt, mix64(x))), max_value) for every x; int64 in and out."""
@@ -64,10 +72,7 @@ def ngram_kernel(values, offsets, n, max_value):
             h = numba.uint64(values[i])
             for j in range(1, n):
                 h = combine(h, numba.uint64(values[i + j]))
-            v = numba.int64(h)
-            if max_value > 0:
-                v = v % max_value
-            out[o] = v
+            out[o] = signed_mod(h, max_value)
             o += 1
     return out, out_offsets
 
@@ -86,10 +91,7 @@ def cartesian_kernel(a_values, a_offsets, b_values, b_offsets, max_value):
         for i in range(a_offsets[r], a_offsets[r + 1]):
             x = numba.uint64(a_values[i])
             for j in range(b0, b1):
-                v = numba.int64(combine(x, numba.uint64(b_values[j])))
-                if max_value > 0:
-                    v = v % max_value
-                out[o] = v
+                out[o] = signed_mod(combine(x, numba.uint64(b_values[j])), max_value)
                 o += 1
     return out, out_offsets
 
