@@ -19,9 +19,10 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m remoteloader.demo --data data/demo
+	$(PY) -m remoteloader.tools.demo --data data/demo
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

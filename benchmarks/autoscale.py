@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from remoteloader.master.autoscale import (AutoscaleConfig, AutoscalePolicy, CpuTargetConfig, CpuTargetPolicy,
                                            OraclePolicy, Policy)
-from remoteloader.master.simulate import Scenario, SimResult, oracle_workers, simulate
+from benchmarks.simulator import Scenario, SimResult, oracle_workers, simulate
 
 W = 10_000.0   # mean rows/s of one worker in every scenario
 
@@ -106,7 +106,7 @@ def run_real(duration_s: float) -> list[Row]:
     from pathlib import Path
 
     from remoteloader import RemoteDataLoader
-    from remoteloader.datagen import generate_table
+    from remoteloader.tools.datagen import generate_table
 
     table = Path(tempfile.mkdtemp(prefix="rl-autoscale-")) / "t"
     # Big enough that an epoch outlasts the run (epoch boundaries are their own stall),

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from remoteloader import RemoteDataLoader
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from remoteloader import RemoteDataLoader
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 
 
 def run(table: Path, epochs: int, step_s: float, extra: list[str]) -> list[float]:

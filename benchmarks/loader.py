@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from remoteloader import LocalDataset, RemoteDataLoader
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 
 
 def bench_spec(table: str, dense: int, sparse: int, batch_size: int) -> dict:

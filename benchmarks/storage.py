@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from remoteloader.datagen import generate_table, map_key
+from remoteloader.tools.datagen import generate_table, map_key
 from remoteloader.formats import DEFAULT_COALESCE_GAP, IOStats, clear_tail_cache, list_table, read_schema, read_split
 from remoteloader.storage import column_order, flatten_table, load_popularity, record_projection, reorder_table
 

@@ -2,6 +2,12 @@
 
 Public names are imported lazily so that worker and master processes, which import
 this package too, do not pay for torch.
+
+Package map (the architecture): ``core`` (shared by every role: split plan, spec
+binding, split processor), ``protocol`` (wire format, rpc), ``formats`` (ORC/Parquet
+reading), ``transforms`` (feature kernels), ``master``, ``worker``, ``client`` (the three
+roles, which never import each other), ``storage`` and ``tools`` (offline tools, never
+imported at run time). ``spec`` and ``columns`` are the vocabulary all of them share.
 """
 from __future__ import annotations
 
@@ -10,13 +16,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "RemoteDataLoader": "remoteloader.client",
-    "LocalDataset": "remoteloader.local",
+    "RemoteDataLoader": "remoteloader.client.loader",
+    "LocalDataset": "remoteloader.client.local",
     "DatasetSpec": "remoteloader.spec",
     "SpecError": "remoteloader.spec",
-    "Batch": "remoteloader.batch",
-    "KeyedJaggedTensor": "remoteloader.batch",
-    "JaggedTensor": "remoteloader.batch",
+    "load_spec": "remoteloader.spec",
+    "Batch": "remoteloader.client.batch",
+    "KeyedJaggedTensor": "remoteloader.client.batch",
+    "JaggedTensor": "remoteloader.client.batch",
 }
 __all__ = sorted(_EXPORTS)
 

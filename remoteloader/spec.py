@@ -334,3 +334,12 @@ def _parse_feature(value: Any, kind: str, key: str) -> FeatureSpec:
         _name(scores, f"{key}.scores")
     return FeatureSpec(name=name, kind=kind, column=column, inputs=inputs_t, scores=scores,
                        transforms=tuple(steps), default=default)
+
+
+def load_spec(spec: Union[DatasetSpec, Mapping[str, Any], str, os.PathLike]) -> DatasetSpec:
+    """A spec given as a ``DatasetSpec``, its dict form, or the path of a YAML/JSON file."""
+    if isinstance(spec, DatasetSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        return DatasetSpec.from_dict(spec)
+    return DatasetSpec.from_file(Path(spec))

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 
 ROWS = 5000
 

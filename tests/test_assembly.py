@@ -5,9 +5,9 @@ import random
 
 import torch
 
-from remoteloader.assembly import EpochAssembler
-from remoteloader.batch import Batch, KeyedJaggedTensor
-from remoteloader.master.planner import pieces_of
+from remoteloader.client.assembly import EpochAssembler
+from remoteloader.client.batch import Batch, KeyedJaggedTensor
+from remoteloader.core.plan import pieces_of
 
 
 def make_batch(row_ids):

@@ -9,7 +9,7 @@ import pytest
 
 from remoteloader.master.autoscale import (AutoscaleConfig, AutoscalePolicy, ClientSignal, CpuTargetConfig,
                                            CpuTargetPolicy, Decision, OraclePolicy, Snapshot, WorkerSignal)
-from remoteloader.master.simulate import Scenario, SimResult, fewest_workers, oracle_workers, simulate
+from benchmarks.simulator import Scenario, SimResult, fewest_workers, oracle_workers, simulate
 
 W = 10_000.0   # mean rows/s per simulated worker
 

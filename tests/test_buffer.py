@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 
 from remoteloader.worker.buffer import BatchBuffer
-from remoteloader.worker.processor import Piece
+from remoteloader.core.processor import Piece
 
 
 def piece(i: int) -> Piece:

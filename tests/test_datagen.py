@@ -10,8 +10,8 @@ import pyarrow.orc as paorc
 import pyarrow.parquet as pq
 import pytest
 
-from remoteloader import datagen
-from remoteloader.datagen import generate_table
+from remoteloader.tools import datagen
+from remoteloader.tools.datagen import generate_table
 
 ROWS = 6000
 

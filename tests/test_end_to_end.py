@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from remoteloader import LocalDataset, RemoteDataLoader
-from remoteloader.rpc import MasterUnavailable
+from remoteloader.protocol.rpc import MasterUnavailable
 from tests.conftest import ROWS, spec_dict, wait_gone
 from tests.transforms_reference import sigrid_hash as ref_sigrid_hash
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from remoteloader.columns import DenseColumn, SparseColumn
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 from remoteloader.formats import (DataFile, TableError, Unit, arrow_to_column, column_kind, list_table,
                                   open_filesystem, read_schema, read_split, table_schema)
 from remoteloader.formats import orc as orc_format

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from remoteloader.formats import DataFile, Unit
-from remoteloader.master.planner import pieces_of, plan_base_splits, plan_epoch, rank_rows
+from remoteloader.core.plan import pieces_of, plan_base_splits, plan_epoch, rank_rows
 
 
 def make_file(rows_per_unit):

@@ -1,7 +1,11 @@
 """Autoscaling with real processes: the local launcher converges; Ray actors start and drain."""
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -9,15 +13,16 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import zmq
 
 from remoteloader import RemoteDataLoader
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 from remoteloader.master.launcher import RayLauncher
 from remoteloader.master.server import MasterServer
 from remoteloader.master.service import MasterConfig, MasterService
-from remoteloader.rpc import RpcClient
+from remoteloader.protocol.rpc import RpcClient
 from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
 
@@ -71,7 +76,13 @@ def test_local_autoscaler_converges_to_the_needed_count(tmp_path, master_factory
 
 @pytest.fixture
 def ray_cluster(monkeypatch):
-    """A Ray head on 127.0.0.1 only, stopped afterwards."""
+    """A Ray head on 127.0.0.1 only, with token authentication on; its processes stopped afterwards.
+
+    Ray >= 2.59 turns token authentication on by default, so the head and every driver
+    must share a token. The head gets it through its environment; the test's driver
+    (the master's launcher) is handed the token file, as ``--ray-auth-token-file`` does.
+    Yields ``(address, token file)``.
+    """
     ray_bin = BIN / "ray"
     if not ray_bin.exists():
         pytest.skip("ray is not installed")
@@ -79,21 +90,55 @@ def ray_cluster(monkeypatch):
     # "cluster"; with it, GCS and raylet bind to 127.0.0.1 instead of every interface.
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
     temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # Ray's socket paths must stay short
-    port = "6390"
-    subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
-                    "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
-                    "--temp-dir", temp_dir], check=True, capture_output=True)
+    token_file = Path(temp_dir) / "auth_token"
+    token_file.write_text(secrets.token_hex(32))
+    token_file.chmod(0o600)
+    head_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+    port = str(free_port())
     try:
-        yield f"127.0.0.1:{port}"
+        subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
+                        "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+                        "--temp-dir", temp_dir], check=True, capture_output=True, timeout=120, env=head_env)
+        yield f"127.0.0.1:{port}", str(token_file)
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True)
+        stop_processes_of(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
-    import ray
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
+
+def stop_processes_of(temp_dir: str) -> None:
+    """End the Ray processes of this head only (not ``ray stop``, which ends every Ray on the machine).
+
+    The node's main processes name its session directory, which lies under ``temp_dir``,
+    on their command lines; the rest are their descendants.
+    """
+    named = [proc for proc in psutil.process_iter(["cmdline"])
+             if proc.pid != os.getpid() and any(temp_dir in arg for arg in proc.info["cmdline"] or [])]
+    # Ray's agents rename themselves (``ray::DashboardAgent``): found as children of the named.
+    ours = {proc.pid: proc for proc in named}
+    for proc in named:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            ours.update((child.pid, child) for child in proc.children(recursive=True))
+    ours = list(ours.values())
+    for proc in ours:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(ours, timeout=10)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
     spec = DatasetSpec.from_dict(spec_dict(tables["orc"]))
     service = MasterService(MasterConfig(heartbeat_timeout=10))
     service.submit(spec)
@@ -102,7 +147,8 @@ def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
     thread.start()
     launcher = None
     try:
-        launcher = RayLauncher(server.addr, ray_cluster)
+        address, token_file = ray_cluster
+        launcher = RayLauncher(server.addr, address, auth_token_path=token_file)
         launcher.start(2)
         deadline = time.monotonic() + 120
         while len(status(server.addr)["workers"]) < 2 and time.monotonic() < deadline:
@@ -125,4 +171,3 @@ def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
             launcher.stop_all()
         server.stop_event.set()
         thread.join(5)
-        ray.shutdown()

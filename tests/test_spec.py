@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from remoteloader.dataset import bind
+from remoteloader.core.binding import bind
 from remoteloader.spec import DatasetSpec, SpecError
 from tests.conftest import spec_dict
 
@@ -74,7 +74,7 @@ def test_fingerprint_changes_with_any_setting(tables):
 
 
 def test_validate_cli_reports_what_it_would_read(tables, tmp_path, capsys):
-    from remoteloader.cli import main
+    from remoteloader.tools.cli import main
 
     path = tmp_path / "s.json"
     path.write_text(json.dumps(spec_dict(tables["orc"])))

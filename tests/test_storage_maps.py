@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from remoteloader.columns import DenseColumn, SparseColumn
-from remoteloader.datagen import generate_table, map_key
+from remoteloader.tools.datagen import generate_table, map_key
 from remoteloader.formats import (TableError, column_kind, flat_name, list_table, read_split, table_schema,
                                   virtual_column_kind)
 from remoteloader.formats import maps

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from remoteloader.columns import DenseColumn
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 from remoteloader.formats import (DEFAULT_COALESCE_GAP, IOStats, TableError, clear_tail_cache, list_table,
                                   read_split)
 from remoteloader.formats import orc_layout, split

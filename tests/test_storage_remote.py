@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from remoteloader import LocalDataset, RemoteDataLoader
-from remoteloader.cli import main as cli
+from remoteloader.tools.cli import main as cli
 from tests.test_transforms_remote import by_row
 
 

@@ -10,7 +10,7 @@ import pyarrow.orc as paorc
 import pyarrow.parquet as pq
 import pytest
 
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 from remoteloader.formats import IOStats, TableError, clear_tail_cache, list_table, read_schema, read_split
 from remoteloader.storage import column_order, load_popularity, record_projection, reorder_table
 

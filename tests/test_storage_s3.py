@@ -11,7 +11,7 @@ import pyarrow.orc as paorc
 import pyarrow.parquet as pq
 import pytest
 
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 from remoteloader.formats import IOStats, arrow_to_column, clear_tail_cache, list_table, open_filesystem, read_split
 
 werkzeug_app = pytest.importorskip("moto.moto_server.werkzeug_app")

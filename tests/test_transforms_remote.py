@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from remoteloader import LocalDataset, RemoteDataLoader
-from remoteloader.datagen import generate_table
+from remoteloader.tools.datagen import generate_table
 from remoteloader.transforms import sampling_keep
 
 ROWS = 3000

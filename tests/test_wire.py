@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from remoteloader import wire
+from remoteloader.protocol import wire
 
 
 def test_roundtrip_with_frames():

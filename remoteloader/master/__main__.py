@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..procs import die_with_parent
+from ..core.procs import die_with_parent
 from ..spec import DatasetSpec, SpecError
 from .journal import Journal
 from .autoscale import AutoscaleConfig, CpuTargetConfig, CpuTargetPolicy
@@ -36,6 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="stall: remoteloader's policy; cpu: a Kubernetes-style 80%% CPU target (for comparison)")
     p.add_argument("--launcher", choices=("local", "ray"), default="local", help="how workers are started")
     p.add_argument("--ray-address", help="Ray cluster address for --launcher ray (e.g. 127.0.0.1:6379, auto)")
+    p.add_argument("--ray-auth-token-file",
+                   help="file holding the Ray cluster's auth token (default: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
+                        "or ~/.ray/auth_token)")
     p.add_argument("--worker-buffer", type=int, default=16, help="batches each launched worker may buffer")
     p.add_argument("--worker-args", default="", help="extra arguments for launched local workers (one string)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds without heartbeat before a worker is dead")
@@ -67,6 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     server = MasterServer(service, args.bind)
     try:
         launcher = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
+                                 ray_auth_token_path=args.ray_auth_token_file,
                                  worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer)
     except (ValueError, ImportError, ConnectionError) as e:
         print(f"remoteloader-master: {e}", file=sys.stderr)

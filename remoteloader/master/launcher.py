@@ -1,7 +1,8 @@
 """How workers come and go: a small interface, and its local and Ray implementations.
 
-A launcher only starts worker processes and notices when they end; workers then
-fetch the spec and register with the master like any other worker. Scale-down never
+A launcher only starts worker processes (by their command, never by importing worker
+code) and notices when they end; workers then fetch the spec and register with the
+master like any other worker. Scale-down never
 goes through the launcher: the master drains a worker (``MasterService.drain``), the
 worker leaves by itself once clients consumed what it holds, and ``reap`` notices.
 
@@ -12,6 +13,7 @@ and register it in ``make_launcher``.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from typing import Optional, Protocol, Sequence
@@ -67,31 +69,55 @@ class LocalLauncher:
         self.procs.clear()
 
 
+class WorkerProcessActor:
+    """The body of a Ray actor: one ``remoteloader-worker`` process on the actor's node.
+
+    The worker runs as its own process, exactly as the local launcher starts it, rather
+    than inside the actor: the master never imports worker code, and the worker keeps
+    its signal handling (SIGTERM drains) and its own main thread. The process dies with
+    the actor (Linux parent-death signal), so ``ray.kill`` or a lost node ends it.
+    """
+
+    def run(self, master_addr: str, worker_args: list[str]) -> int:
+        """Serve until the worker exits; returns its exit code (0: drained or stopped)."""
+        import ray
+
+        cmd = [sys.executable, "-m", "remoteloader.worker", "--master", master_addr,
+               "--bind-host", ray.util.get_node_ip_address(), "--die-with-parent", *worker_args]
+        return subprocess.Popen(cmd).wait()
+
+
 class RayLauncher:
     """Workers as Ray actors (one CPU each by default) on an existing Ray cluster.
 
     Ray places the actors, and its autoscaler adds nodes when they do not fit. Each
-    actor runs an ordinary ``Worker`` bound to its node's IP address. The actors belong
-    to the master's Ray job, so Ray ends them if the master dies.
+    actor runs an ordinary worker process bound to its node's IP address. The actors
+    belong to the master's Ray job, so Ray ends them if the master dies.
+
+    Ray clusters authenticate by token (on by default since Ray 2.59): the master
+    connects with ``auth_token_path`` if given, else with what the environment says
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``).
     """
 
-    def __init__(self, master_addr: str, address: str, num_cpus: float = 1.0, buffer_batches: int = 16) -> None:
+    def __init__(self, master_addr: str, address: str, num_cpus: float = 1.0,
+                 worker_args: Sequence[str] = (), auth_token_path: Optional[str] = None) -> None:
+        if auth_token_path is not None:
+            _use_ray_token_file(auth_token_path)
         import ray
 
-        from ..worker.ray_actor import RayWorker
-
-        if not ray.is_initialized():
-            ray.init(address=address, namespace="remoteloader", log_to_driver=False, ignore_reinit_error=True)
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=address, namespace="remoteloader", log_to_driver=False)
         self._ray = ray
-        self._actor_cls = ray.remote(num_cpus=num_cpus)(RayWorker)
+        self._actor_cls = ray.remote(num_cpus=num_cpus)(WorkerProcessActor)
         self.master_addr = master_addr
-        self.buffer_batches = buffer_batches
+        self.worker_args = list(worker_args)
         self.actors: list[tuple] = []  # (actor handle, ObjectRef of its run())
 
     def start(self, n: int) -> None:
         for _ in range(n):
             actor = self._actor_cls.remote()
-            self.actors.append((actor, actor.run.remote(self.master_addr, self.buffer_batches)))
+            self.actors.append((actor, actor.run.remote(self.master_addr, self.worker_args)))
 
     def running(self) -> int:
         return len(self.actors)
@@ -105,10 +131,14 @@ class RayLauncher:
         for actor, ref in [a for a in self.actors if a[1] in done]:
             self.actors.remove((actor, ref))
             try:
-                self._ray.get(ref)
+                code = self._ray.get(ref)
             except Exception as e:  # the actor died (node lost, OOM, killed)
                 log.warning("ray worker ended: %s", e)
                 failed += 1
+            else:
+                if code != 0:
+                    log.warning("ray worker exited with code %s", code)
+                    failed += 1
             self._ray.kill(actor)
         return failed
 
@@ -116,14 +146,33 @@ class RayLauncher:
         for actor, _ in self.actors:
             self._ray.kill(actor)
         self.actors.clear()
+        if self._owns_ray:
+            self._ray.shutdown()
+
+
+def _use_ray_token_file(path: str) -> None:
+    """Point this process's Ray driver at a token file.
+
+    Ray reads its authentication settings once, when ``ray`` is first imported, so they
+    must be in the environment before that.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"Ray token file {path!r} does not exist")
+    wanted = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": path}
+    if "ray" in sys.modules and any(os.environ.get(k) != v for k, v in wanted.items()):
+        raise ValueError("ray was imported before the token file was set; set RAY_AUTH_MODE=token and "
+                         "RAY_AUTH_TOKEN_PATH in the environment instead")
+    os.environ.update(wanted)
 
 
 def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = None,
-                  worker_args: Sequence[str] = (), buffer_batches: int = 16) -> Launcher:
+                  ray_auth_token_path: Optional[str] = None, worker_args: Sequence[str] = (),
+                  buffer_batches: int = 16) -> Launcher:
     if kind == "local":
         return LocalLauncher(master_addr, ["--buffer-batches", str(buffer_batches), *worker_args])
     if kind == "ray":
         if not ray_address:
             raise ValueError("--launcher ray needs --ray-address (e.g. 127.0.0.1:6379, or 'auto')")
-        return RayLauncher(master_addr, ray_address, buffer_batches=buffer_batches)
+        return RayLauncher(master_addr, ray_address, worker_args=["--buffer-batches", str(buffer_batches), *worker_args],
+                           auth_token_path=ray_auth_token_path)
     raise ValueError(f"unknown launcher {kind!r} (local, ray)")

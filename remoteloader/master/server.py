@@ -12,7 +12,7 @@ from typing import Callable
 
 import zmq
 
-from .. import wire
+from ..protocol import wire
 from .service import MasterService
 
 log = logging.getLogger(__name__)

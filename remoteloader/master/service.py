@@ -12,14 +12,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..dataset import BoundDataset, bind, bind_schema, file_to_wire
+from ..core.binding import BoundDataset, bind, bind_schema, file_to_wire
 from ..spec import DatasetSpec, SpecError
-from ..storage.reorder import record_projection
+from ..core.popularity import record_projection
 from . import updates as U
 from .journal import Journal
 from .metrics import RateWindow
-from ..worker.processor import SplitProcessor
-from .planner import make_task, plan_base_splits
+from ..core.sampling import plan_job_splits
+from ..core.plan import make_task
 from .state import JobState
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class MasterService:
         """Bind and plan a job; raises SpecError naming the key or column at fault."""
         bound = bind(spec)
         files = bound.files or []
-        splits = SplitProcessor(bound).sample(files, plan_base_splits(files, spec.split_rows))
+        splits = plan_job_splits(bound)
         if not splits or sum(s.rows for s in splits) == 0:
             raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
         self._commit(U.JobSubmitted(spec.to_dict(), spec.fingerprint(), bound.schema,

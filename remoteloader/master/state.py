@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import updates as U
-from .planner import BaseSplit, EpochSplit, pieces_of, plan_epoch, rank_rows
+from ..core.plan import BaseSplit, EpochSplit, pieces_of, plan_epoch, rank_rows
 
 
 @dataclass

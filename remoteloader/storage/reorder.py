@@ -1,18 +1,14 @@
 """Feature reordering: store the features that jobs read together next to each other.
 
-The master appends every submitted job's projection to a popularity log,
-``<journal dir>/popularity.jsonl``: one JSON object per line,
-``{"time": <unix seconds>, "table": <table path>, "columns": [<column>, ...]}``.
-``load_popularity`` counts, per column, the jobs that read it (optionally over a recent
-window); ``column_order`` turns the counts into a column order (most popular first);
+The master appends every submitted job's projection to a popularity log (see
+``core.popularity``); ``load_popularity`` counts, per column, the jobs that read it
+(optionally over a recent window); ``column_order`` turns the counts into a column order (most popular first);
 ``reorder_table`` rewrites a table in that order, and ``generate_table(column_order=)``
 writes one directly. Coalesced reads of a popular projection then fetch one dense run of
 streams per stripe instead of a run full of unselected columns.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -25,39 +21,6 @@ from ..formats.maps import flat_name
 from .rewrite import progress_bar, source_units, targets, unit_rows, verified, write_file
 
 HEAD = ("row_id", "label", "ts")  # kept first: every job reads them
-
-
-def record_projection(path: str, table: str, columns: Sequence[str], *, now: Optional[float] = None) -> None:
-    """Append one job's projection to the popularity log ``path`` (one line, one write:
-    concurrent appenders do not interleave lines)."""
-    line = json.dumps({"time": time.time() if now is None else now, "table": table, "columns": list(columns)})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-
-
-def load_popularity(path: str, window_s: Optional[float] = None, now: Optional[float] = None, *,
-                    table: Optional[str] = None) -> dict[str, int]:
-    """Column -> number of logged jobs that read it, over the jobs of the last
-    ``window_s`` seconds before ``now`` (default: all jobs), of ``table`` if given.
-    Lines that do not parse (a torn last line after a crash) are skipped."""
-    now = time.time() if now is None else now
-    counts: Counter[str] = Counter()
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                job = json.loads(line)
-                when, columns = float(job["time"]), job["columns"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            if window_s is not None and not now - window_s <= when <= now:
-                continue
-            if table is not None and job.get("table") != table:
-                continue
-            counts.update(set(map(str, columns)))
-    return dict(counts)
 
 
 def column_order(schema_columns: Sequence[str], popularity: Mapping[str, int]) -> list[str]:

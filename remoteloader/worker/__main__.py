@@ -8,7 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..formats import DEFAULT_COALESCE_GAP
-from ..procs import die_with_parent
+from ..core.procs import die_with_parent
 from .server import Faults, Worker
 
 

@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from typing import Optional
 
-from .processor import Piece
+from ..core.processor import Piece
 
 Key = tuple[int, int]  # (rank, epoch)
 

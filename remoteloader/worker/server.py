@@ -24,13 +24,13 @@ from typing import Optional
 import psutil
 import zmq
 
-from .. import wire
-from ..dataset import bind_schema
+from ..protocol import wire
+from ..core.binding import bind_schema
 from ..formats import DEFAULT_COALESCE_GAP
-from ..rpc import MasterUnavailable, RemoteError, RpcClient
+from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from ..spec import DatasetSpec
 from .buffer import BatchBuffer
-from .processor import SplitError, SplitProcessor, SplitTask
+from ..core.processor import SplitError, SplitProcessor, SplitTask
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .batch import Batch, concat_rows
-from .master.planner import pieces_of
+from ..core.plan import pieces_of
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from .spec import SpecError
+from ..spec import SpecError
 
 
 def _gen_data(args: argparse.Namespace) -> int:
@@ -21,7 +21,7 @@ def _gen_data(args: argparse.Namespace) -> int:
 
 
 def _flatten(args: argparse.Namespace) -> int:
-    from .storage.flatten import flatten_table
+    from ..storage.flatten import flatten_table
 
     report = flatten_table(args.src, args.dst, progress=not args.quiet, format=args.format,
                            stripe_size=args.stripe_size)
@@ -33,8 +33,9 @@ def _flatten(args: argparse.Namespace) -> int:
 
 
 def _reorder(args: argparse.Namespace) -> int:
-    from .formats import list_table, table_schema
-    from .storage.reorder import column_order, load_popularity, reorder_table
+    from ..formats import list_table, table_schema
+    from ..core.popularity import load_popularity
+    from ..storage.reorder import column_order, reorder_table
 
     window = args.window_days * 86400 if args.window_days else None
     popularity = load_popularity(args.log, window_s=window)
@@ -49,9 +50,9 @@ def _reorder(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .dataset import bind
-    from .master.planner import plan_base_splits
-    from .spec import DatasetSpec
+    from ..core.binding import bind
+    from ..core.plan import plan_base_splits
+    from ..spec import DatasetSpec
 
     spec = DatasetSpec.from_file(args.spec)
     bound = bind(spec)
@@ -94,7 +95,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import zmq
 
-    from .rpc import RpcClient
+    from ..protocol.rpc import RpcClient
 
     rpc = RpcClient(zmq.Context.instance(), args.master, args.timeout)
     try:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .autoscale import ClientSignal, Decision, Policy, Snapshot, WorkerSignal
+from remoteloader.master.autoscale import ClientSignal, Decision, Policy, Snapshot, WorkerSignal
 
 STARTING, ACTIVE, DRAINING = 0, 1, 2
 

@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from typing import Optional
 
-from .procs import stop as stop_process
+from ..core.procs import stop as stop_process
 
 ENV_MASTER = "REMOTELOADER_MASTER"
 STORE_KEY = "remoteloader/master/{fingerprint}"

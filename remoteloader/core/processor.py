@@ -14,9 +14,9 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..columns import Column, DenseColumn, SparseColumn
-from ..dataset import BoundDataset, file_from_wire, file_to_wire
+from .binding import BoundDataset, file_from_wire
 from ..formats import DEFAULT_COALESCE_GAP, DataFile, IOStats, TableError, read_split
-from ..master.planner import BaseSplit, SplitTask, epoch_rng, pieces_of, with_sampled_rows
+from .plan import SplitTask, epoch_rng, pieces_of
 from ..transforms import sampling_keep, validate_sampling
 
 
@@ -81,37 +81,11 @@ class SplitProcessor:
         except (ValueError, ArithmeticError):
             pass  # synthetic values may not suit every parameter; real splits report real errors
 
-    def sample(self, files: Sequence[DataFile], splits: Sequence[BaseSplit]) -> list[BaseSplit]:
-        """Base splits with the row counts that table-level sampling keeps (reads labels only
-        when ``label_value`` needs them); unchanged without sampling."""
-        if self.sampling is None:
-            return list(splits)
-        kept = []
-        for s in splits:
-            f = files[s.file]
-            columns = {}
-            if self.sampling["label_value"] is not None:
-                columns = self._read(file_to_wire(f), s.first_unit, s.stop_unit, [self.spec.label], s.raw_rows,
-                                     f"split {s.id} ({f.path}, units {s.first_unit}..{s.stop_unit - 1})")
-            kept.append(int(self._keep(columns, s.position, s.raw_rows)[0].sum()))
-        return with_sampled_rows(splits, kept)
-
     def _read(self, file: list, first: int, stop: int, names: Sequence[str], rows: int, where: str) -> dict[str, Column]:
-        try:
-            columns = read_split(file_from_wire(file), first, stop, names, coalesce_gap=self.coalesce_gap,
-                                 io_stats=self.io)
-        except TableError as e:
-            raise SplitError(f"{where}: {e}") from None
-        got = len(next(iter(columns.values()))) if columns else rows
-        if got != rows:
-            raise SplitError(f"{where}: read {got} rows, the file's metadata promised {rows}")
-        return columns
+        return read_checked(file_from_wire(file), first, stop, names, rows, where, self.coalesce_gap, self.io)
 
     def _keep(self, columns: dict[str, Column], position: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        s = self.sampling
-        labels = columns[self.spec.label].values if s["label_value"] is not None else None
-        return sampling_keep(np.arange(position, position + rows, dtype=np.int64), s["rate"], s["seed"],
-                             labels, s["label_value"])
+        return sampling_mask(self.sampling, self.spec.label, columns, position, rows)
 
     def _row_order(self, task: SplitTask) -> Optional[np.ndarray]:
         """The epoch's rows of this split (after sampling), in order; None for all rows as stored."""
@@ -121,6 +95,27 @@ class SplitProcessor:
         if task.row_lo == 0 and task.row_hi == task.base_rows:
             return None
         return np.arange(task.row_lo, task.row_hi)
+
+
+def read_checked(file: DataFile, first: int, stop: int, names: Sequence[str], rows: int, where: str,
+                 coalesce_gap: int = DEFAULT_COALESCE_GAP, io: Optional[IOStats] = None) -> dict[str, Column]:
+    """Units ``[first, stop)`` of ``file``, only the named columns; errors name ``where``."""
+    try:
+        columns = read_split(file, first, stop, names, coalesce_gap=coalesce_gap, io_stats=io)
+    except TableError as e:
+        raise SplitError(f"{where}: {e}") from None
+    got = len(next(iter(columns.values()))) if columns else rows
+    if got != rows:
+        raise SplitError(f"{where}: read {got} rows, the file's metadata promised {rows}")
+    return columns
+
+
+def sampling_mask(sampling: dict, label: Optional[str], columns: dict[str, Column], position: int,
+                  rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keep, weight) per stored row of a split whose first row has canonical ``position``."""
+    labels = columns[label].values if sampling["label_value"] is not None else None
+    return sampling_keep(np.arange(position, position + rows, dtype=np.int64), sampling["rate"], sampling["seed"],
+                         labels, sampling["label_value"])
 
 
 def _synthetic(kind: str) -> Column:

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
-from .formats import DataFile, TableError, Unit, list_table, read_schema, virtual_column_kind
-from .spec import MAP_REF, DatasetSpec, FeatureSpec, SpecError
-from .transforms import FeaturePipeline, TransformError, compile_features, validate_sampling
+from ..formats import DataFile, TableError, Unit, list_table, read_schema, virtual_column_kind
+from ..spec import MAP_REF, DatasetSpec, FeatureSpec, SpecError
+from ..transforms import FeaturePipeline, TransformError, compile_features, validate_sampling
 
 SCALAR_KINDS = ("float", "int")
 

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from . import RemoteDataLoader
+from .. import RemoteDataLoader
 from .datagen import generate_table
 
 HASH_SIZE = 20_000

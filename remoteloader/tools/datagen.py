@@ -36,8 +36,8 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from .formats.fs import child_name, open_filesystem, table_root
-from .formats.writer import SUFFIX, TableWriter, check_no_stale_files
+from ..formats.fs import child_name, open_filesystem, table_root
+from ..formats.writer import SUFFIX, TableWriter, check_no_stale_files
 
 FIRST_DAY = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
 CHUNK_ROWS = 1 << 15  # rows per random stream; fixed so files never depend on writer settings

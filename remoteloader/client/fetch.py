@@ -11,7 +11,7 @@ from typing import Optional
 
 import zmq
 
-from . import wire
+from ..protocol import wire
 from .batch import Batch
 
 log = logging.getLogger(__name__)

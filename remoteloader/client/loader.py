@@ -19,7 +19,6 @@ import uuid
 import warnings
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Generator, Iterator, Optional, Union
 
 import torch
@@ -29,19 +28,11 @@ from .assembly import EpochAssembler
 from .batch import Batch
 from .embedded import EmbeddedCluster, discover_master, publish_master, resolve_rank
 from .fetch import WorkerFetcher
-from .rpc import MasterUnavailable, RemoteError, RpcClient
-from .spec import DatasetSpec
+from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from ..spec import DatasetSpec, load_spec
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.25
-
-
-def load_spec(spec: Union[DatasetSpec, dict, str, os.PathLike]) -> DatasetSpec:
-    if isinstance(spec, DatasetSpec):
-        return spec
-    if isinstance(spec, dict):
-        return DatasetSpec.from_dict(spec)
-    return DatasetSpec.from_file(Path(spec))
 
 
 @dataclass

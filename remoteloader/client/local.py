@@ -19,12 +19,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .assembly import EpochAssembler
 from .batch import Batch
-from .client import load_spec
-from .dataset import BoundDataset, bind, bind_schema, file_to_wire
+from ..core.binding import BoundDataset, bind, bind_schema, file_to_wire
 from .embedded import resolve_rank
-from .master.planner import make_task, plan_base_splits, plan_epoch, rank_rows
-from .spec import DatasetSpec
-from .worker.processor import SplitProcessor
+from ..core.plan import make_task, plan_epoch, rank_rows
+from ..core.sampling import plan_job_splits
+from ..spec import DatasetSpec, load_spec
+from ..core.processor import SplitProcessor
 
 
 class LocalDataset(IterableDataset):
@@ -35,7 +35,7 @@ class LocalDataset(IterableDataset):
         bound = bind(self.spec)
         self.schema = bound.schema
         self.files = [file_to_wire(f) for f in bound.files or []]
-        self.base = SplitProcessor(bound).sample(bound.files or [], plan_base_splits(bound.files or [], self.spec.split_rows))
+        self.base = plan_job_splits(bound)
         self.epoch = epoch
         self._bound: Optional[BoundDataset] = bound
 
