@@ -1,12 +1,13 @@
 """JobState.apply and the journal: live operation and replay are the same code path."""
 from __future__ import annotations
 
+from remoteloader.formats import DataFile, Unit
 from remoteloader.master import updates as U
 from remoteloader.master.journal import Journal
 from remoteloader.master.state import JobState
 
 SPEC = {"batch_size": 10, "seed": 0, "shuffle": False, "on_error": "fail"}
-FILES = [["f0", "orc", "", 100, 1000, [[0, 0, 50, 500], [1, 50, 50, 500]]]]
+FILES = [DataFile("f0", "orc", "", 100, 1000, (Unit(0, 0, 50, 500), Unit(1, 50, 50, 500))).to_wire()]
 
 
 def history():

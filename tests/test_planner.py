@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 
 from remoteloader.formats import DataFile, Unit
-from remoteloader.core.plan import pieces_of, plan_base_splits, plan_epoch, rank_rows
+from remoteloader.core.plan import SplitTask, make_task, pieces_of, plan_base_splits, plan_epoch, rank_rows
 
 
 def make_file(rows_per_unit):
@@ -49,3 +50,18 @@ def test_shuffled_plan_is_deterministic_per_epoch():
 
 def test_pieces_of():
     assert [pieces_of(n, 10) for n in (1, 10, 11, 20, 21)] == [1, 1, 2, 2, 3]
+
+
+def test_split_task_travels_as_named_fields_and_rejects_anything_else():
+    f = make_file([100, 100])
+    base = plan_base_splits([f], 100)[0]
+    split = plan_epoch([base], 0, 0, False, 1)[0]
+    task = make_task([f], base, split, epoch=3, skip=1)
+    wire = msgpack.unpackb(msgpack.packb(task.to_wire()))
+    assert wire["file"]["path"] == "f" and SplitTask.from_wire(wire) == task
+    for bad in ({**wire, "file": ["f", "orc", "", 200, 2000, []]},        # the old positional form
+                {**wire, "file": {**wire["file"], "num_rows": "200"}},
+                {**wire, "file": {**wire["file"], "units": [[0, 0, 100]]}},
+                {**wire, "extra": 1}):
+        with pytest.raises(ValueError, match="malformed"):
+            SplitTask.from_wire(bad)

@@ -17,14 +17,14 @@ from typing import Iterator, Optional, Union
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .assembly import EpochAssembler
-from .batch import Batch
-from ..core.binding import BoundDataset, bind, bind_schema, file_to_wire
-from .embedded import resolve_rank
+from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.plan import make_task, plan_epoch, rank_rows
+from ..core.processor import SplitProcessor
 from ..core.sampling import plan_job_splits
 from ..spec import DatasetSpec, load_spec
-from ..core.processor import SplitProcessor
+from .assembly import EpochAssembler
+from .batch import Batch
+from .embedded import resolve_rank
 
 
 class LocalDataset(IterableDataset):
@@ -34,7 +34,7 @@ class LocalDataset(IterableDataset):
         self.rank, self.world_size = resolve_rank(rank, world_size)
         bound = bind(self.spec)
         self.schema = bound.schema
-        self.files = [file_to_wire(f) for f in bound.files or []]
+        self.files = list(bound.files or [])
         self.base = plan_job_splits(bound)
         self.epoch = epoch
         self._bound: Optional[BoundDataset] = bound

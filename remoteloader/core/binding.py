@@ -12,9 +12,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
-from ..formats import DataFile, TableError, Unit, list_table, read_schema, virtual_column_kind
+from ..formats import (
+    DataFile,
+    TableError,
+    list_table,
+    read_schema,
+    virtual_column_kind,
+)
 from ..spec import MAP_REF, DatasetSpec, FeatureSpec, SpecError
-from ..transforms import FeaturePipeline, TransformError, compile_features, validate_sampling
+from ..transforms import (
+    FeaturePipeline,
+    TransformError,
+    compile_features,
+    validate_sampling,
+)
 
 SCALAR_KINDS = ("float", "int")
 
@@ -121,15 +132,3 @@ def _resolve_map_columns(features: Sequence[FeatureSpec], schema: dict[str, str]
                 schema[name] = kind
         out.append(f)
     return tuple(out)
-
-
-# -- files on the wire: the master ships each split's file description to its worker ---
-def file_to_wire(f: DataFile) -> list:
-    return [f.path, f.format, f.partition, f.num_rows, f.nbytes,
-            [[u.index, u.first_row, u.num_rows, u.nbytes] for u in f.units]]
-
-
-def file_from_wire(row: Sequence) -> DataFile:
-    path, fmt, partition, num_rows, nbytes, units = row
-    return DataFile(str(path), str(fmt), str(partition), int(num_rows), int(nbytes),
-                    tuple(Unit(int(a), int(b), int(c), int(d)) for a, b, c, d in units))

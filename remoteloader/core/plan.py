@@ -53,7 +53,7 @@ class SplitTask:
     split_id: int
     rank: int
     base: int
-    file: list  # dataset.file_to_wire form
+    file: DataFile
     first_unit: int
     stop_unit: int
     raw_rows: int  # rows stored in the units
@@ -64,19 +64,18 @@ class SplitTask:
     skip: int  # leading pieces already consumed by the client
 
     def to_wire(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "file": self.file.to_wire()}
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> "SplitTask":
         ints = ("epoch", "split_id", "rank", "base", "first_unit", "stop_unit", "raw_rows", "position", "base_rows",
                 "row_lo", "row_hi", "skip")
-        if set(data) != set(ints) | {"file"} or not all(type(data[k]) is int for k in ints) or not isinstance(data["file"], list):
+        if set(data) != set(ints) | {"file"} or not all(type(data[k]) is int for k in ints):
             raise ValueError(f"malformed split task: {sorted(data)}")
-        return cls(**data)
+        return cls(**{**data, "file": DataFile.from_wire(data["file"])})
 
     def describe(self) -> str:
-        path = self.file[0] if self.file else "?"
-        return f"split {self.split_id} of epoch {self.epoch} ({path}, units {self.first_unit}..{self.stop_unit - 1})"
+        return f"split {self.split_id} of epoch {self.epoch} ({self.file.path}, units {self.first_unit}..{self.stop_unit - 1})"
 
 
 def plan_base_splits(files: Sequence[DataFile], split_rows: int) -> list[BaseSplit]:
@@ -129,8 +128,8 @@ def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, 
     return out
 
 
-def make_task(files: Sequence[list], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0) -> SplitTask:
-    """What a worker needs to produce one epoch split; ``files`` in ``file_to_wire`` form."""
+def make_task(files: Sequence[DataFile], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0) -> SplitTask:
+    """What a worker needs to produce one epoch split."""
     return SplitTask(epoch=epoch, split_id=split.id, rank=split.rank, base=base.id, file=files[base.file],
                      first_unit=base.first_unit, stop_unit=base.stop_unit, raw_rows=base.raw_rows,
                      position=base.position, base_rows=base.rows, row_lo=split.row_lo, row_hi=split.row_hi,

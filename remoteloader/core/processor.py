@@ -14,10 +14,10 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..columns import Column, DenseColumn, SparseColumn
-from .binding import BoundDataset, file_from_wire
 from ..formats import DEFAULT_COALESCE_GAP, DataFile, IOStats, TableError, read_split
-from .plan import SplitTask, epoch_rng, pieces_of
 from ..transforms import sampling_keep, validate_sampling
+from .binding import BoundDataset
+from .plan import SplitTask, epoch_rng, pieces_of
 
 
 class SplitError(RuntimeError):
@@ -81,8 +81,8 @@ class SplitProcessor:
         except (ValueError, ArithmeticError):
             pass  # synthetic values may not suit every parameter; real splits report real errors
 
-    def _read(self, file: list, first: int, stop: int, names: Sequence[str], rows: int, where: str) -> dict[str, Column]:
-        return read_checked(file_from_wire(file), first, stop, names, rows, where, self.coalesce_gap, self.io)
+    def _read(self, file: DataFile, first: int, stop: int, names: Sequence[str], rows: int, where: str) -> dict[str, Column]:
+        return read_checked(file, first, stop, names, rows, where, self.coalesce_gap, self.io)
 
     def _keep(self, columns: dict[str, Column], position: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         return sampling_mask(self.sampling, self.spec.label, columns, position, rows)

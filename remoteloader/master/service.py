@@ -12,14 +12,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..core.binding import BoundDataset, bind, bind_schema, file_to_wire
-from ..spec import DatasetSpec, SpecError
+from ..core.binding import BoundDataset, bind, bind_schema
+from ..core.plan import make_task
 from ..core.popularity import record_projection
+from ..core.sampling import plan_job_splits
+from ..protocol.wire import MASTER_REQUESTS
+from ..spec import DatasetSpec, SpecError
 from . import updates as U
 from .journal import Journal
 from .metrics import RateWindow
-from ..core.sampling import plan_job_splits
-from ..core.plan import make_task
 from .state import JobState
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class MasterService:
         if not splits or sum(s.rows for s in splits) == 0:
             raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
         self._commit(U.JobSubmitted(spec.to_dict(), spec.fingerprint(), bound.schema,
-                                    [file_to_wire(f) for f in files], [s.to_wire() for s in splits], bound.skipped))
+                                    [f.to_wire() for f in files], [s.to_wire() for s in splits], bound.skipped))
         self.bound = bound
         if self.config.popularity_log:
             # Which columns jobs read together: `remoteloader reorder` stores them together.
@@ -97,11 +98,11 @@ class MasterService:
 
     # -- dispatch ----------------------------------------------------------------------
     def handle(self, header: dict) -> Reply:
-        handler = getattr(self, "_on_" + header["t"], None)
+        handler = _HANDLERS.get(header["t"])
         if handler is None:
             return "error", {"message": f"the master does not serve {header['t']!r}"}
         try:
-            return handler(header)
+            return handler(self, header)
         except RequestError as e:
             return "error", {"message": str(e), **({"code": e.code} if e.code else {})}
 
@@ -295,3 +296,24 @@ class MasterService:
             "ranks": ranks,
             "errors": st.errors[-20:],
         }
+
+
+# Which method answers each request. Checked at import against the protocol, so a
+# request type without a handler fails when the master starts.
+_HANDLERS: dict[str, Callable[[MasterService, dict], Reply]] = {
+    "register": MasterService._on_register,
+    "get_spec": MasterService._on_get_spec,
+    "heartbeat": MasterService._on_heartbeat,
+    "drain": MasterService._on_drain,
+    "bye": MasterService._on_bye,
+    "get_split": MasterService._on_get_split,
+    "split_produced": MasterService._on_split_produced,
+    "split_failed": MasterService._on_split_failed,
+    "hello": MasterService._on_hello,
+    "start_epoch": MasterService._on_start_epoch,
+    "client_heartbeat": MasterService._on_client_heartbeat,
+    "finish_epoch": MasterService._on_finish_epoch,
+    "status": MasterService._on_status,
+}
+if set(_HANDLERS) != MASTER_REQUESTS:
+    raise ImportError(f"MasterService handlers {sorted(_HANDLERS)} do not match the protocol's {sorted(MASTER_REQUESTS)}")

@@ -10,10 +10,11 @@ import hashlib
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
-from . import updates as U
 from ..core.plan import BaseSplit, EpochSplit, pieces_of, plan_epoch, rank_rows
+from ..formats import DataFile
+from . import updates as U
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Job:
     spec: dict
     fingerprint: str
     schema: dict
-    files: list
+    files: list[DataFile]
     splits: list[BaseSplit]
     total_rows: int
     world_size: Optional[int] = None
@@ -69,7 +70,7 @@ class Job:
     def plan_fingerprint(self) -> str:
         """Identity of the split plan: a resumed epoch is only exact over the same splits."""
         blob = json.dumps([s.to_wire() for s in self.splits]
-                          + [[f[0], f[3]] for f in self.files]).encode()
+                          + [[f.path, f.num_rows] for f in self.files]).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -89,7 +90,7 @@ class JobState:
 
     # -- the one mutator --------------------------------------------------------------
     def apply(self, update: U.Update) -> None:
-        getattr(self, "_on_" + type(update).__name__)(update)
+        _APPLY[type(update)](self, update)
 
     def _on_MasterStarted(self, u: U.MasterStarted) -> None:
         for w in self.workers.values():
@@ -97,7 +98,7 @@ class JobState:
 
     def _on_JobSubmitted(self, u: U.JobSubmitted) -> None:
         splits = [BaseSplit(i, *row) for i, row in enumerate(u.splits)]
-        self.job = Job(u.spec, u.fingerprint, u.schema, u.files, splits, sum(s.rows for s in splits))
+        self.job = Job(u.spec, u.fingerprint, u.schema, [DataFile.from_wire(f) for f in u.files], splits, sum(s.rows for s in splits))
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
                            for m in u.skipped)
 
@@ -346,3 +347,28 @@ class JobState:
 
     def errors_for(self, rank: int, epoch: int) -> list[dict]:
         return [e for e in self.errors if (e["rank"], e["epoch"]) in ((rank, epoch), (-1, -1))]
+
+
+# Which method applies each update type. Checked at import: an Update without a handler
+# fails when the master starts, not when a journal holding one is replayed.
+_APPLY: dict[type, Callable[[JobState, Any], None]] = {
+    U.MasterStarted: JobState._on_MasterStarted,
+    U.JobSubmitted: JobState._on_JobSubmitted,
+    U.WorkerRegistered: JobState._on_WorkerRegistered,
+    U.WorkerHeartbeat: JobState._on_WorkerHeartbeat,
+    U.WorkerDraining: JobState._on_WorkerDraining,
+    U.SplitRevoked: JobState._on_SplitRevoked,
+    U.WorkerLost: JobState._on_WorkerLost,
+    U.ClientJoined: JobState._on_ClientJoined,
+    U.ClientHeartbeat: JobState._on_ClientHeartbeat,
+    U.EpochStarted: JobState._on_EpochStarted,
+    U.EpochPrefetched: JobState._on_EpochPrefetched,
+    U.SplitAssigned: JobState._on_SplitAssigned,
+    U.SplitProduced: JobState._on_SplitProduced,
+    U.SplitsConsumed: JobState._on_SplitsConsumed,
+    U.SplitFailed: JobState._on_SplitFailed,
+    U.EpochFinished: JobState._on_EpochFinished,
+}
+_unhandled = set(U.UPDATE_TYPES.values()) - set(_APPLY)
+if _unhandled:
+    raise ImportError(f"JobState.apply has no handler for {sorted(c.__name__ for c in _unhandled)}")

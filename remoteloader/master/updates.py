@@ -31,7 +31,7 @@ class JobSubmitted(Update):
     spec: dict
     fingerprint: str
     schema: dict  # column -> kind, as the table's files agree on it
-    files: list  # [[path, format, partition, num_rows, nbytes, [[index, first_row, num_rows, nbytes], ...]], ...]
+    files: list  # DataFile.to_wire() of each file
     splits: list  # BaseSplit.to_wire() of each base split
     skipped: list  # files left out (on_error: skip), with the reason
 

@@ -32,7 +32,7 @@ class ProtocolError(ValueError):
 _STR, _INT, _NUM, _BOOL, _MAP, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
 SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     # worker -> master
-    "register": {"addr": (_STR, True), "pid": (_INT, True), "host": (_STR, False)},
+    "register": {"addr": (_STR, True), "pid": (_INT, True)},
     "get_spec": {},
     "heartbeat": {"worker_id": (_STR, True), "buffered": (_INT, True), "stats": (_MAP, False)},
     "get_split": {"worker_id": (_STR, True)},
@@ -66,6 +66,9 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "batch": {"rank": (_INT, True), "epoch": (_INT, True), "split_id": (_INT, True), "piece": (_INT, True),
               "rows": (_INT, True), "tensors": (_LIST, True)},
 }
+# What the master answers; MasterService checks at import that it has a handler for each.
+MASTER_REQUESTS = frozenset({"register", "get_spec", "heartbeat", "get_split", "split_produced", "split_failed",
+                             "drain", "bye", "hello", "start_epoch", "client_heartbeat", "finish_epoch", "status"})
 
 
 def encode(t: str, frames: Sequence[Any] = (), **fields: Any) -> list:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket as pysocket
 import threading
 import time
 import traceback
@@ -91,7 +90,7 @@ class Worker:
                     processor.warm_up()
                     self.processor = processor
                 if self.worker_id is None:
-                    reply = rpc.call("register", addr=self.addr, pid=os.getpid(), host=pysocket.gethostname())
+                    reply = rpc.call("register", addr=self.addr, pid=os.getpid())
                     self.worker_id = reply["worker_id"]
                     self.heartbeat_interval = float(reply["heartbeat_interval"])
                     log.info("worker %s serving on %s", self.worker_id, self.addr)
@@ -144,7 +143,12 @@ class Worker:
                 if reply["t"] == "no_split":
                     self.stop_event.wait(reply["retry_ms"] / 1000)
                     continue
-                task = SplitTask.from_wire(reply["split"])
+                try:
+                    task = SplitTask.from_wire(reply["split"])
+                except ValueError as e:  # the master re-queues it when the split times out
+                    log.error("dropped a malformed split from the master: %s", e)
+                    self.stop_event.wait(0.5)
+                    continue
                 self._process(task, rpc, notify)
         finally:
             rpc.close()
