@@ -13,7 +13,6 @@ def test_rate_window_turns_counters_into_rates():
         w.update("a", float(t), {"rows": 100 * t, "wait_s": 0.25 * t})
     assert w.rate("a", "rows") == 100.0
     assert w.rate("a", "wait_s") == 0.25
-    assert w.span("a") <= 11
     w.update("a", 5.0, {"rows": 0})  # reordered report: ignored
     assert w.rate("a", "rows") == 100.0
     w.forget(set())

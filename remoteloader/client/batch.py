@@ -169,19 +169,6 @@ class Batch:
             None if self.weights is None else self.weights.pin_memory(),
         )
 
-    # -- wire form: a flat dict of named tensors ------------------------------------
-    def tensors(self) -> dict[str, torch.Tensor]:
-        kjt = self.sparse_features
-        out = {"dense": self.dense_features, "labels": self.labels,
-               "sparse.values": kjt.values(), "sparse.lengths": kjt.lengths()}
-        if kjt.weights_or_none() is not None:
-            out["sparse.weights"] = kjt.weights()
-        if self.weights is not None:
-            out["weights"] = self.weights
-        for name, t in self.passthrough.items():
-            out["pt." + name] = t
-        return out
-
     @classmethod
     def from_numpy(cls, arrays: Mapping[str, Any], sparse_keys: Sequence[str]) -> "Batch":
         """Tensors viewing the arrays' memory (no copy): received frames, or Arrow buffers
@@ -198,14 +185,6 @@ class Batch:
                                 tensors.get("sparse.weights"), stride=rows)
         passthrough = {k[3:]: v for k, v in tensors.items() if k.startswith("pt.")}
         return cls(tensors["dense"], kjt, tensors["labels"], passthrough, tensors.get("weights"))
-
-    # -- re-batching: used to merge the short tails of splits into full batches --------
-    def slice(self, start: int, stop: int) -> "Batch":
-        return concat_rows([(self, start, stop)])
-
-    @staticmethod
-    def concat(batches: Sequence["Batch"]) -> "Batch":
-        return concat_rows([(b, 0, len(b)) for b in batches])
 
 
 def concat_rows(pieces: Sequence[tuple[Batch, int, int]]) -> Batch:

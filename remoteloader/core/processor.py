@@ -50,18 +50,23 @@ class SplitProcessor:
     def transform(self, task: SplitTask) -> "SplitBatch":
         columns = self._read(task.file, task.first_unit, task.stop_unit, self.bound.read_columns, task.raw_rows,
                              task.describe())
+        # The epoch's rows of this split, as indices into the stored rows: sampling first,
+        # then the shuffle's order within what sampling kept, composed into one gather.
+        selection = self._row_selection(task)
         weights = None
         if self.sampling is not None:
             keep, row_weights = self._keep(columns, task.position, task.raw_rows)
-            rows = np.flatnonzero(keep)
-            if rows.shape[0] != task.base_rows:
-                raise SplitError(f"{task.describe()}: sampling kept {rows.shape[0]} rows, the plan expects {task.base_rows}")
-            columns = {k: c.take(rows) for k, c in columns.items()}
-            weights = row_weights[rows] if self.sampling["weight"] else None
-        order = self._row_order(task)
-        if order is not None:
-            columns = {k: c.take(order) for k, c in columns.items()}
-            weights = None if weights is None else weights[order]
+            kept = np.flatnonzero(keep)
+            if kept.shape[0] != task.base_rows:
+                raise SplitError(f"{task.describe()}: sampling kept {kept.shape[0]} rows, the plan expects {task.base_rows}")
+            index = kept[selection]
+            columns = {k: c.take(index) for k, c in columns.items()}
+            weights = row_weights[index] if self.sampling["weight"] else None
+        elif isinstance(selection, slice):
+            if (selection.start, selection.stop) != (0, task.raw_rows):
+                columns = {k: c.slice(selection.start, selection.stop) for k, c in columns.items()}  # views
+        else:
+            columns = {k: c.take(selection) for k, c in columns.items()}
         try:
             features = self.bound.pipeline.run(columns)
         except (ValueError, ArithmeticError) as e:
@@ -87,14 +92,13 @@ class SplitProcessor:
     def _keep(self, columns: dict[str, Column], position: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         return sampling_mask(self.sampling, self.spec.label, columns, position, rows)
 
-    def _row_order(self, task: SplitTask) -> Optional[np.ndarray]:
-        """The epoch's rows of this split (after sampling), in order; None for all rows as stored."""
+    def _row_selection(self, task: SplitTask) -> "slice | np.ndarray":
+        """This epoch split's rows of the base split (after sampling): a contiguous range
+        when not shuffled, else the shuffled order's share."""
         if self.spec.shuffle:
             order = epoch_rng(self.spec.seed, task.epoch, task.base + 1).permutation(task.base_rows)
             return order[task.row_lo : task.row_hi]
-        if task.row_lo == 0 and task.row_hi == task.base_rows:
-            return None
-        return np.arange(task.row_lo, task.row_hi)
+        return slice(task.row_lo, task.row_hi)
 
 
 def read_checked(file: DataFile, first: int, stop: int, names: Sequence[str], rows: int, where: str,

@@ -34,10 +34,6 @@ class RateWindow:
         (t0, c0), (t1, c1) = samples[0], samples[-1]
         return max(0.0, (c1.get(counter, 0) - c0.get(counter, 0)) / (t1 - t0))
 
-    def span(self, key: str) -> float:
-        samples = self._samples.get(key)
-        return samples[-1][0] - samples[0][0] if samples and len(samples) > 1 else 0.0
-
     def forget(self, live: set) -> None:
         for key in [k for k in self._samples if k not in live]:
             del self._samples[key]

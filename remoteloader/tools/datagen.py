@@ -46,7 +46,6 @@ POSITIVE_RATE = 0.03
 HOT_RANK = 20  # ids of popularity rank <= HOT_RANK count as "hot" for the label signal
 _DENSE_KINDS = ("count", "ratio", "amount")
 LAYOUTS = ("flat", "map")
-MAP_COLUMNS = ("float_features", "id_list_features", "id_score_list_features")
 
 
 def map_key(index: int) -> int:
