@@ -13,6 +13,7 @@ import pytest
 from remoteloader.tools.datagen import generate_table
 
 ROWS = 5000
+BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="session")
@@ -52,12 +53,11 @@ def spec_dict(table: Path, **overrides) -> dict:
 
 
 class MasterProcess:
-    """``remoteloader-master`` with local workers, started through the console script."""
+    """``remoteloader-master``, started through its console script; ``workers`` local workers
+    are its own children (``--workers``)."""
 
-    def __init__(self, *args: str, workers: int = 2) -> None:
-        exe = Path(sys.executable).parent / "remoteloader-master"
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remoteloader.master"]
-        self.proc = subprocess.Popen([*cmd, "--bind", "tcp://127.0.0.1:0", "--workers", str(workers),
+    def __init__(self, *args: str, workers: int = 2, bind: str = "tcp://127.0.0.1:0") -> None:
+        self.proc = subprocess.Popen([str(BIN / "remoteloader-master"), "--bind", bind, "--workers", str(workers),
                                       "--heartbeat-timeout", "2", *args],
                                      stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
@@ -67,15 +67,51 @@ class MasterProcess:
     def worker_pids(self) -> list[int]:
         return [c.pid for c in psutil.Process(self.proc.pid).children()]
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash: its launched workers notice (parent-death signal) and exit."""
+        self.proc.kill()
+        self.proc.wait()
+
     def stop(self) -> None:
-        pids = [self.proc.pid, *self.worker_pids()]
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        pids = [self.proc.pid]
+        if self.proc.poll() is None:
+            pids += self.worker_pids()
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         wait_gone(pids)
+
+
+class Cluster:
+    """Real master and worker processes on 127.0.0.1; ``stop`` ends each one it started, by PID."""
+
+    def __init__(self) -> None:
+        self.masters: list[MasterProcess] = []
+        self.worker_procs: list[subprocess.Popen] = []
+
+    def master(self, *args: str, workers: int = 2, bind: str = "tcp://127.0.0.1:0") -> MasterProcess:
+        """A master with ``workers`` launched workers; ``bind`` an old address to restart on it."""
+        m = MasterProcess(*args, workers=workers, bind=bind)
+        self.masters.append(m)
+        return m
+
+    def workers(self, addr: str, n: int, *args: str) -> list[subprocess.Popen]:
+        """``n`` stand-alone ``remoteloader-worker`` processes (not the master's children)."""
+        procs = [subprocess.Popen([str(BIN / "remoteloader-worker"), "--master", addr, *args]) for _ in range(n)]
+        self.worker_procs += procs
+        return procs
+
+    def stop(self) -> None:
+        for m in self.masters:
+            m.stop()
+        for p in self.worker_procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        wait_gone([p.pid for p in self.worker_procs])
 
 
 def wait_gone(pids, timeout: float = 15.0) -> None:
@@ -90,15 +126,16 @@ def wait_gone(pids, timeout: float = 15.0) -> None:
     assert not alive, f"processes left behind: {alive}"
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Tests that start real processes are ``slow`` (``pytest -m "not slow"`` skips them);
+    every test using the ``cluster`` or ``ray_cluster`` fixture is one, others say so."""
+    for item in items:
+        if {"cluster", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
-def master_factory():
-    started: list[MasterProcess] = []
-
-    def start(*args: str, workers: int = 2) -> MasterProcess:
-        m = MasterProcess(*args, workers=workers)
-        started.append(m)
-        return m
-
-    yield start
-    for m in started:
-        m.stop()
+def cluster():
+    c = Cluster()
+    yield c
+    c.stop()

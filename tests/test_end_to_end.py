@@ -1,6 +1,7 @@
 """The vertical slice with real processes on loopback: master, workers, RemoteDataLoader."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 
 from remoteloader import LocalDataset, RemoteDataLoader
 from remoteloader.protocol.rpc import MasterUnavailable
-from tests.conftest import ROWS, spec_dict, wait_gone
+from tests.conftest import BIN, ROWS, spec_dict, wait_gone
 from tests.transforms_reference import sigrid_hash as ref_sigrid_hash
 
 
@@ -62,8 +63,8 @@ def assert_same(got: dict, expected: dict) -> None:
 
 
 @pytest.mark.parametrize("fmt,workers", [("orc", 1), ("parquet", 2), ("orc", 3)])
-def test_every_row_exactly_once_with_correct_values(tables, master_factory, fmt, workers):
-    master = master_factory(workers=workers)
+def test_every_row_exactly_once_with_correct_values(tables, cluster, fmt, workers):
+    master = cluster.master(workers=workers)
     expected = read_reference(tables[fmt])
     assert len(expected) == ROWS
     with RemoteDataLoader(spec_dict(tables[fmt]), master=master.addr, timeout=60) as loader:
@@ -75,8 +76,8 @@ def test_every_row_exactly_once_with_correct_values(tables, master_factory, fmt,
         assert got2.keys() == expected.keys()
 
 
-def test_partition_filter_and_projection(tables, master_factory):
-    master = master_factory(workers=2)
+def test_partition_filter_and_projection(tables, cluster):
+    master = cluster.master(workers=2)
     spec = spec_dict(tables["parquet"], drop_last=True)
     spec["table"]["partitions"] = ["ds=2026-01-02"]
     expected = read_reference(tables["parquet"], partitions={"ds=2026-01-02"})
@@ -93,8 +94,8 @@ def test_partition_filter_and_projection(tables, master_factory):
     assert_same(got, {k: expected[k] for k in got})
 
 
-def test_two_ranks_disjoint_union_is_epoch(tables, master_factory):
-    master = master_factory(workers=2)
+def test_two_ranks_disjoint_union_is_epoch(tables, cluster):
+    master = cluster.master(workers=2)
     spec = spec_dict(tables["orc"], shuffle=True, seed=3)
     loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=60) for r in range(2)]
     try:
@@ -124,10 +125,10 @@ def test_two_ranks_disjoint_union_is_epoch(tables, master_factory):
             x.close()
 
 
-def test_local_mode_matches_remote(tables, master_factory):
+def test_local_mode_matches_remote(tables, cluster):
     import torch
 
-    master = master_factory(workers=2)
+    master = cluster.master(workers=2)
     spec = spec_dict(tables["parquet"], shuffle=True)
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         remote, _ = collect(loader)
@@ -140,6 +141,7 @@ def test_local_mode_matches_remote(tables, master_factory):
     assert_same(local_multi, expected)
 
 
+@pytest.mark.slow
 def test_embedded_default_leaves_no_process(tables):
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     loader = RemoteDataLoader(spec_dict(tables["orc"]), num_workers=2, timeout=60)
@@ -151,6 +153,7 @@ def test_embedded_default_leaves_no_process(tables):
     wait_gone(spawned)
 
 
+@pytest.mark.slow
 def test_embedded_cluster_dies_with_killed_owner(tables, tmp_path):
     """SIGKILL of the training process must not orphan the master or its workers."""
     script = tmp_path / "owner.py"
@@ -174,33 +177,22 @@ def test_embedded_cluster_dies_with_killed_owner(tables, tmp_path):
     wait_gone(pids)
 
 
-def test_console_scripts_work_together(tables, tmp_path):
+def test_console_scripts_work_together(tables, tmp_path, cluster):
     """An operator's set-up: master and worker as separate processes, spec given to the master."""
-    bin_dir = Path(sys.executable).parent
     spec_path = tmp_path / "spec.json"
-    import json
-
     spec_path.write_text(json.dumps(spec_dict(tables["orc"])))
-    master = subprocess.Popen([str(bin_dir / "remoteloader-master"), "--bind", "tcp://127.0.0.1:0", "--spec",
-                               str(spec_path)], stdout=subprocess.PIPE, text=True)
-    workers = []
-    try:
-        addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
-        workers = [subprocess.Popen([str(bin_dir / "remoteloader-worker"), "--master", addr]) for _ in range(2)]
-        with RemoteDataLoader(spec_path, master=addr, timeout=60) as loader:
-            got, _ = collect(loader)
-        assert len(got) == ROWS
-        status = subprocess.run([str(bin_dir / "remoteloader"), "status", "--master", addr, "--json"],
-                                capture_output=True, text=True, check=True)
-        assert len(json.loads(status.stdout)["workers"]) == 2
-    finally:
-        for p in [*workers, master]:
-            p.terminate()
-        wait_gone([p.pid for p in [*workers, master]])
+    master = cluster.master("--spec", str(spec_path), workers=0)
+    cluster.workers(master.addr, 2)
+    with RemoteDataLoader(spec_path, master=master.addr, timeout=60) as loader:
+        got, _ = collect(loader)
+    assert len(got) == ROWS
+    status = subprocess.run([str(BIN / "remoteloader"), "status", "--master", master.addr, "--json"],
+                            capture_output=True, text=True, check=True)
+    assert len(json.loads(status.stdout)["workers"]) == 2
 
 
-def test_spec_mismatch_is_refused(tables, master_factory):
-    master = master_factory(workers=1)
+def test_spec_mismatch_is_refused(tables, cluster):
+    master = cluster.master(workers=1)
     with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
         assert len(loader) > 0
     other = RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=master.addr, timeout=60)
@@ -216,16 +208,16 @@ def test_unreachable_master_is_a_clear_error(tables):
     loader.close()
 
 
-def test_bad_column_reaches_the_client_with_its_name(tables, master_factory):
-    master = master_factory(workers=1)
+def test_bad_column_reaches_the_client_with_its_name(tables, cluster):
+    master = cluster.master(workers=1)
     spec = spec_dict(tables["orc"])
     spec["features"]["dense"].append({"name": "ghost", "column": "no_such_column"})
     with pytest.raises(RuntimeError, match="no_such_column"):
         len(RemoteDataLoader(spec, master=master.addr, timeout=60))
 
 
-def test_row_counts_balance_across_many_workers(tables, master_factory):
-    master = master_factory(workers=3)
+def test_row_counts_balance_across_many_workers(tables, cluster):
+    master = cluster.master(workers=3)
     with RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=master.addr, timeout=60) as loader:
         got, sizes = collect(loader)
     assert sorted(got) == list(range(ROWS))

@@ -42,23 +42,6 @@ def test_worker_lost_requeues_its_unfinished_splits_with_consumed_progress():
     assert ("w2" in st.workers) and st.workers["w2"].assigned == {(0, 1)}
 
 
-def test_replay_rebuilds_the_same_state(tmp_path):
-    live, journal = JobState(), Journal(tmp_path)
-    for u in history():
-        live.apply(u)
-        if not u.TRANSIENT:
-            journal.append(u)
-    journal.close()
-    replayed = JobState()
-    for u in Journal(tmp_path).replay():
-        replayed.apply(u)
-    assert replayed.partitions == live.partitions
-    assert {r: (e.epoch, list(e.pending), {k: (p.worker, p.consumed) for k, p in e.splits.items()})
-            for r, e in replayed.ranks.items()} == \
-           {r: (e.epoch, list(e.pending), {k: (p.worker, p.consumed) for k, p in e.splits.items()})
-            for r, e in live.ranks.items()}
-
-
 def test_journal_survives_a_torn_tail(tmp_path):
     j = Journal(tmp_path)
     for u in history()[:3]:

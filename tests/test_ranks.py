@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROWS
 
 SCRIPT = """
@@ -33,6 +35,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_torchrun_style_ranks_share_one_embedded_cluster(tables, tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(SCRIPT)

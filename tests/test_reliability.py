@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,36 +13,14 @@ import pytest
 import torch
 
 from remoteloader import RemoteDataLoader
-from tests.conftest import ROWS, spec_dict, wait_gone
+from tests.conftest import ROWS, spec_dict
 from tests.test_end_to_end import assert_same, collect, read_reference
 
-BIN = Path(sys.executable).parent
 
-
-def start_master(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([str(BIN / "remoteloader-master"), *args], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "listening on" in line, line
-    return proc, line.rsplit(" ", 1)[1].strip()
-
-
-def start_workers(addr: str, n: int, *args: str) -> list[subprocess.Popen]:
-    return [subprocess.Popen([str(BIN / "remoteloader-worker"), "--master", addr, *args]) for _ in range(n)]
-
-
-def stop_all(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()
-    wait_gone([p.pid for p in procs])
-
-
-def test_chaos_worker_sigkill_exactly_once(tables, master_factory):
+def test_chaos_worker_sigkill_exactly_once(tables, cluster):
     """20 seeded trials: each epoch kills 1-2 random workers at random moments."""
     expected = read_reference(tables["orc"])
-    master = master_factory("--heartbeat-timeout", "1", workers=3)
+    master = cluster.master("--heartbeat-timeout", "1", workers=3)
     rng = random.Random(2026)
     spec = spec_dict(tables["orc"], shuffle=True, batch_size=128, split_rows=600)
     with RemoteDataLoader(spec, master=master.addr, timeout=90, inflight=1) as loader:
@@ -63,102 +40,79 @@ def test_chaos_worker_sigkill_exactly_once(tables, master_factory):
             assert len(sizes) == n, f"trial {trial}"
 
 
-def test_master_sigkill_with_journal_resumes_the_epoch(tables, tmp_path):
+def test_master_sigkill_with_journal_resumes_the_epoch(tables, tmp_path, cluster):
     journal = tmp_path / "journal"
     spec_path = tmp_path / "spec.json"
-    import json
-
     spec_path.write_text(json.dumps(spec_dict(tables["parquet"], batch_size=100)))
-    master, addr = start_master("--bind", "tcp://127.0.0.1:0", "--journal", str(journal), "--heartbeat-timeout", "3")
-    workers = start_workers(addr, 2)
-    procs = [master, *workers]
-    try:
-        with RemoteDataLoader(spec_path, master=addr, timeout=120) as loader:
-            batches = []
-            for i, b in enumerate(loader):
-                batches.append(b)
-                if i == 15:
-                    master.send_signal(signal.SIGKILL)
-                    master.wait()
-                    time.sleep(0.5)
-                    master, _ = start_master("--bind", addr, "--journal", str(journal), "--heartbeat-timeout", "3")
-                    procs.append(master)
-            got, _ = collect(batches)
-            assert_same(got, read_reference(tables["parquet"]))
-            assert len(batches) == len(loader)
-        # The job's projection went into the popularity log kept with the journal.
-        logged = json.loads((journal / "popularity.jsonl").read_text().splitlines()[0])
-        assert logged["columns"] == ["float_0", "float_1", "idlist_0", "idlist_1", "label", "row_id"]
-    finally:
-        stop_all(procs)
+    args = ("--journal", str(journal), "--heartbeat-timeout", "3")
+    master = cluster.master(*args, workers=0)
+    cluster.workers(master.addr, 2)
+    with RemoteDataLoader(spec_path, master=master.addr, timeout=120) as loader:
+        batches = []
+        for i, b in enumerate(loader):
+            batches.append(b)
+            if i == 15:
+                master.kill()
+                time.sleep(0.5)
+                cluster.master(*args, workers=0, bind=master.addr)
+        got, _ = collect(batches)
+        assert_same(got, read_reference(tables["parquet"]))
+        assert len(batches) == len(loader)
+    # The job's projection went into the popularity log kept with the journal.
+    logged = json.loads((journal / "popularity.jsonl").read_text().splitlines()[0])
+    assert logged["columns"] == ["float_0", "float_1", "idlist_0", "idlist_1", "label", "row_id"]
 
 
-def test_master_restart_without_journal_still_exactly_once(tables):
+def test_master_restart_without_journal_still_exactly_once(tables, cluster):
     """The client is the source of truth for what it consumed, so even a fresh master can continue."""
-    master, addr = start_master("--bind", "tcp://127.0.0.1:0", "--heartbeat-timeout", "3")
-    workers = start_workers(addr, 2)
-    procs = [master, *workers]
-    try:
-        with RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=addr, timeout=120) as loader:
-            batches = []
-            for i, b in enumerate(loader):
-                batches.append(b)
-                if i == 10:
-                    master.send_signal(signal.SIGKILL)
-                    master.wait()
-                    master, _ = start_master("--bind", addr, "--heartbeat-timeout", "3")
-                    procs.append(master)
-            got, _ = collect(batches)
-            assert sorted(got) == list(range(ROWS))
-    finally:
-        stop_all(procs)
+    master = cluster.master("--heartbeat-timeout", "3", workers=0)
+    cluster.workers(master.addr, 2)
+    with RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=master.addr, timeout=120) as loader:
+        batches = []
+        for i, b in enumerate(loader):
+            batches.append(b)
+            if i == 10:
+                master.kill()
+                cluster.master("--heartbeat-timeout", "3", workers=0, bind=master.addr)
+        got, _ = collect(batches)
+        assert sorted(got) == list(range(ROWS))
 
 
-def test_hung_worker_loses_its_split(tables):
+def test_hung_worker_loses_its_split(tables, cluster):
     """A worker that heartbeats but stops producing gives its split back after --split-timeout."""
-    master, addr = start_master("--bind", "tcp://127.0.0.1:0", "--split-timeout", "2")
-    hung = start_workers(addr, 1, "--inject-hang-after", "2")
-    healthy = []
-    procs = [master, *hung]
-    try:
-        with RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=addr, timeout=120) as loader:
-            it = iter(loader)
-            batches = [next(it)]
-            healthy = start_workers(addr, 1)  # joins after the hung one took a split
-            procs += healthy
-            batches += list(it)
-            got, _ = collect(batches)
-            assert sorted(got) == list(range(ROWS))
-    finally:
-        stop_all(procs)
+    master = cluster.master("--split-timeout", "2", "--heartbeat-timeout", "5", workers=0)
+    cluster.workers(master.addr, 1, "--inject-hang-after", "2")
+    with RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=master.addr, timeout=120) as loader:
+        it = iter(loader)
+        batches = [next(it)]
+        cluster.workers(master.addr, 1)  # joins after the hung one took a split
+        batches += list(it)
+        got, _ = collect(batches)
+        assert sorted(got) == list(range(ROWS))
 
 
-def test_sigterm_drains_a_worker_without_loss(tables):
-    master, addr = start_master("--bind", "tcp://127.0.0.1:0")
-    workers = start_workers(addr, 2, "--buffer-batches", "4")
-    procs = [master, *workers]
-    try:
-        with RemoteDataLoader(spec_dict(tables["orc"], batch_size=64), master=addr, timeout=120) as loader:
-            batches = []
-            for i, b in enumerate(loader):
-                batches.append(b)
-                if i == 5:
-                    workers[0].send_signal(signal.SIGTERM)
-            got, _ = collect(batches)
-            assert sorted(got) == list(range(ROWS))
-        assert workers[0].wait(30) == 0  # it left by itself once drained
-    finally:
-        stop_all(procs)
+def test_sigterm_drains_a_worker_without_loss(tables, cluster):
+    master = cluster.master("--heartbeat-timeout", "5", workers=0)
+    workers = cluster.workers(master.addr, 2, "--buffer-batches", "4")
+    with RemoteDataLoader(spec_dict(tables["orc"], batch_size=64), master=master.addr, timeout=120) as loader:
+        batches = []
+        for i, b in enumerate(loader):
+            batches.append(b)
+            if i == 5:
+                workers[0].send_signal(signal.SIGTERM)
+        got, _ = collect(batches)
+        assert sorted(got) == list(range(ROWS))
+    assert workers[0].wait(30) == 0  # it left by itself once drained
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_resume_at_random_points_repeatedly(tables, master_factory, world_size):
+def test_resume_at_random_points_repeatedly(tables, cluster, world_size):
     """Checkpoint at random batches, restore in a fresh loader (and a new worker count): exactly once."""
     rng = random.Random(world_size)
     expected = set(range(ROWS))
     spec = spec_dict(tables["orc"], shuffle=True, batch_size=100)
-    m1 = master_factory(workers=2)
-    m2 = master_factory(workers=3)
+    m1 = cluster.master(workers=2)
+    m2 = cluster.master(workers=3)
     for epoch_trial in range(2):
         seen = [set() for _ in range(world_size)]
         states = [None] * world_size
@@ -197,8 +151,8 @@ def test_resume_at_random_points_repeatedly(tables, master_factory, world_size):
         assert set().union(*seen) == expected, f"trial {epoch_trial}"
 
 
-def test_state_dict_is_small_plain_data(tables, master_factory):
-    master = master_factory(workers=2)
+def test_state_dict_is_small_plain_data(tables, cluster):
+    master = cluster.master(workers=2)
     with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
         it = iter(loader)
         next(it)
@@ -222,19 +176,19 @@ def corrupt_copy(src: Path, dst: Path, how: str) -> None:
         victim.write_bytes(data[:mid] + bytes(4096) + data[mid + 4096:])
 
 
-def test_corrupt_file_fails_naming_the_file(tables, tmp_path, master_factory):
+def test_corrupt_file_fails_naming_the_file(tables, tmp_path, cluster):
     table = tmp_path / "bad"
     corrupt_copy(tables["orc"], table, "garble")
-    master = master_factory(workers=2)
+    master = cluster.master(workers=2)
     with RemoteDataLoader(spec_dict(table), master=master.addr, timeout=60) as loader:
         with pytest.raises(RuntimeError, match=r"part-00001\.orc"):
             list(loader)
 
 
-def test_corrupt_file_skipped_with_on_error_skip(tables, tmp_path, master_factory):
+def test_corrupt_file_skipped_with_on_error_skip(tables, tmp_path, cluster):
     table = tmp_path / "bad"
     corrupt_copy(tables["orc"], table, "garble")
-    master = master_factory(workers=2)
+    master = cluster.master(workers=2)
     with RemoteDataLoader(spec_dict(table, on_error="skip"), master=master.addr, timeout=60) as loader:
         with pytest.warns(RuntimeWarning, match=r"skipped .*part-00001\.orc"):
             got, _ = collect(loader)
@@ -257,18 +211,18 @@ def retyped_partition(src: Path, dst: Path) -> Path:
     return victim
 
 
-def test_partition_schema_disagreement_fails_naming_file_and_column(tables, tmp_path, master_factory):
+def test_partition_schema_disagreement_fails_naming_file_and_column(tables, tmp_path, cluster):
     victim = retyped_partition(tables["orc"], tmp_path / "t")
-    master = master_factory(workers=1)
+    master = cluster.master(workers=1)
     loader = RemoteDataLoader(spec_dict(tmp_path / "t"), master=master.addr, timeout=60)
     with pytest.raises(RuntimeError, match=rf"float_1.*{victim.name}|{victim.name}.*float_1"):
         len(loader)
     loader.close()
 
 
-def test_partition_schema_disagreement_skipped_and_reported(tables, tmp_path, master_factory):
+def test_partition_schema_disagreement_skipped_and_reported(tables, tmp_path, cluster):
     victim = retyped_partition(tables["orc"], tmp_path / "t")
-    master = master_factory(workers=2)
+    master = cluster.master(workers=2)
     with RemoteDataLoader(spec_dict(tmp_path / "t", on_error="skip"), master=master.addr, timeout=60) as loader:
         with pytest.warns(RuntimeWarning, match=victim.name):
             got, _ = collect(loader)
@@ -276,5 +230,5 @@ def test_partition_schema_disagreement_skipped_and_reported(tables, tmp_path, ma
     # A column the spec does not read may differ freely: nothing is skipped then.
     spec = spec_dict(tmp_path / "t")
     spec["features"]["dense"] = ["float_0"]
-    with RemoteDataLoader(spec, master=master_factory(workers=1).addr, timeout=60) as loader:
+    with RemoteDataLoader(spec, master=cluster.master(workers=1).addr, timeout=60) as loader:
         assert sum(len(b) for b in loader) == ROWS

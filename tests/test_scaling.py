@@ -7,7 +7,6 @@ import secrets
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -18,15 +17,13 @@ import pytest
 import zmq
 
 from remoteloader import RemoteDataLoader
-from remoteloader.tools.datagen import generate_table
 from remoteloader.master.launcher import RayLauncher
 from remoteloader.master.server import MasterServer
 from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol.rpc import RpcClient
 from remoteloader.spec import DatasetSpec
-from tests.conftest import spec_dict
-
-BIN = Path(sys.executable).parent
+from remoteloader.tools.datagen import generate_table
+from tests.conftest import BIN, spec_dict
 
 
 def status(addr: str) -> dict:
@@ -37,9 +34,9 @@ def status(addr: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_local_autoscaler_converges_to_the_needed_count(tmp_path, master_factory):
+def test_local_autoscaler_converges_to_the_needed_count(tmp_path, cluster):
     """Workers slowed to ~640 rows/s each; a trainer wanting ~1600 rows/s needs 3 of them."""
-    master = master_factory("--autoscale", "--min-workers", "1", "--max-workers", "5",
+    master = cluster.master("--autoscale", "--min-workers", "1", "--max-workers", "5",
                             "--worker-args", "--inject-batch-delay 0.1 --buffer-batches 8", workers=0)
     # An epoch (~90 s at this rate) outlasts the test: epoch boundaries are a stall of
     # their own, which no worker count removes (see benchmarks/RESULTS.md).

@@ -13,7 +13,7 @@ def key(i: int) -> int:
     return 100 + 7 * i  # the generator's map key of feature i (docs/storage.md)
 
 
-def test_map_columns_remote_equal_flattened(tmp_path, master_factory):
+def test_map_columns_remote_equal_flattened(tmp_path, cluster):
     maps, flat = tmp_path / "maps", tmp_path / "flat"
     assert cli(["gen-data", "--out", str(maps), "--rows", "2000", "--dense", "3", "--sparse", "3", "--scored", "1",
                 "--layout", "map", "--quiet"]) == 0
@@ -33,7 +33,7 @@ def test_map_columns_remote_equal_flattened(tmp_path, master_factory):
     flat_spec = spec(flat, lambda m, i: f"{m}_{key(i)}")
     flat_spec["features"]["sparse"][1] = {"name": "sc", "column": f"id_score_list_features_{key(0)}_ids",
                                           "scores": f"id_score_list_features_{key(0)}_scores"}
-    master = master_factory(workers=2)
+    master = cluster.master(workers=2)
     with RemoteDataLoader(map_spec, master=master.addr, timeout=90) as loader:
         remote = by_row(loader)
     local = by_row(LocalDataset(flat_spec))

@@ -83,9 +83,9 @@ def by_row(batches) -> dict:
     return out
 
 
-def test_every_operator_remote_equals_local_with_sampling(scored_table, master_factory):
+def test_every_operator_remote_equals_local_with_sampling(scored_table, cluster):
     spec = every_op_spec(scored_table)
-    master = master_factory(workers=2)
+    master = cluster.master(workers=2)
     with RemoteDataLoader(spec, master=master.addr, timeout=90) as loader:
         batches = list(loader)
         assert len(batches) == len(loader)

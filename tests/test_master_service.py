@@ -1,0 +1,181 @@
+"""MasterService in process, on a fake clock: request handling and restarts without sockets."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from remoteloader.master.journal import Journal
+from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.spec import DatasetSpec
+from tests.conftest import spec_dict
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def spec(tables) -> DatasetSpec:
+    return DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=100))
+
+
+def make_service(spec: DatasetSpec, clock: Clock, journal: Journal | None = None, **config) -> MasterService:
+    service = MasterService(MasterConfig(**config), journal, clock)
+    if service.state.job is None:
+        service.submit(spec)
+    return service
+
+
+def call(service: MasterService, t: str, **fields) -> tuple[str, dict]:
+    return service.handle({"v": 1, "t": t, **fields})
+
+
+def register(service: MasterService, n: int = 1) -> list[str]:
+    return [call(service, "register", addr=f"tcp://127.0.0.1:{7000 + i}", pid=100 + i)[1]["worker_id"]
+            for i in range(n)]
+
+
+def hello(service: MasterService, spec: DatasetSpec, client: str = "c0", rank: int = 0, world_size: int = 1):
+    return call(service, "hello", client_id=client, rank=rank, world_size=world_size, spec=spec.to_dict(),
+                fingerprint=spec.fingerprint())
+
+
+def heartbeat(service: MasterService, worker: str, **stats) -> str:
+    t, reply = call(service, "heartbeat", worker_id=worker, buffered=0, stats=stats)
+    assert t == "heartbeat_ok"
+    return reply["state"]
+
+
+def test_drained_worker_is_told_to_stop_once_its_splits_are_consumed(spec):
+    service = make_service(spec, Clock())
+    (w,) = register(service)
+    hello(service, spec)
+    _, epoch = call(service, "start_epoch", client_id="c0", epoch=0)
+    t, reply = call(service, "get_split", worker_id=w)
+    assert t == "split"
+    split = reply["split"]
+    assert call(service, "drain", worker_id=w) == ("ok", {})
+    assert heartbeat(service, w) == "drain"                   # still holds a split
+    assert call(service, "get_split", worker_id=w)[0] == "no_split"
+    pieces = -(-(split["row_hi"] - split["row_lo"]) // 100)
+    call(service, "client_heartbeat", client_id="c0", epoch=0, acks=[[split["split_id"], pieces]])
+    assert heartbeat(service, w) == "stop"
+    assert w not in service.state.workers
+    assert heartbeat(service, w) == "unknown"                 # a late heartbeat: register again
+
+
+def test_stale_reports_of_a_reassigned_split_are_ignored(spec):
+    clock = Clock()
+    service = make_service(spec, clock, heartbeat_timeout=5.0)
+    a, b = register(service, 2)
+    hello(service, spec)
+    call(service, "start_epoch", client_id="c0", epoch=0)
+    split = call(service, "get_split", worker_id=a)[1]["split"]
+    clock.now += 10                                             # a misses its heartbeats
+    heartbeat(service, b)
+    service.tick()
+    assert a not in service.state.workers
+    taken = {}
+    while (reply := call(service, "get_split", worker_id=b))[0] == "split":
+        taken[reply[1]["split"]["split_id"]] = reply[1]["split"]
+    assert split["split_id"] in taken                           # re-queued, b has it now
+    # a comes back from a pause and reports on the split it no longer holds.
+    assert call(service, "split_failed", worker_id=a, epoch=0, split_id=split["split_id"],
+                error="late")[1]["code"] == "unknown_worker"
+    (a2,) = register(service)
+    assert call(service, "split_failed", worker_id=a2, epoch=0, split_id=split["split_id"], error="late") == ("ok", {})
+    assert call(service, "split_produced", worker_id=a2, epoch=0, split_id=split["split_id"]) == ("ok", {})
+    progress = service.state.ranks[0].splits[split["split_id"]]
+    assert progress.worker == b and progress.failed is None and not progress.produced
+    assert service.state.errors == []
+
+
+def test_next_epoch_prefetch_waits_until_the_worker_holds_nothing_ahead(spec):
+    service = make_service(spec, Clock())
+    (w,) = register(service)
+    hello(service, spec)
+    call(service, "start_epoch", client_id="c0", epoch=0)
+    while call(service, "get_split", worker_id=w)[0] == "split":
+        pass
+    heartbeat(service, w, ahead=3)                              # pieces of a next epoch already held
+    assert call(service, "get_split", worker_id=w)[0] == "no_split"
+    assert 0 in service.state.ranks and not service.state.prefetched
+    heartbeat(service, w, ahead=0)
+    t, reply = call(service, "get_split", worker_id=w)
+    assert t == "split" and reply["split"]["epoch"] == 1
+    assert service.state.prefetched[0].epoch == 1
+    # Without the prefetch option the worker waits for the trainer's start_epoch.
+    other = make_service(spec, Clock(), prefetch_next_epoch=False)
+    (w,) = register(other)
+    hello(other, spec)
+    call(other, "start_epoch", client_id="c0", epoch=0)
+    while call(other, "get_split", worker_id=w)[0] == "split":
+        pass
+    heartbeat(other, w, ahead=0)
+    assert call(other, "get_split", worker_id=w)[0] == "no_split"
+
+
+def test_hello_checks_spec_rank_and_world_size(spec, tables):
+    service = MasterService(MasterConfig(), None, Clock())
+    bad = spec_dict(tables["orc"])
+    bad["features"]["dense"] = ["no_such_column"]
+    t, reply = call(service, "hello", client_id="c0", rank=0, world_size=2, spec=bad, fingerprint="x")
+    assert t == "error" and reply["code"] == "bad_spec" and "no_such_column" in reply["message"]
+    assert service.state.job is None                            # nothing was submitted
+    assert hello(service, spec, rank=0, world_size=2)[0] == "welcome"
+    assert hello(service, spec, client="c1", rank=2, world_size=2)[1]["code"] == "bad_rank"
+    assert hello(service, spec, client="c1", rank=1, world_size=3)[1]["code"] == "bad_rank"
+    other = DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=7))
+    assert hello(service, other, client="c1", rank=1, world_size=2)[1]["code"] == "spec_mismatch"
+    t, reply = hello(service, spec, client="c1", rank=1, world_size=2)
+    assert t == "welcome" and reply["job"]["world_size"] == 2 and reply["job"]["plan"]
+    assert call(service, "start_epoch", client_id="nobody", epoch=0)[1]["code"] == "unknown_client"
+
+
+def durable_view(service: MasterService) -> dict:
+    """The whole state, minus what a restart re-learns from the next heartbeats."""
+    st = service.state
+    workers = {k: {f: v for f, v in dataclasses.asdict(w).items()
+                   if f not in ("last_seen", "buffered", "stats", "producing", "producing_since")}
+               for k, w in st.workers.items()}
+
+    def rank_view(ranks):
+        return {r: (e.epoch, list(e.pending), e.finished,
+                    {k: (p.split, p.pieces, p.consumed, p.worker, p.assigned_at, p.produced, p.failed)
+                     for k, p in e.splits.items()}) for r, e in ranks.items()}
+
+    return {"job": st.job, "workers": workers, "clients": st.clients, "partitions": st.partitions,
+            "ranks": rank_view(st.ranks), "prefetched": rank_view(st.prefetched), "errors": st.errors}
+
+
+def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path):
+    clock = Clock()
+    live = make_service(spec, clock, Journal(tmp_path))
+    a, b, c = register(live, 3)
+    hello(live, spec, client="c0", rank=0, world_size=2)
+    hello(live, spec, client="c1", rank=1, world_size=2)
+    call(live, "start_epoch", client_id="c0", epoch=0)
+    call(live, "start_epoch", client_id="c1", epoch=0)
+    held = []
+    for w in (a, b, c, a):
+        clock.now += 0.5
+        t, reply = call(live, "get_split", worker_id=w)
+        if t == "split":
+            held.append((w, reply["split"]))
+        heartbeat(live, w, rows=100, ahead=0, split=[0, 0, 1])   # transient: not journaled
+    w0, s0 = held[0]
+    call(live, "split_produced", worker_id=w0, epoch=0, split_id=s0["split_id"])
+    call(live, "client_heartbeat", client_id=f"c{s0['rank']}", epoch=0, acks=[[s0["split_id"], 1]],
+         stats={"batches": 1, "wait_s": 0.1})
+    call(live, "drain", worker_id=c)
+    live.journal.close()
+
+    restarted = MasterService(MasterConfig(), Journal(tmp_path), clock)
+    assert durable_view(restarted) == durable_view(live)
+    # Workers get a fresh grace period from the restart, not their pre-restart last_seen.
+    assert all(w.last_seen == clock.now for w in restarted.state.workers.values())
