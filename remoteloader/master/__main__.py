@@ -12,11 +12,10 @@ from typing import Optional, Sequence
 
 from ..core.procs import die_with_parent
 from ..spec import DatasetSpec, SpecError
+from .autoscale import AutoscaleConfig, Autoscaler, CpuTargetConfig, CpuTargetPolicy
 from .journal import Journal
-from .autoscale import AutoscaleConfig, CpuTargetConfig, CpuTargetPolicy
 from .launcher import make_launcher
 from .metrics import MetricsServer
-from .scaling import Autoscaler
 from .server import MasterServer
 from .service import MasterConfig, MasterService
 
@@ -76,11 +75,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"remoteloader-master: {e}", file=sys.stderr)
         return 2
     scaling = _autoscale_config(args, service)
+    autoscaler = None
     if scaling is not None:
         policy = None
         if args.autoscale_policy == "cpu":
             policy = CpuTargetPolicy(CpuTargetConfig(min_workers=scaling.min_workers, max_workers=scaling.max_workers))
-        autoscaler = Autoscaler(service, launcher, scaling, policy)
+        # With a journal, learned worker throughput and limits survive a restart.
+        autoscaler = Autoscaler(service, launcher, scaling, policy,
+                                state_path=os.path.join(args.journal, "autoscale.json") if args.journal else None)
+        service.decision_log = autoscaler.recent_decisions
         autoscaler.start()
         server.periodic.append(autoscaler.tick)
     elif args.workers:
@@ -110,6 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.serve_forever()
     finally:
         launcher.stop_all()
+        if autoscaler is not None:
+            autoscaler.stop()  # saves the policy's state (with --journal)
         if metrics is not None:
             metrics.close()
         if service.journal is not None:

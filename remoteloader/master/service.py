@@ -61,7 +61,7 @@ class MasterService:
         self.clock = clock
         self.state = JobState(config.max_workers_per_client)
         self.rates = RateWindow(config.rate_window_s)
-        self.decisions: list[dict] = []  # the autoscaler's recent decisions, for status
+        self.decision_log: Callable[[], list[dict]] = list  # the autoscaler's recent decisions, for status (set by it)
         self.bound: Optional[BoundDataset] = None
         if journal is not None:
             replayed = 0
@@ -292,7 +292,7 @@ class MasterService:
                          "stall": round(self.client_stall(cid), 4),
                          "batches_per_s": round(self.rates.rate("c:" + cid, "batches"), 2)}
                         for cid, rank in st.clients.items()],
-            "autoscaler": self.decisions[-10:],
+            "autoscaler": self.decision_log(),
             "ranks": ranks,
             "errors": st.errors[-20:],
         }

@@ -1,0 +1,414 @@
+"""``AutoscalePolicy``: how many workers a job needs, decided from what trainers feel.
+
+``observe`` keeps the measurement window (samples, demand, learned capacity); once a
+clean window exists, ``_decide`` runs the rules of docs/autoscaling.md as phases:
+0. ceiling bookkeeping, 1. judge the last addition, 2. forget or re-check a plateau,
+3. scale up, 4. scale down. The first phase that concludes returns the decision.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import NamedTuple, Optional, Union
+
+import numpy as np
+
+from .config import AutoscaleConfig
+from .estimators import CapacityEstimator, _DemandTracker, _Mark, _Sample, _se, _Trial
+from .signals import Decision, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+class _Window(NamedTuple):
+    """The measurements of one decision, over the last `window_s`."""
+    rows: float                   # rows/s produced by all workers
+    batches: float                # batches/s consumed by all clients
+    batches_se: float             # its standard error
+    stall: float                  # mean client stall fraction
+    fill: float                   # mean buffer fill
+    fill_min: float               # lowest buffer fill in the window
+    demand: float                 # rows/s the trainers would take if never blocked (inf: unknown)
+    worker_bound: bool            # trainers stall and buffers are drained
+    caps: Optional[np.ndarray]    # estimated flat-out rows/s of each worker
+    mean_cap: float               # their mean (0 when unknown)
+    numbers: str                  # the above, for reasons and logs
+
+
+class _Hold(NamedTuple):
+    """A phase's conclusion to do nothing, and why (reported rate-limited by ``_hold``)."""
+    kind: str
+    reason: str
+
+
+_Verdict = Union[Decision, _Hold]
+
+
+class AutoscalePolicy:
+    def __init__(self, config: Optional[AutoscaleConfig] = None) -> None:
+        self.config = config or AutoscaleConfig()
+        self.decisions: list[Decision] = []
+        self._estimator = CapacityEstimator(self.config)  # learned per-worker throughput
+        self._rates = self._fill = self._cpu = self._buffered = self._capacity = np.empty(0)
+        self._rpb: Optional[float] = None       # rows per batch, to convert buffered batches to rows
+        self._samples: deque[_Sample] = deque()
+        self._stable_since = -math.inf
+        self._pending_since: Optional[float] = None
+        self._last_action = -math.inf
+        self._trial: Optional[_Trial] = None
+        self._plateau: Optional[_Mark] = None   # adding beyond this count did not pay
+        self._floor: Optional[_Mark] = None     # this count was too few at this demand
+        self._ceiling: Optional[_Mark] = None   # trainers stalled with full buffers at this rate
+        self._probe = 0.0                       # > 0 while re-checking a plateau (its interval)
+        self._demand = _DemandTracker(self.config.demand_block_s, self.config.confidence_z)
+        self._last_hold: tuple[str, float] = ("", -math.inf)
+
+    # ------------------------------------------------------------------ public
+
+    def observe(self, snap: Snapshot) -> Optional[Decision]:
+        """One control tick. `snap.workers` are the live workers that take new splits (not
+        the draining ones); `pending_workers` those launched but not reporting yet. Returns
+        the action to carry out ("add" n, "remove" the named workers) or, now and then, a
+        "hold" saying why not; None otherwise. Never acts within `cooldown_s` of an action."""
+        c, now = self.config, snap.time
+        self._sync(snap)
+        self._estimator.learn(now, self._rates, self._fill)
+        n, pending = len(snap.workers), snap.pending_workers
+
+        if pending:
+            self._pending_since = now if self._pending_since is None else self._pending_since
+        else:
+            self._pending_since = None
+        waiting = bool(pending) and now - self._pending_since < c.pending_timeout_s
+        if waiting:
+            self._reset_window(now)     # rates while workers are joining are not representative
+        if not waiting and now >= self._stable_since + c.settle_s:
+            sample = self._sample(now, snap)
+            self._track_demand(sample)
+            self._samples.append(sample)
+            horizon = now - max(c.window_s, c.down_window_s) - 1e-9
+            while self._samples and self._samples[0].t < horizon:
+                self._samples.popleft()
+
+        if now - self._last_action < c.cooldown_s:
+            return None
+        if n + pending < c.min_workers:
+            return self._act(now, "add", c.min_workers - n - pending, c.min_workers,
+                             f"{n + pending} workers < min_workers {c.min_workers}")
+        if n > c.max_workers:
+            return self._act(now, "remove", n - c.max_workers, c.max_workers,
+                             f"{n} workers > max_workers {c.max_workers}", self._least_useful(n - c.max_workers))
+        if waiting or not self._samples or now - self._samples[0].t < c.window_s - 1e-9:
+            return None
+        return self._decide(now, n)
+
+    def state_dict(self) -> dict:
+        """Plain data a restarted master can hand back: learned throughput and limits.
+
+        Times are not kept: a new process may have another monotonic clock, so a
+        restored policy starts with a fresh window and recheck timer.
+        """
+        self._estimator.store()
+        return {
+            "version": 1,
+            "capacity": dict(self._estimator.caps),
+            "mean_capacity": self._estimator.mean,
+            "plateau": None if self._plateau is None else [self._plateau.count, self._plateau.level],
+            "floor": None if self._floor is None else [self._floor.count, self._floor.level],
+            "ceiling": None if self._ceiling is None else [self._ceiling.count, self._ceiling.level],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned. Raises ValueError (or TypeError) on state
+        it cannot use, before changing anything."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            version = state.get("version") if isinstance(state, dict) else state
+            raise ValueError(f"unsupported autoscale state version {version!r}")
+        caps = {str(k): float(v) for k, v in (state.get("capacity") or {}).items()}
+        mean = state.get("mean_capacity")
+        mean = None if mean is None else float(mean)
+
+        def mark(key: str) -> Optional[tuple[int, float]]:
+            value = state.get(key)
+            if value is None:
+                return None
+            count, level = value            # [count, level]
+            return int(count), float(level)
+
+        plateau, floor, ceiling = mark("plateau"), mark("floor"), mark("ceiling")
+        self._estimator.load(caps, mean)
+        self._plateau = None if plateau is None else _Mark(*plateau, time=math.nan, interval=self.config.recheck_s)
+        self._floor = None if floor is None else _Mark(*floor)
+        self._ceiling = None if ceiling is None else _Mark(*ceiling)
+        self._stable_since = -math.inf
+        self._last_action = -math.inf
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _sync(self, snap: Snapshot) -> None:
+        """Align per-worker arrays with the snapshot; a changed set restarts the window."""
+        if self._estimator.align(tuple(w.worker_id for w in snap.workers), snap.time):
+            self._reset_window(snap.time)
+        ws, n = snap.workers, len(snap.workers)
+        self._rates = np.fromiter((w.rows_per_s for w in ws), float, n)
+        buffered = np.fromiter((w.buffered for w in ws), float, n)
+        capacity = np.fromiter((w.capacity for w in ws), float, n)
+        self._fill = np.divide(buffered, capacity, out=np.ones(n), where=capacity > 0)
+        self._buffered, self._capacity = buffered, capacity
+        self._cpu = np.fromiter((w.cpu for w in ws), float, n)
+
+    def _reset_window(self, now: float) -> None:
+        self._stable_since = now
+        self._samples.clear()
+
+    def _sample(self, now: float, snap: Snapshot) -> _Sample:
+        stall = np.fromiter((cl.stall_fraction for cl in snap.clients), float, len(snap.clients))
+        bps = np.fromiter((cl.batches_per_s for cl in snap.clients), float, len(snap.clients))
+        # A trainer blocked a fraction s of the time would consume b / (1 - s) if never blocked.
+        demand = float((bps / (1.0 - np.clip(stall, 0.0, 0.99))).sum())
+        fill = float(self._fill.mean()) if len(self._fill) else 0.0
+        return _Sample(now, float(self._rates.sum()), float(bps.sum()), demand,
+                       float(stall.mean()) if len(stall) else 0.0, fill, int(self._buffered.sum()))
+
+    def _track_demand(self, s: _Sample) -> None:
+        """Feed the long demand estimate with what trainers would consume, in rows/s.
+
+        Workers report rows, trainers batches. Production minus the growth of the
+        buffers is consumption; scaled by the trainers' demand/consumption ratio it is
+        demand. Every sample counts (selecting, say, full-buffer moments would pick the
+        moments of low demand and bias the estimate low)."""
+        if s.batches > 0:
+            ratio = s.rows / s.batches
+            self._rpb = ratio if self._rpb is None else self._rpb + 0.05 * (ratio - self._rpb)
+        prev = self._samples[-1] if self._samples else None
+        if prev is None:                        # no buffer delta yet
+            return
+        consumed = s.rows - (self._rpb or 0.0) * (s.buffered - prev.buffered) / max(s.t - prev.t, 1e-9)
+        if s.fill < self.config.low_fill:
+            # Drained buffers: trainers wait on workers, who must supply what trainers would
+            # take unblocked. With buffers left, a stall is not the workers' to fix.
+            if s.stall > 0.25 or s.batches <= 0:
+                return                          # extrapolating from a mostly blocked trainer is too wild
+            consumed *= s.demand / s.batches
+        self._demand.add(s.t, consumed)
+
+    # ------------------------------------------------------------------ estimates
+
+    def _estimates(self) -> Optional[np.ndarray]:
+        return self._estimator.estimates(self._rates, self._cpu)
+
+    def _headroom(self, rows: float, mean_cap: float) -> float:
+        """Spare supply to keep above a demand of `rows`/s.
+
+        A small fixed margin, plus what demand jitter needs: with spare supply e, the
+        backlog of a jittery demand is exponential with mean var * tau / e (var*tau
+        measured from the 10 s blocks of the demand tracker), so buffers holding b
+        seconds run dry about exp(-e * b / (var * tau)) of the time."""
+        c = self.config
+        spare = min(c.headroom * rows, c.headroom_workers * mean_cap)
+        tr, buffer_rows = self._demand, float(self._capacity.sum()) * (self._rpb or 0.0)
+        if tr.n >= 3 and buffer_rows > 0:
+            var_tau = tr.sd ** 2 * tr.block_s / 2            # block variance ~ var * 2 tau / block
+            spare = max(spare, c.jitter_margin * var_tau / buffer_rows)
+        return spare
+
+    def _least_useful(self, k: int) -> tuple[str, ...]:
+        """Slowest learned throughput first, then fullest buffer, then lowest current rate."""
+        return self._estimator.least_useful(k, self._rates, self._fill, self._cpu)
+
+    # ------------------------------------------------------------------ decision
+
+    def _decide(self, now: float, n: int) -> Optional[Decision]:
+        """The rules in order; the first phase that concludes decides."""
+        w = self._measure(now, n)
+        self._track_ceiling(now, n, w)                          # 0. ceiling bookkeeping
+        verdict = self._judge_addition(now, n, w)               # 1. did the last addition pay?
+        if verdict is None:
+            self._revisit_plateau(now, w)                       # 2. forget or re-check a plateau
+            if w.worker_bound:
+                verdict = self._scale_up(now, n, w)             # 3. trainers stall, workers drained
+            else:
+                verdict = self._scale_down(now, n, w)           # 4. fewer workers would do (or hold)
+        if isinstance(verdict, _Hold):
+            return self._hold(now, verdict.kind, n, verdict.reason)
+        return verdict
+
+    def _measure(self, now: float, n: int) -> _Window:
+        c = self.config
+        up = [s for s in self._samples if s.t > now - c.window_s - 1e-9]
+        rows = float(np.mean([s.rows for s in up]))
+        batches_all = np.array([s.batches for s in up])
+        batches = float(batches_all.mean())
+        batches_se = _se(batches_all)
+        stall = float(np.mean([s.stall for s in up]))
+        fill = float(np.mean([s.fill for s in up]))
+        fill_min = min(s.fill for s in up)
+        # Rows/s the trainers would take if never blocked (unknown if they consume nothing at all).
+        if stall <= 0:
+            demand = rows
+        elif batches > 0 and rows > 0:
+            demand = rows * float(np.mean([s.demand for s in up])) / batches
+        else:
+            demand = math.inf
+        worker_bound = stall >= c.stall_threshold and fill < c.low_fill
+        caps = self._estimates()
+        mean_cap = float(caps.mean()) if caps is not None else 0.0
+        numbers = f"stall {stall:.1%}, buffers {fill:.0%} full, {rows:,.0f} rows/s from {n} workers"
+        return _Window(rows, batches, batches_se, stall, fill, fill_min, demand, worker_bound, caps, mean_cap,
+                       numbers)
+
+    def _track_ceiling(self, now: float, n: int, w: _Window) -> None:
+        """0. Trainers stall although worker buffers are full: the limit is past the workers.
+        Remember the rate they reach (a ceiling), so that buffers draining later do not
+        trigger an addition sized for what only the GPUs could consume."""
+        c = self.config
+        if w.stall >= c.stall_threshold and w.fill_min >= c.high_fill:     # persistently full, not a transient
+            self._ceiling = _Mark(n, w.rows, now)
+        elif self._ceiling is not None and (w.stall < c.stall_threshold or (
+                w.worker_bound and w.rows > self._ceiling.level * (1 + c.hysteresis / 2))):
+            log.info("autoscale: forget ceiling %.0f rows/s (%s)", self._ceiling.level, w.numbers)
+            self._ceiling = None
+
+    def _judge_addition(self, now: float, n: int, w: _Window) -> Optional[_Verdict]:
+        """1. Judge the last addition (Cachew): did it pay? None: no verdict, go on."""
+        c = self.config
+        trial, self._trial = self._trial, None
+        if trial is None:
+            return None
+        new = np.fromiter((i not in trial.ids_before for i in self._estimator.ids), bool, n)
+        added_rows = float(self._rates[new].sum())
+        if not (w.worker_bound and trial.batches_before > 0 and added_rows > 0):
+            return None
+        # What the added workers produce should reach the trainers: with drained buffers
+        # everything produced is consumed, unless something past the workers caps it (or
+        # the newcomers only slowed the others down, as on a shared storage).
+        expected = added_rows / trial.rows_before
+        measured = w.batches / trial.batches_before - 1.0
+        gain = measured / expected
+        shortfall = (expected - measured) * trial.batches_before
+        noise = math.hypot(w.batches_se, trial.batches_se)
+        # Judge only what noise can resolve: a few workers among hundreds are within the jitter.
+        conclusive = expected * trial.batches_before > 2 * c.confidence_z * noise
+        if conclusive and gain < c.gain_threshold and shortfall > c.confidence_z * noise:
+            # In workers as they ran before (the newcomers' own rate is depressed by the contention).
+            useful = max(0.0, measured * trial.n_before)
+            keep = min(n, trial.n_before + math.floor(useful + 1 - c.gain_threshold))
+            # Each re-check that confirms the plateau doubles the wait for the next one.
+            interval = min(2 * trial.probe_interval, 8 * c.recheck_s) if trial.probe_interval else c.recheck_s
+            self._plateau = _Mark(keep, w.rows, now, interval)
+            why = (f"adding {trial.added} workers raised client consumption {measured:+.1%}, "
+                   f"{gain:.0%} of the expected {expected:+.1%} (< {c.gain_threshold:.0%}): "
+                   f"plateau at {keep} workers; {w.numbers}")
+            if keep < n:
+                return self._act(now, "remove", n - keep, keep, "step back: " + why, self._least_useful(n - keep))
+            return _Hold("plateau", why)
+        if trial.probe_interval:
+            self._probe = trial.probe_interval  # a re-check that paid: keep probing in small steps
+        return None
+
+    def _revisit_plateau(self, now: float, w: _Window) -> None:
+        """2. Forget a plateau when the situation changed or it is time to re-check."""
+        c = self.config
+        if self._plateau is None:
+            return
+        if math.isnan(self._plateau.time):      # restored from state_dict: start its clock now
+            self._plateau.time = now
+        if w.stall < c.stall_threshold or w.rows > self._plateau.level * (1 + c.hysteresis):
+            log.info("autoscale: forget plateau at %d workers (%s)", self._plateau.count, w.numbers)
+            self._plateau = None
+        elif now - self._plateau.time >= self._plateau.interval:
+            log.info("autoscale: re-checking plateau at %d workers", self._plateau.count)
+            self._plateau, self._probe = None, self._plateau.interval
+
+    def _scale_up(self, now: float, n: int, w: _Window) -> _Verdict:
+        """3. Scale up: trainers stall and workers are drained."""
+        c, caps, demand = self.config, w.caps, w.demand
+        if n >= c.max_workers:
+            return _Hold("max", f"trainers stall but at max_workers {c.max_workers}; {w.numbers}")
+        if self._ceiling is not None:
+            demand = min(demand, self._ceiling.level * (1 + c.hysteresis))
+        if caps is None or n == 0:
+            target = max(c.min_workers, 1, n + 1)
+        else:
+            target = self._estimator.needed(demand + self._headroom(demand, w.mean_cap), caps)
+        target = max(target, n + 1)
+        cap_step = max(n + 1, math.ceil(n * c.max_up_factor))
+        if self._probe:
+            cap_step = n + max(1, math.ceil(0.05 * n))
+        target = min(target, cap_step, c.max_workers)
+        if self._plateau is not None and target > self._plateau.count:
+            target = self._plateau.count
+            if target <= n:
+                return _Hold("plateau", f"trainers stall but more than {self._plateau.count} workers did not pay "
+                                        f"(re-check in {self._plateau.time + self._plateau.interval - now:.0f} s); "
+                                        f"{w.numbers}")
+        probe, self._probe = self._probe, 0.0
+        k = target - n
+        if caps is not None and n > 0 and w.rows > 0:
+            self._trial = _Trial(n, k, frozenset(self._estimator.ids), w.rows, w.batches, w.batches_se, probe)
+            self._floor = _Mark(n, min(demand, float(caps.sum()) + k * w.mean_cap), now)
+        est = f"demand ~{demand:,.0f} rows/s" if math.isfinite(demand) else "demand unknown"
+        return self._act(now, "add", k, target,
+                         f"trainers stall and workers are drained: {w.numbers}; {est}, "
+                         f"~{w.mean_cap:,.0f} rows/s per worker -> {target} workers")
+
+    def _scale_down(self, now: float, n: int, w: _Window) -> _Verdict:
+        """4. Scale down: buffers persistently full and fewer workers cover demand with confidence.
+        Otherwise hold, saying whether the trainers stall past the workers or all is balanced."""
+        c, caps = self.config, w.caps
+        if w.stall >= c.stall_threshold:
+            why = ("downstream", f"trainers stall but worker buffers are not drained: the bottleneck is past "
+                                 f"the workers (client, network), more workers would not help; {w.numbers}")
+        else:
+            why = ("balanced", f"balanced; {w.numbers}")
+        down = list(self._samples)
+        upper = self._demand.upper()
+        if (now - down[0].t >= c.down_window_s - 1e-9 and caps is not None and math.isfinite(upper)
+                and float(np.mean([s.fill for s in down])) >= c.high_fill
+                and min(s.fill for s in down) >= c.low_fill):
+            level = self._demand.mean
+            target = self._estimator.needed(upper + self._headroom(level, w.mean_cap), caps)
+            if self._floor is not None:
+                if level > self._floor.level * (1 - c.hysteresis):
+                    if target <= self._floor.count:
+                        why = (why[0], f"{why[1]}; kept above {self._floor.count} workers, too few at "
+                                       f"{self._floor.level:,.0f} rows/s")
+                    target = max(target, self._floor.count + 1)
+                else:
+                    self._floor = None          # demand fell well below: the old limit no longer applies
+            target = max(target, c.min_workers, n - math.floor(n * c.max_down_fraction))
+            if target < n:
+                return self._act(now, "remove", n - target, target,
+                                 f"buffers full for {now - down[0].t:.0f} s; demand {level:,.0f} rows/s "
+                                 f"(+{upper - level:,.0f} at {c.confidence_z:g} se) is covered by {target} "
+                                 f"workers at ~{w.mean_cap:,.0f} rows/s each (utilization "
+                                 f"{level / float(caps.sum()):.0%} of {n}); {w.numbers}",
+                                 self._least_useful(n - target))
+        return _Hold(*why)
+
+    def _act(self, now: float, action: str, count: int, target: int, reason: str,
+             remove: tuple[str, ...] = ()) -> Decision:
+        d = Decision(now, action, count, target, reason, remove)
+        self._estimator.selected = self._estimator.selected or action == "remove"
+        self._record(d)
+        self._last_action = now
+        self._last_hold = ("", -math.inf)
+        self._reset_window(now)
+        return d
+
+    def _hold(self, now: float, kind: str, n: int, reason: str) -> Optional[Decision]:
+        """Say why we do nothing, but only when that changes or every `hold_log_s`."""
+        last_kind, last_time = self._last_hold
+        if kind == last_kind and now - last_time < self.config.hold_log_s:
+            return None
+        self._last_hold = (kind, now)
+        d = Decision(now, "hold", 0, n, reason)
+        self._record(d)
+        return d
+
+    def _record(self, d: Decision) -> None:
+        self.decisions.append(d)
+        if len(self.decisions) > 1000:      # bounded history for a long-running master
+            del self.decisions[:-500]
+        log.info("autoscale %s %d -> %d workers at t=%.1f: %s", d.action, d.count, d.workers, d.time, d.reason)

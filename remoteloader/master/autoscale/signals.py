@@ -1,0 +1,50 @@
+"""What the policy sees and says: heartbeat signals in, decisions out.
+
+``Snapshot`` is one control tick's view of the workers and trainers; a ``Policy``
+answers it with a ``Decision`` (or None). Plain frozen data, so the simulator can
+build them as cheaply as the master does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSignal:
+    worker_id: str
+    rows_per_s: float      # rows produced per second over the last window
+    buffered: int          # batches waiting in its bounded buffer
+    capacity: int          # buffer capacity in batches
+    cpu: float             # 0..1 utilization of its process (noisy, may exceed 1 slightly)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSignal:
+    client_id: str
+    stall_fraction: float  # share of wall time blocked waiting for a batch over the window, 0..1
+    batches_per_s: float   # consumption rate
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    time: float                        # seconds, monotonic (simulated time in the simulator)
+    workers: tuple[WorkerSignal, ...]  # workers that report
+    clients: tuple[ClientSignal, ...]
+    pending_workers: int = 0           # launched but not reporting yet
+
+
+@dataclass(frozen=True)
+class Decision:
+    time: float
+    action: str            # "add" | "remove" | "hold"
+    count: int             # workers to add or remove (0 for hold)
+    workers: int           # worker count targeted after this decision
+    reason: str            # human-readable, with the numbers that triggered it
+    remove: tuple[str, ...] = ()   # ids to drain for "remove", least useful first
+
+
+class Policy(Protocol):
+    decisions: list[Decision]
+
+    def observe(self, snapshot: Snapshot) -> Optional[Decision]: ...
