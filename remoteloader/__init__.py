@@ -24,6 +24,7 @@ _EXPORTS = {
     "Batch": "remoteloader.client.batch",
     "KeyedJaggedTensor": "remoteloader.client.batch",
     "JaggedTensor": "remoteloader.client.batch",
+    "read_rank_states": "remoteloader.client.resume",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -76,6 +76,7 @@ class DatasetSpec:
     shuffle: bool = False
     seed: int = 0
     drop_last: bool = False
+    even_batches: str = "pad"  # pad | drop | off: equal batch counts on every rank (docs/spec.md)
     split_rows: int = 64 * 1024
     sampling: Optional[dict] = None
     on_error: str = "fail"
@@ -115,6 +116,7 @@ class DatasetSpec:
             "shuffle": self.shuffle,
             "seed": self.seed,
             "drop_last": self.drop_last,
+            "even_batches": self.even_batches,
             "split_rows": self.split_rows,
             "on_error": self.on_error,
         }
@@ -136,7 +138,7 @@ class DatasetSpec:
 
 
 # -- parsing ---------------------------------------------------------------------------
-_TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "split_rows", "sampling", "on_error",
+_TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling", "on_error",
              "autoscale"}
 _AUTOSCALE_KEYS = {"min_workers", "max_workers"}
 _TABLE_KEYS = {"path", "format", "partitions"}
@@ -145,6 +147,7 @@ _FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
                  "sparse": {"name", "column", "inputs", "scores", "transforms"}}
 FORMATS = ("orc", "parquet")
 ON_ERROR = ("fail", "skip")
+EVEN_BATCHES = ("pad", "drop", "off")
 
 
 def _mapping(value: Any, key: str) -> Mapping:
@@ -212,6 +215,7 @@ def _parse(data: Any, base_dir: Path) -> DatasetSpec:
         shuffle=_typed(top.get("shuffle", False), (bool,), "shuffle", "true or false"),
         seed=_typed(top.get("seed", 0), (int,), "seed", "an integer"),
         drop_last=_typed(top.get("drop_last", False), (bool,), "drop_last", "true or false"),
+        even_batches=_even_batches(top.get("even_batches", "pad")),
         split_rows=_typed(top.get("split_rows", 64 * 1024), (int,), "split_rows", "a positive integer"),
         sampling=dict(_mapping(top["sampling"], "sampling")) if top.get("sampling") is not None else None,
         on_error=_typed(top.get("on_error", "fail"), (str,), "on_error", "'fail' or 'skip'"),
@@ -226,10 +230,19 @@ def _check_batching(spec: DatasetSpec) -> None:
         raise SpecError(f"batch_size: must be positive, got {spec.batch_size}")
     if spec.split_rows <= 0:
         raise SpecError(f"split_rows: must be positive, got {spec.split_rows}")
+    if spec.even_batches not in EVEN_BATCHES:
+        raise SpecError(f"even_batches: must be one of {', '.join(EVEN_BATCHES)} (or true/false), got {spec.even_batches!r}")
     if spec.on_error not in ON_ERROR:
         raise SpecError(f"on_error: must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}")
     if spec.seed < 0 or spec.seed >= 2**63:
         raise SpecError(f"seed: must be in [0, 2**63), got {spec.seed}")
+
+
+def _even_batches(value: Any) -> str:
+    """``true`` means ``pad`` (the default), ``false`` means ``off``."""
+    if isinstance(value, bool):
+        return "pad" if value else "off"
+    return _typed(value, (str,), "even_batches", f"one of {', '.join(EVEN_BATCHES)}, or true/false")
 
 
 def _parse_autoscale(value: Any) -> Optional[dict]:

@@ -6,7 +6,7 @@ from remoteloader.master import updates as U
 from remoteloader.master.journal import Journal
 from remoteloader.master.state import JobState
 
-SPEC = {"batch_size": 10, "seed": 0, "shuffle": False, "on_error": "fail"}
+SPEC = {"batch_size": 10, "seed": 0, "shuffle": False, "drop_last": False, "even_batches": "pad", "on_error": "fail"}
 FILES = [DataFile("f0", "orc", "", 100, 1000, (Unit(0, 0, 50, 500), Unit(1, 50, 50, 500))).to_wire()]
 
 

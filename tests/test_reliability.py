@@ -151,18 +151,6 @@ def test_resume_at_random_points_repeatedly(tables, cluster, world_size):
         assert set().union(*seen) == expected, f"trial {epoch_trial}"
 
 
-def test_state_dict_is_small_plain_data(tables, cluster):
-    master = cluster.master(workers=2)
-    with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
-        it = iter(loader)
-        next(it)
-        state = loader.state_dict()
-    assert state["epoch"] == 0 and state["batches_yielded"] == 1
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    assert buf.tell() < 4096
-
-
 def corrupt_copy(src: Path, dst: Path, how: str) -> None:
     import shutil
 

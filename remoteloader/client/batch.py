@@ -10,6 +10,7 @@ from received frames is a handful of zero-copy views.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -147,9 +148,16 @@ class Batch:
     labels: torch.Tensor
     passthrough: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: Optional[torch.Tensor] = None
+    # bool [B]: True for rows repeated only to give every rank the same number of batches
+    # (even_batches: pad); None when the batch has none. Mask them out of the loss.
+    padding: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    def as_padding(self) -> "Batch":
+        """The same rows, all marked as padding."""
+        return dataclasses.replace(self, padding=torch.ones(len(self), dtype=torch.bool))
 
     def to(self, device: Any, non_blocking: bool = False) -> "Batch":
         return Batch(
@@ -158,6 +166,7 @@ class Batch:
             self.labels.to(device, non_blocking=non_blocking),
             {k: v.to(device, non_blocking=non_blocking) for k, v in self.passthrough.items()},
             None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
+            None if self.padding is None else self.padding.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> "Batch":
@@ -167,6 +176,7 @@ class Batch:
             self.labels.pin_memory(),
             {k: v.pin_memory() for k, v in self.passthrough.items()},
             None if self.weights is None else self.weights.pin_memory(),
+            None if self.padding is None else self.padding.pin_memory(),
         )
 
     @classmethod
@@ -227,4 +237,12 @@ def concat_rows(pieces: Sequence[tuple[Batch, int, int]]) -> Batch:
         rows_of(lambda b: b.labels),
         {name: rows_of(lambda b, n=name: b.passthrough[n]) for name in first.passthrough},
         None if first.weights is None else rows_of(lambda b: b.weights),
+        _padding_of(pieces),
     )
+
+
+def _padding_of(pieces: Sequence[tuple[Batch, int, int]]) -> Optional[torch.Tensor]:
+    if all(b.padding is None for b, _, _ in pieces):
+        return None
+    return torch.cat([b.padding[start:stop] if b.padding is not None else torch.zeros(stop - start, dtype=torch.bool)
+                      for b, start, stop in pieces])

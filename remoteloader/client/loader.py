@@ -24,6 +24,7 @@ from typing import Any, Generator, Iterator, Optional, Union
 import torch
 import zmq
 
+from . import resume
 from .assembly import EpochAssembler
 from .batch import Batch
 from .embedded import EmbeddedCluster, discover_master, publish_master, resolve_rank
@@ -54,6 +55,16 @@ def _acks_of(consumed: dict[int, tuple[int, int]]) -> list[list[int]]:
     return [[sid, pieces] for sid, (pieces, _) in sorted(consumed.items())]
 
 
+@dataclass
+class EpochRun:
+    """The epoch being iterated: its plan as the master sent it, and the assembler."""
+
+    epoch: int
+    done: list  # rows consumed before an elastic resume, [[base, lo, hi], ...] (sent in start_epoch)
+    splits: dict[int, tuple[int, int, int, bool]]  # split id -> (rows, base, row_lo, padding)
+    assembler: EpochAssembler
+
+
 class RemoteDataLoader:
     """A DataLoader whose batches come from remoteloader workers.
 
@@ -61,7 +72,9 @@ class RemoteDataLoader:
         spec: a ``DatasetSpec``, its dict form, or the path of a YAML/JSON spec.
         master: ``tcp://host:port`` of a running master; ``None`` starts an embedded one.
         num_workers: local workers of the embedded master (default: CPU count).
-        batch_size, shuffle, seed, drop_last: override the spec's values.
+        batch_size, shuffle, seed, drop_last, even_batches: override the spec's values.
+            ``even_batches`` ("pad", the default, "drop", or "off"; True/False mean pad/off)
+            gives every rank the same number of batches per epoch, as DDP needs.
         rank, world_size: this trainer's share; default from torch.distributed, then the
             ``RANK``/``WORLD_SIZE`` environment variables, then 0/1.
         pin_memory: return batches in pinned memory (ignored with a warning without an accelerator).
@@ -73,11 +86,13 @@ class RemoteDataLoader:
     def __init__(self, spec: Union[DatasetSpec, dict, str, os.PathLike], *, master: Optional[str] = None,
                  num_workers: Optional[int] = None, batch_size: Optional[int] = None,
                  shuffle: Optional[bool] = None, seed: Optional[int] = None, drop_last: Optional[bool] = None,
-                 rank: Optional[int] = None, world_size: Optional[int] = None, pin_memory: bool = False,
+                 even_batches: Union[bool, str, None] = None, rank: Optional[int] = None, world_size: Optional[int] = None, pin_memory: bool = False,
                  inflight: int = 2, timeout: float = 300.0, connect_timeout: float = 60.0) -> None:
         spec = load_spec(spec)
-        overrides = {k: v for k, v in dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                            drop_last=drop_last).items() if v is not None}
+        if isinstance(even_batches, bool):
+            even_batches = "pad" if even_batches else "off"
+        overrides = {k: v for k, v in dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                            even_batches=even_batches).items() if v is not None}
         self.spec = spec.replace(**overrides) if overrides else spec
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.batch_size = self.spec.batch_size
@@ -95,8 +110,8 @@ class RemoteDataLoader:
         self._rpc = RpcClient(self._ctx, master, connect_timeout)
         self._job: Optional[dict] = None
         self._next_epoch = 0
-        self._resume: dict[int, dict[int, tuple[int, int]]] = {}
-        self._current: Optional[tuple[int, EpochAssembler]] = None
+        self._pending: Optional[dict] = None  # a loaded position, used by the next iter() of its epoch
+        self._current: Optional[EpochRun] = None
         self._active: Optional[Generator[Batch, None, None]] = None
         self._batches_yielded = 0
         self._plan: Optional[str] = None
@@ -138,9 +153,20 @@ class RemoteDataLoader:
                 raise RuntimeError(f"the master refused this loader: {e}") from None
             self._job = reply["job"]
             self._check_plan(self._job)
+            if self._job.get("dropped_rows"):
+                self._warn(f"{self._job['dropped_rows']} rows of each epoch are left out so that every rank "
+                           f"gets the same number of batches (even_batches: {self.spec.even_batches}"
+                           f"{', drop_last' if self.drop_last else ''})")
         return self._job
 
+    def _warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+            warnings.warn(f"remoteloader: {message}", RuntimeWarning, stacklevel=3)
+
     def __len__(self) -> int:
+        """Batches of this rank in a whole epoch; equal on every rank with ``even_batches``.
+        (A resumed epoch yields only its remaining batches.)"""
         rows = self._hello()["rank_rows"]
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
@@ -159,15 +185,31 @@ class RemoteDataLoader:
         self._active = self._epoch(epoch)
         return self._active
 
+    def set_epoch(self, epoch: int) -> None:
+        """The next ``iter()`` yields epoch ``epoch`` (without it, each ``iter()`` takes the next)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self._next_epoch = epoch
+
+    def _start_epoch(self, epoch: int, done: list, consumed: dict[int, tuple[int, int]]) -> EpochRun:
+        reply = self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(consumed),
+                           done=done)
+        splits = {int(sid): (int(rows), int(base), int(lo), bool(pad)) for sid, rows, base, lo, pad in reply["splits"]}
+        assembler = EpochAssembler([(sid, s[0]) for sid, s in splits.items()], self.batch_size, self.drop_last,
+                                   consumed=consumed)
+        return EpochRun(epoch, done, splits, assembler)
+
     def _epoch(self, epoch: int) -> Iterator[Batch]:
         job = self._hello()
-        consumed = self._resume.pop(epoch, {}) if self._resume else {}
-        reply = self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(consumed))
-        splits = [(int(sid), int(rows)) for sid, rows in reply["splits"]]
-        assembler = EpochAssembler(splits, self.batch_size, self.drop_last, consumed=consumed)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending["epoch"] == epoch:
+            run = self._start_epoch(epoch, pending["done"], pending["consumed"])
+        else:
+            run = self._start_epoch(epoch, [], {})
+        assembler = run.assembler
         fetcher = WorkerFetcher(self._ctx, self.rank, self.inflight, job["sparse_keys"])
         fetcher.start_epoch(epoch)
-        self._current = (epoch, assembler)
+        self._current = run
         last_beat = 0.0
         try:
             last_progress = time.monotonic()
@@ -191,6 +233,8 @@ class RemoteDataLoader:
                     arrivals = fetcher.poll(0)
                 for header, batch in arrivals:
                     if assembler.wants(header["split_id"], header["piece"]):
+                        if run.splits[header["split_id"]][3]:
+                            batch = batch.as_padding()
                         assembler.add(header["split_id"], header["piece"], batch)
                         last_progress = time.monotonic()
                 if ready is not None:
@@ -224,7 +268,8 @@ class RemoteDataLoader:
             log.warning("master forgot this client (restart?); rejoining epoch %d", epoch)
             self._job = None
             self._hello()
-            self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(assembler.consumed_state()))
+            self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(assembler.consumed_state()),
+                       done=self._current.done if self._current is not None else [])
             reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=[])
         fetcher.set_workers(reply["workers"])
         for err in reply["errors"]:
@@ -239,32 +284,61 @@ class RemoteDataLoader:
 
     # -- checkpointing (torchdata StatefulDataLoader protocol) ------------------------------
     def state_dict(self) -> dict:
-        """What the training loop has consumed: small, plain data, ``torch.save``-able.
+        """What the training loop has consumed: small plain data, keyed by rank.
 
-        Batches prefetched but not yet yielded are not in it: after ``load_state_dict``
-        they are delivered again, so the rows before and after add up to the epoch exactly.
+        ``{"rank_<r>": position}``: under ``torch.distributed.checkpoint`` every rank's
+        part has its own key, so all of them are kept; ``torch.save`` per rank works too,
+        and so does ``torch.load(..., weights_only=True)``. Batches prefetched but not yet
+        yielded are not in it: after ``load_state_dict`` they are delivered again.
         """
+        return {f"rank_{self.rank}": self._position()}
+
+    def _position(self) -> dict:
         job = self._hello()
-        if self._current is not None and not self._current[1].exhausted:
-            epoch, assembler = self._current
-            consumed = [[sid, p, r] for sid, (p, r) in sorted(assembler.consumed_state().items())]
-            yielded = self._batches_yielded
+        if self._current is not None and not self._current.assembler.exhausted:
+            run = self._current
+            consumed = []
+            for sid, (pieces, tail_rows) in sorted(run.assembler.consumed_state().items()):
+                rows, base, row_lo, padding = run.splits[sid]
+                consumed.append([sid, pieces, tail_rows, base, row_lo,
+                                 min(rows, pieces * self.batch_size + tail_rows), int(padding)])
+            epoch, done, yielded = run.epoch, run.done, self._batches_yielded
+        elif self._pending is not None and self._pending["epoch"] == self._next_epoch:
+            return dict(self._pending["state"], rank=self.rank, world_size=self.world_size)
         else:
-            epoch, consumed, yielded = self._next_epoch, [], 0
-        return {"version": 1, "fingerprint": job["fingerprint"], "plan": job["plan"], "rank": self.rank,
-                "world_size": self.world_size, "epoch": epoch, "consumed": consumed, "batches_yielded": yielded}
+            epoch, done, consumed, yielded = self._next_epoch, [], [], 0
+        return {"version": resume.STATE_VERSION, "fingerprint": job["fingerprint"], "plan": job["plan"], "rank": self.rank,
+                "world_size": self.world_size, "epoch": epoch, "done": done, "consumed": consumed,
+                "batches_yielded": yielded}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped."""
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ValueError("not a RemoteDataLoader state (missing or unknown 'version')")
+        """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped.
+
+        ``state`` holds this rank's part (``state_dict()`` of the same rank, same world
+        size), or the parts of every rank of a job with another world size (elastic
+        resume, e.g. from ``read_rank_states``): the rows they had not consumed are then
+        spread over this job's ranks, each delivered once.
+        """
+        parts = resume.rank_parts(state)
         job = self._hello()
-        for key, mine in (("fingerprint", job["fingerprint"]), ("rank", self.rank), ("world_size", self.world_size)):
-            if state[key] != mine:
-                raise ValueError(f"state_dict {key} {state[key]!r} does not match this loader's {mine!r}")
-        self._check_plan(job, state["plan"])
-        self._next_epoch = int(state["epoch"])
-        self._resume = {self._next_epoch: {int(sid): (int(p), int(r)) for sid, p, r in state["consumed"]}}
+        for part in parts.values():
+            resume.check_part(part, job["fingerprint"])
+            self._check_plan(job, part["plan"])
+        old_world = resume.common(parts, "world_size")
+        epoch = resume.common(parts, "epoch")
+        if old_world == self.world_size and self.rank in parts:
+            mine = parts[self.rank]
+            consumed = {int(c[0]): (int(c[1]), int(c[2])) for c in mine["consumed"]}
+            self._pending = {"epoch": epoch, "done": mine["done"], "consumed": consumed, "state": mine}
+        elif sorted(parts) == list(range(old_world)):
+            done = resume.merged_done(parts)
+            position = {"version": resume.STATE_VERSION, "fingerprint": job["fingerprint"], "plan": job["plan"],
+                        "epoch": epoch, "done": done, "consumed": [], "batches_yielded": 0}
+            self._pending = {"epoch": epoch, "done": done, "consumed": {}, "state": position}
+        else:
+            raise ValueError(f"state_dict holds ranks {sorted(parts)} of a {old_world}-rank job: rank {self.rank} of "
+                             f"{self.world_size} needs its own part (same world size) or all {old_world} parts")
+        self._next_epoch = epoch
 
     def _check_plan(self, job: dict, plan: Optional[str] = None) -> None:
         expected = plan if plan is not None else self._plan

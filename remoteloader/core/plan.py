@@ -4,16 +4,21 @@
 Parquet row groups of one file are grouped until a split holds about ``split_rows``
 rows, so a worker reads whole units and never a unit twice.
 
-``plan_epoch`` is a pure function of (base splits, epoch, seed, shuffle, world size):
+``plan_epoch`` is a pure function of (base splits, epoch, seed, shuffle, the ranks'
+shares, and the rows already consumed when an epoch is resumed on another world size):
 the master, a restarted master and the tests all compute the same plan, so it is never
 journaled. The epoch's rows, taken split by split in (shuffled) order, are cut into
-``world_size`` contiguous ranges whose sizes differ by at most one row; a split that
-straddles a boundary is shared by two ranks as two row ranges of the same base split.
+contiguous ranges, one per rank; a split that straddles a boundary is shared by two
+ranks as two row ranges of the same base split.
+
+``rank_shares`` sizes those ranges so that, under DDP, every rank yields the same
+number of batches (a rank that runs out first hangs the job in its next collective):
+see ``even_batches`` in docs/spec.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -41,6 +46,7 @@ class EpochSplit:
     base: int  # BaseSplit.id
     row_lo: int  # rows [row_lo, row_hi) of the base split, after its per-epoch shuffle
     row_hi: int
+    padding: bool = False  # repeats a row of the epoch to even out batch counts (even_batches: pad)
 
     @property
     def rows(self) -> int:
@@ -105,26 +111,87 @@ def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, stream])
 
 
-def rank_rows(total_rows: int, world_size: int, rank: int) -> int:
-    return total_rows * (rank + 1) // world_size - total_rows * rank // world_size
+@dataclass(frozen=True)
+class RankShares:
+    """How many rows of an epoch each rank reads."""
+
+    rows: tuple[int, ...]  # real rows per rank, in rank order (contiguous in the epoch's row order)
+    padding: tuple[int, ...]  # repeated rows per rank (0 or 1): even_batches "pad"
+    dropped: int  # rows of the epoch no rank reads: even_batches "drop", or drop_last
+
+    def batches(self, rank: int, batch_size: int, drop_last: bool) -> int:
+        n = self.rows[rank] + self.padding[rank]
+        return n // batch_size if drop_last else -(-n // batch_size)
 
 
-def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, world_size: int) -> list[EpochSplit]:
+def rank_shares(total: int, world_size: int, batch_size: int = 1, drop_last: bool = False,
+                even: str = "off") -> RankShares:
+    """Split ``total`` rows between ranks, near-equal, so that batch counts agree when asked.
+
+    Near-equal shares (sizes differ by at most one) already give every rank the same
+    number of batches unless the last round of batches holds fewer rows than there are
+    ranks (e.g. 20,001 rows, 2 ranks, batches of 1,000: 10,001 and 10,000 rows, 11 and 10
+    batches). Then ``pad`` gives each rank left without such a row one repeated row, and
+    ``drop`` leaves those few rows out. With ``drop_last`` every rank reads exactly
+    ``k * batch_size`` rows, k the batches the smallest share fills.
+    """
+    near = tuple(total * (r + 1) // world_size - total * r // world_size for r in range(world_size))
+    zeros = (0,) * world_size
+    if even == "off" or world_size == 1:
+        return RankShares(near, zeros, 0)
+    if drop_last:
+        k = total // (world_size * batch_size)
+        return RankShares((k * batch_size,) * world_size, zeros, total - world_size * k * batch_size)
+    k = -(-total // (world_size * batch_size))
+    last = total - world_size * (k - 1) * batch_size  # rows in the last round of batches
+    if last >= world_size:
+        return RankShares(near, zeros, 0)
+    full = (k - 1) * batch_size
+    extra = tuple(last * (r + 1) // world_size - last * r // world_size for r in range(world_size))
+    if even == "pad":
+        return RankShares(tuple(full + e for e in extra), tuple(1 - e for e in extra), 0)
+    return RankShares((full,) * world_size, zeros, last)
+
+
+Intervals = Mapping[int, Sequence[tuple[int, int]]]  # base split id -> sorted, disjoint [lo, hi) row ranges
+
+
+def remaining_rows(base: BaseSplit, done: Intervals) -> list[tuple[int, int]]:
+    """The row ranges of ``base`` not in ``done`` (rows consumed before a resume)."""
+    out, lo = [], 0
+    for a, b in done.get(base.id, ()):
+        if a > lo:
+            out.append((lo, a))
+        lo = max(lo, b)
+    if lo < base.rows:
+        out.append((lo, base.rows))
+    return out
+
+
+def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, world_size: int,
+               batch_size: int = 1, drop_last: bool = False, even: str = "off",
+               done: Optional[Intervals] = None) -> list[EpochSplit]:
+    """Every rank's epoch splits; ``done`` leaves out rows consumed before a resume."""
     order = epoch_rng(seed, epoch).permutation(len(base)) if shuffle else np.arange(len(base))
-    total = sum(s.rows for s in base)
-    bounds = [total * r // world_size for r in range(world_size + 1)]
+    ranges = [(int(i), lo, hi) for i in order for lo, hi in remaining_rows(base[int(i)], done or {})]
+    shares = rank_shares(sum(hi - lo for _, lo, hi in ranges), world_size, batch_size, drop_last, even)
+    bounds = np.concatenate([[0], np.cumsum(shares.rows)]).tolist()
     out: list[EpochSplit] = []
     pos, rank = 0, 0
-    for i in order:
-        s = base[int(i)]
-        lo = 0
-        while lo < s.rows:
-            while pos >= bounds[rank + 1]:
+    for b, lo, hi in ranges:
+        while lo < hi and rank < world_size:
+            if pos >= bounds[rank + 1]:
                 rank += 1
-            take = min(s.rows - lo, bounds[rank + 1] - pos)
-            out.append(EpochSplit(len(out), rank, s.id, lo, lo + take))
+                continue
+            take = min(hi - lo, bounds[rank + 1] - pos)
+            out.append(EpochSplit(len(out), rank, b, lo, lo + take))
             lo += take
             pos += take
+    if any(shares.padding):
+        b, lo, _ = ranges[0]  # the epoch's first row stands in for the missing ones
+        for r in range(world_size):
+            if shares.padding[r]:
+                out.append(EpochSplit(len(out), r, b, lo, lo + 1, padding=True))
     return out
 
 

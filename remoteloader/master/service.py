@@ -47,6 +47,10 @@ class MasterConfig:
     prefetch_next_epoch: bool = True  # idle workers start a rank's next epoch before it asks
 
 
+def _done_of(resumed: Optional[dict]) -> list:
+    return sorted([base, lo, hi] for base, ranges in (resumed or {}).items() for lo, hi in ranges)
+
+
 def _check_acks(acks: list) -> list:
     if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int for x in a) for a in acks):
         raise RequestError("acks must be [[split_id, pieces], ...]")
@@ -235,19 +239,44 @@ class MasterService:
         if job.world_size is not None and m["world_size"] != job.world_size:
             raise RequestError(f"world size {m['world_size']} differs from the job's {job.world_size}", code="bad_rank")
         self._commit(U.ClientJoined(m["client_id"], m["rank"], m["world_size"], self.clock()))
+        shares = self.state.shares()
         return "welcome", {"job": {
-            "fingerprint": job.fingerprint, "total_rows": job.total_rows, "rank_rows": self.state.rank_rows(m["rank"]),
+            "fingerprint": job.fingerprint, "total_rows": job.total_rows,
+            "rank_rows": shares.rows[m["rank"]] + shares.padding[m["rank"]], "dropped_rows": shares.dropped,
             "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys, "plan": job.plan_fingerprint,
             "dense_width": self.bound.pipeline.dense_width}}
 
     def _on_start_epoch(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])
+        epoch = m["epoch"]
+        if epoch < 0:
+            raise RequestError(f"epoch {epoch} is negative")
         consumed = _check_acks(m.get("consumed", []))
-        self._commit(U.EpochStarted(rank, m["epoch"]))
+        done = self._check_done(m.get("done", []))
+        if done != _done_of(self.state.resumed.get(epoch)):
+            if self.state.epoch_started(epoch):
+                raise RequestError(f"epoch {epoch} already started with other rows consumed before the resume: "
+                                   "every rank must load the same checkpoint", code="resume_mismatch")
+            self._commit(U.EpochResumed(epoch, done))
+        self._commit(U.EpochStarted(rank, epoch))
         if consumed:  # a resumed client: what it consumed before is not produced again
-            self._commit(U.SplitsConsumed(rank, m["epoch"], consumed))
-        splits = [[p.split.id, p.split.rows] for p in self.state.epoch_splits(rank, m["epoch"])]
-        return "epoch", {"epoch": m["epoch"], "splits": splits}
+            self._commit(U.SplitsConsumed(rank, epoch, consumed))
+        splits = [[p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding]
+                  for p in self.state.epoch_splits(rank, epoch)]
+        return "epoch", {"epoch": epoch, "splits": splits}
+
+    def _check_done(self, done: list) -> list:
+        """Rows consumed before an elastic resume: ``[[base split, lo, hi], ...]``, disjoint."""
+        splits = self.state.job.splits
+        if not all(isinstance(d, list) and len(d) == 3 and all(type(x) is int for x in d) for d in done):
+            raise RequestError("done must be [[base_split, lo, hi], ...]")
+        done = sorted(done)
+        for i, (base, lo, hi) in enumerate(done):
+            if not (0 <= base < len(splits) and 0 <= lo < hi <= splits[base].rows):
+                raise RequestError(f"done: rows [{lo}, {hi}) of base split {base} do not exist in this job")
+            if i and done[i - 1][0] == base and done[i - 1][2] > lo:
+                raise RequestError(f"done: overlapping row ranges in base split {base}")
+        return done
 
     def _on_client_heartbeat(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..core.plan import BaseSplit, EpochSplit, pieces_of, plan_epoch, rank_rows
+from ..core.plan import BaseSplit, EpochSplit, RankShares, pieces_of, plan_epoch, rank_shares
 from ..formats import DataFile
 from . import updates as U
 
@@ -86,6 +86,8 @@ class JobState:
         self.prefetched: dict[int, RankEpoch] = {}  # rank -> its next epoch, started early
         self.errors: list[dict] = []
         self._worker_seq = 0
+        # Epochs resumed on another world size: base split id -> row ranges consumed before.
+        self.resumed: dict[int, dict[int, list[tuple[int, int]]]] = {}
         self._plans: dict[int, list[EpochSplit]] = {}  # memo of the pure epoch plan
 
     # -- the one mutator --------------------------------------------------------------
@@ -179,6 +181,13 @@ class JobState:
             self._release(ahead)
         self.ranks[u.rank] = self._new_rank_epoch(u.rank, u.epoch)
 
+    def _on_EpochResumed(self, u: U.EpochResumed) -> None:
+        done: dict[int, list[tuple[int, int]]] = {}
+        for base, lo, hi in u.done:
+            done.setdefault(base, []).append((lo, hi))
+        self.resumed[u.epoch] = {b: sorted(r) for b, r in done.items()}
+        self._plans.pop(u.epoch, None)
+
     def _on_EpochPrefetched(self, u: U.EpochPrefetched) -> None:
         if u.rank not in self.prefetched:
             self.prefetched[u.rank] = self._new_rank_epoch(u.rank, u.epoch)
@@ -245,9 +254,12 @@ class JobState:
     def _plan(self, epoch: int) -> list[EpochSplit]:
         if epoch not in self._plans:
             spec = self.job.spec
-            self._plans[epoch] = plan_epoch(self.job.splits, epoch, spec["seed"], spec["shuffle"], self.job.world_size)
+            self._plans[epoch] = plan_epoch(self.job.splits, epoch, spec["seed"], spec["shuffle"], self.job.world_size,
+                                            spec["batch_size"], spec["drop_last"], spec.get("even_batches", "pad"),
+                                            self.resumed.get(epoch))
             oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
             self._plans = {e: p for e, p in self._plans.items() if e >= min(oldest, epoch)}
+            self.resumed = {e: d for e, d in self.resumed.items() if e >= min(oldest, epoch)}
         return self._plans[epoch]
 
     def _owner(self, epoch: int, split_id: int) -> tuple[Optional[RankEpoch], Optional[SplitProgress]]:
@@ -336,9 +348,16 @@ class JobState:
                                                               f"(stuck after piece {w.producing[2]})"))
         return out
 
-    def rank_rows(self, rank: int) -> int:
+    def shares(self) -> RankShares:
+        """Each rank's rows of a whole epoch (a resumed epoch has fewer)."""
         assert self.job is not None and self.job.world_size is not None
-        return rank_rows(self.job.total_rows, self.job.world_size, rank)
+        spec = self.job.spec
+        return rank_shares(self.job.total_rows, self.job.world_size, spec["batch_size"], spec["drop_last"],
+                           spec.get("even_batches", "pad"))
+
+    def epoch_started(self, epoch: int) -> bool:
+        """Whether any rank (or a prefetch) has started ``epoch`` from its plan."""
+        return any(r.epoch == epoch for r in self._rank_epochs())
 
     def epoch_splits(self, rank: int, epoch: int) -> list[SplitProgress]:
         rank_epoch = self.ranks[rank]
@@ -363,6 +382,7 @@ _APPLY: dict[type, Callable[[JobState, Any], None]] = {
     U.ClientHeartbeat: JobState._on_ClientHeartbeat,
     U.EpochStarted: JobState._on_EpochStarted,
     U.EpochPrefetched: JobState._on_EpochPrefetched,
+    U.EpochResumed: JobState._on_EpochResumed,
     U.SplitAssigned: JobState._on_SplitAssigned,
     U.SplitProduced: JobState._on_SplitProduced,
     U.SplitsConsumed: JobState._on_SplitsConsumed,

@@ -97,6 +97,15 @@ class EpochStarted(Update):
 
 
 @dataclass(frozen=True)
+class EpochResumed(Update):
+    """The epoch continues a checkpoint of a job with another world size: its plan leaves
+    out the rows consumed before (``[[base split, lo, hi], ...]``) and spreads the rest
+    over this job's ranks."""
+    epoch: int
+    done: list
+
+
+@dataclass(frozen=True)
 class EpochPrefetched(Update):
     """Workers with nothing left of a rank's epoch may start its next one, so the trainer
     does not wait at the epoch boundary; the rank takes it over at its next start_epoch."""

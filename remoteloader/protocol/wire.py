@@ -44,7 +44,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     # client -> master
     "hello": {"client_id": (_STR, True), "rank": (_INT, True), "world_size": (_INT, True),
               "spec": (_MAP, True), "fingerprint": (_STR, True)},
-    "start_epoch": {"client_id": (_STR, True), "epoch": (_INT, True), "consumed": (_LIST, False)},
+    "start_epoch": {"client_id": (_STR, True), "epoch": (_INT, True), "consumed": (_LIST, False),
+                    "done": (_LIST, False)},
     "client_heartbeat": {"client_id": (_STR, True), "epoch": (_INT, True), "acks": (_LIST, True),
                          "stats": (_MAP, False)},
     "finish_epoch": {"client_id": (_STR, True), "epoch": (_INT, True)},

@@ -1,0 +1,95 @@
+"""A DDP job as torchrun runs it (one process per rank, gloo on loopback): 20,001 rows on 2 ranks
+train every step without a hang, checkpoint with torch.distributed.checkpoint mid-epoch, and
+the epoch finishes on 3 ranks with every row exactly once."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from remoteloader.tools.datagen import generate_table
+
+ROWS = 20_001
+ROOT = str(Path(__file__).parent.parent)
+
+SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from remoteloader import RemoteDataLoader, read_rank_states
+
+table, store, ckpt, out, stop_at, resume = sys.argv[1:7]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# A FileStore and gloo on the loopback interface: nothing listens beyond this machine.
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+spec = {"table": {"path": table}, "batch_size": 1000, "shuffle": True, "split_rows": 3000,
+        "features": {"label": "label", "dense": ["float_0"], "passthrough": ["row_id"]}}
+loader = RemoteDataLoader(spec, num_workers=2, timeout=120)
+if resume == "1":
+    loader.load_state_dict(read_rank_states(ckpt))
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+rows, steps = [], 0
+for batch in loader:
+    keep = torch.ones(len(batch), dtype=torch.bool) if batch.padding is None else ~batch.padding
+    err = (model(batch.dense_features).squeeze(1) - batch.labels) ** 2
+    loss = (err * keep).sum() / max(int(keep.sum()), 1)
+    opt.zero_grad()
+    loss.backward()                       # an all-reduce: a rank with a batch less would hang here
+    opt.step()
+    rows += batch.passthrough["row_id"][keep].tolist()
+    steps += 1
+    if steps == int(stop_at):
+        dcp.save({"dataloader": loader}, checkpoint_id=ckpt)
+        break
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"rows": rows, "steps": steps, "len": len(loader)}, f)
+dist.barrier()  # rank 0 owns the embedded cluster: it must outlive the others' epoch
+loader.close()
+dist.destroy_process_group()
+"""
+
+
+def run_job(tmp_path: Path, table: Path, world: int, stop_at: int, resume: bool, name: str) -> list[dict]:
+    script, out = tmp_path / "rank.py", tmp_path / name
+    script.write_text(SCRIPT)
+    out.mkdir()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": ROOT,
+               "GLOO_SOCKET_IFNAME": "lo"}
+        env.pop("REMOTELOADER_MASTER", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), str(table), str(tmp_path / f"{name}.store"), str(tmp_path / "ckpt"),
+             str(out), str(stop_at), "1" if resume else "0"], env=env, cwd=ROOT))
+    try:
+        for p in procs:
+            assert p.wait(timeout=240) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_ddp_job_checkpoints_with_dcp_and_finishes_the_epoch_on_three_ranks(tmp_path):
+    table = tmp_path / "table"
+    generate_table(str(table), rows=ROWS, partitions=2, dense=2, sparse=1, format="parquet", seed=3,
+                   row_group_rows=1000, files_per_partition=2, progress=False)
+    first = run_job(tmp_path, table, world=2, stop_at=4, resume=False, name="job1")
+    assert [o["len"] for o in first] == [11, 11]             # 20,001 rows: 10,001 + 10,000 and one padded row
+    assert [o["steps"] for o in first] == [4, 4]
+    second = run_job(tmp_path, table, world=3, stop_at=0, resume=True, name="job2")
+    steps = {o["steps"] for o in second}
+    assert len(steps) == 1                                     # 12,001 rows left: the same count on each rank
+    rows = Counter(r for o in first + second for r in o["rows"])
+    assert sorted(rows) == list(range(ROWS)) and max(rows.values()) == 1
