@@ -32,7 +32,7 @@ def make_service(spec: DatasetSpec, clock: Clock, journal: Journal | None = None
 
 
 def call(service: MasterService, t: str, **fields) -> tuple[str, dict]:
-    return service.handle({"v": 1, "t": t, **fields})
+    return service.handle({"v": 2, "t": t, **fields})
 
 
 def register(service: MasterService, n: int = 1) -> list[str]:

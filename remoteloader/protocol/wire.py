@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: files as maps, start_epoch done, epoch splits with base/row_lo/padding
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
 MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
