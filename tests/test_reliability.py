@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from remoteloader import RemoteDataLoader
+from remoteloader import RemoteDataLoader, SpecError
 from tests.conftest import ROWS, spec_dict
 from tests.test_end_to_end import assert_same, collect, read_reference
 
@@ -203,7 +203,7 @@ def test_partition_schema_disagreement_fails_naming_file_and_column(tables, tmp_
     victim = retyped_partition(tables["orc"], tmp_path / "t")
     master = cluster.master(workers=1)
     loader = RemoteDataLoader(spec_dict(tmp_path / "t"), master=master.addr, timeout=60)
-    with pytest.raises(RuntimeError, match=rf"float_1.*{victim.name}|{victim.name}.*float_1"):
+    with pytest.raises(SpecError, match=rf"float_1.*{victim.name}|{victim.name}.*float_1"):
         len(loader)
     loader.close()
 

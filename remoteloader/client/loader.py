@@ -30,7 +30,7 @@ from .batch import Batch
 from .embedded import EmbeddedCluster, discover_master, publish_master, resolve_rank
 from .fetch import WorkerFetcher
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
-from ..spec import DatasetSpec, load_spec
+from ..spec import DatasetSpec, SpecError, load_spec
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.25
@@ -150,6 +150,8 @@ class RemoteDataLoader:
             except MasterUnavailable as e:
                 raise MasterUnavailable(f"{e}: is a remoteloader-master running there?") from None
             except RemoteError as e:
+                if e.code == "bad_spec":  # the message names the spec key or column at fault
+                    raise SpecError(str(e)) from None
                 raise RuntimeError(f"the master refused this loader: {e}") from None
             self._job = reply["job"]
             self._check_plan(self._job)
