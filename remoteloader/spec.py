@@ -88,14 +88,26 @@ class DatasetSpec:
         """Load YAML or JSON. A relative table path is relative to the spec file."""
         p = Path(path)
         try:
-            text = p.read_text()
+            raw = p.read_bytes()
         except OSError as e:
             raise SpecError(f"spec file {str(p)!r}: {e.strerror or e}") from None
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError(f"spec file {str(p)!r} is {len(raw)} bytes (at most {MAX_SPEC_BYTES})")
         try:
-            data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SpecError(f"spec file {str(p)!r} is not UTF-8 text (byte {e.start})") from None
+        kind = "JSON" if p.suffix == ".json" else "YAML"
+        try:
+            data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_SpecLoader)  # noqa: S506
         except (ValueError, yaml.YAMLError) as e:
-            raise SpecError(f"spec file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
-        return cls.from_dict(data, base_dir=p.resolve().parent)
+            raise SpecError(f"spec file {str(p)!r} is not valid {kind}: {e}") from None
+        except RecursionError:
+            raise SpecError(f"spec file {str(p)!r}: {kind} nested too deeply") from None
+        try:
+            return cls.from_dict(data, base_dir=p.resolve().parent)
+        except RecursionError:
+            raise SpecError(f"spec file {str(p)!r}: nested too deeply") from None
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: Union[str, os.PathLike, None] = None) -> "DatasetSpec":
@@ -147,6 +159,18 @@ _FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
                  "sparse": {"name", "column", "inputs", "scores", "transforms"}}
 FORMATS = ("orc", "parquet")
 ON_ERROR = ("fail", "skip")
+MAX_SPEC_BYTES = 16 << 20
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """Safe YAML without aliases: ``*name`` can expand a few hundred bytes into gigabytes
+    ("billion laughs"), and a spec never needs one."""
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a spec", mark)
+        return super().compose_node(parent, index)
 EVEN_BATCHES = ("pad", "drop", "off")
 
 

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
 import pytest
 
+from remoteloader.master import updates as U
 from remoteloader.master.journal import Journal
 from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.protocol.wire import ProtocolError, decode
 from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
 
@@ -179,3 +182,54 @@ def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path):
     assert durable_view(restarted) == durable_view(live)
     # Workers get a fresh grace period from the restart, not their pre-restart last_seen.
     assert all(w.last_seen == clock.now for w in restarted.state.workers.values())
+
+
+def encoded(t: str, **fields) -> list:
+    return [msgpack.packb({"v": 2, "t": t, **fields})]
+
+
+@pytest.mark.parametrize("parts,match", [
+    (encoded("heartbeat", worker_id="w", buffered=0, stats={"cpu": "x"}), "stats 'cpu'"),
+    (encoded("heartbeat", worker_id="w", buffered=0, stats={"rows": "x"}), "stats 'rows'"),
+    (encoded("heartbeat", worker_id="w", buffered=0, stats={"split": [0, 1]}), "stats 'split'"),
+    (encoded("heartbeat", worker_id="w", buffered=0, stats={"cpu": float("nan")}), "stats 'cpu'"),
+    (encoded("heartbeat", worker_id="w", buffered=0, stats={"evil": 1}), "unknown stats key"),
+    (encoded("start_epoch", client_id="c", epoch=-1), "must be >= 0"),
+    (encoded("register", addr="tcp://" + "a" * 10_000, pid=1), "characters long"),
+    (encoded("client_heartbeat", client_id="c", epoch=0, acks=[], stats={"wait_s": -1.0}), "stats 'wait_s'"),
+])
+def test_malformed_fields_are_refused_at_the_edge(parts, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(parts)
+
+
+def test_requests_out_of_bounds_are_refused_before_the_journal(spec, tmp_path):
+    journal = Journal(tmp_path)
+    service = make_service(spec, Clock(), journal, max_world_size=64, max_workers=2)
+    size = journal.path.stat().st_size
+    t, reply = hello(service, spec, world_size=30_000_000)
+    assert t == "error" and "maximum 64" in reply["message"]
+    assert hello(service, spec, world_size=2)[0] == "welcome"
+    t, reply = call(service, "start_epoch", client_id="c0", epoch=2**40)
+    assert t == "error" and reply["code"] == "bad_epoch"
+    call(service, "start_epoch", client_id="c0", epoch=0)
+    assert call(service, "finish_epoch", client_id="c0", epoch=5)[1]["code"] == "bad_epoch"
+    register(service, 2)
+    assert call(service, "register", addr="tcp://127.0.0.1:9", pid=1)[1]["code"] == "full"
+    assert call(service, "register", addr="ipc:///x", pid=1)[0] == "error"
+    grown = journal.path.stat().st_size - size
+    before = grown
+    # Acks of splits or epochs the rank does not have are not journaled.
+    call(service, "client_heartbeat", client_id="c0", epoch=0, acks=[[10**6, 1]])
+    call(service, "client_heartbeat", client_id="c0", epoch=3, acks=[[0, 1]])
+    assert journal.path.stat().st_size - size == before
+
+
+def test_a_record_that_cannot_be_applied_does_not_keep_the_master_down(spec, tmp_path):
+    journal = Journal(tmp_path)
+    service = make_service(spec, Clock(), journal)
+    hello(service, spec)
+    journal.append(U.SplitAssigned(0, 999, "w-gone", 0.0))   # damage: a split no epoch has
+    journal.close()
+    restarted = MasterService(MasterConfig(), Journal(tmp_path), Clock())
+    assert restarted.state.job is not None and (tmp_path / "journal.quarantine").exists()

@@ -87,3 +87,19 @@ def test_prefetched_next_epoch_is_taken_over_with_its_progress():
     st.apply(U.EpochPrefetched(1, 1))
     st.apply(U.EpochStarted(1, 0))  # rank 1 restarts epoch 0 instead: the prefetch is dropped
     assert st.ranks[1].epoch == 0 and 1 not in st.prefetched
+
+
+def test_damaged_record_is_quarantined_and_the_rest_replayed(tmp_path, caplog):
+    j = Journal(tmp_path)
+    for u in history()[:3]:
+        j.append(u)
+    j.close()
+    with open(j.path, "ab") as f:                       # a whole record that is not an update
+        blob = b"\x93garbage"
+        f.write(len(blob).to_bytes(4, "little") + blob)
+    j2 = Journal(tmp_path)
+    j2.append(U.WorkerLost("w1", "x"))
+    j2.close()
+    replayed = [type(u).__name__ for u in Journal(tmp_path).replay()]
+    assert len(replayed) == 4 and replayed[-1] == "WorkerLost"
+    assert "quarantined" in caplog.text and (tmp_path / "journal.quarantine").exists()

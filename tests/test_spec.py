@@ -89,3 +89,20 @@ def test_validate_cli_reports_what_it_would_read(tables, tmp_path, capsys):
     bad.write_text(json.dumps(d))
     assert main(["validate", str(bad)]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_hostile_spec_files_fail_fast_naming_the_file(tmp_path):
+    laughs = tmp_path / "laughs.yaml"
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    laughs.write_text("\n".join(lines) + "\ntable: t\n")
+    with pytest.raises(SpecError, match="laughs.yaml.*aliases"):
+        DatasetSpec.from_file(laughs)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"table: \xff\xfe\n")
+    with pytest.raises(SpecError, match="binary.yaml.*not UTF-8"):
+        DatasetSpec.from_file(binary)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("table: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(SpecError, match="deep.yaml"):
+        DatasetSpec.from_file(deep)

@@ -2,8 +2,10 @@
 
 Format: a sequence of records, each a 4-byte little-endian length and a msgpack map
 (``Update.to_record()``). A crash can leave a torn last record; replay stops at the
-first incomplete or unreadable record and truncates the file there, so the journal
-always ends on a whole record before new ones are appended.
+first incomplete record and truncates the file there, so the journal always ends on a
+whole record before new ones are appended. A whole record that cannot be read (damage,
+or written by another version) is quarantined: copied to ``journal.quarantine`` with a
+log line naming its offset, and skipped, so the master still starts.
 """
 from __future__ import annotations
 
@@ -40,17 +42,26 @@ class Journal:
             (n,) = _LEN.unpack_from(data, pos)
             if pos + _LEN.size + n > len(data):
                 break
+            record = data[pos + _LEN.size : pos + _LEN.size + n]
             try:
-                update = from_record(msgpack.unpackb(data[pos + _LEN.size : pos + _LEN.size + n], raw=False))
+                update = from_record(msgpack.unpackb(record, raw=False))
             except (ValueError, TypeError, msgpack.UnpackException) as e:
-                log.warning("journal %s: unreadable record at byte %d (%s); replay stops there", self.path, pos, e)
-                break
+                self.quarantine(pos, record, str(e))
+                update = None
             pos += _LEN.size + n
-            yield update
+            if update is not None:
+                yield update
         if pos < len(data):
             log.warning("journal %s: dropping a torn tail of %d bytes", self.path, len(data) - pos)
             with open(self.path, "r+b") as f:
                 f.truncate(pos)
+
+    def quarantine(self, offset: int, record: bytes, why: str) -> None:
+        """Set a record aside (kept for inspection) instead of replaying it."""
+        where = f"at byte {offset}" if offset >= 0 else "that could not be applied"
+        log.error("journal %s: record %s quarantined (%s)", self.path, where, why[:200])
+        with open(self.dir / "journal.quarantine", "ab") as f:
+            f.write(_LEN.pack(len(record)) + record)
 
     def append(self, update: Update) -> None:
         if self._file is None:

@@ -49,7 +49,10 @@ class MasterServer:
                 now = time.monotonic()
                 if now >= next_tick:
                     for duty in self.periodic:
-                        duty()
+                        try:
+                            duty()
+                        except Exception:  # a failing duty is logged and retried next tick; the loop lives on
+                            log.exception("periodic duty %s failed", getattr(duty, "__qualname__", duty))
                     next_tick = now + TICK_S
         finally:
             self.sock.close(linger=0)

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import msgpack
+
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.plan import make_task
 from ..core.popularity import record_projection
@@ -45,6 +47,10 @@ class MasterConfig:
     rate_window_s: float = 10.0  # throughput and stall are measured over this window
     popularity_log: Optional[str] = None  # JSON lines: each job's projected columns (feature reordering)
     prefetch_next_epoch: bool = True  # idle workers start a rank's next epoch before it asks
+    # Bounds on what peers can make the master hold (a flood is refused, not absorbed).
+    max_workers: int = 4096
+    max_world_size: int = 4096
+    max_epoch: int = 1 << 31
 
 
 def _done_of(resumed: Optional[dict]) -> list:
@@ -52,7 +58,7 @@ def _done_of(resumed: Optional[dict]) -> list:
 
 
 def _check_acks(acks: list) -> list:
-    if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int for x in a) for a in acks):
+    if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a) for a in acks):
         raise RequestError("acks must be [[split_id, pieces], ...]")
     return acks
 
@@ -70,7 +76,11 @@ class MasterService:
         if journal is not None:
             replayed = 0
             for update in journal.replay():
-                self.state.apply(update)
+                try:
+                    self.state.apply(update)
+                except Exception as e:  # an invalid record must not keep the master from starting
+                    journal.quarantine(-1, msgpack.packb(update.to_record(), use_bin_type=True), repr(e))
+                    continue
                 replayed += 1
             if replayed:
                 log.info("replayed %d journal records", replayed)
@@ -139,6 +149,10 @@ class MasterService:
 
     # -- workers ----------------------------------------------------------------------
     def _on_register(self, m: dict) -> Reply:
+        if len(self.state.workers) >= self.config.max_workers:
+            raise RequestError(f"the master already has {len(self.state.workers)} workers (max_workers)", code="full")
+        if not m["addr"].startswith("tcp://") or len(m["addr"]) > 256:
+            raise RequestError(f"register: addr must be a tcp:// endpoint, got {m['addr'][:80]!r}")
         worker_id = "w-" + uuid.uuid4().hex[:10]
         self._commit(U.WorkerRegistered(worker_id, m["addr"], m["pid"], self.clock()))
         log.info("worker %s registered from %s (pid %d)", worker_id, m["addr"], m["pid"])
@@ -234,6 +248,9 @@ class MasterService:
                 f"spec fingerprint {m['fingerprint']} differs from the running job's {job.fingerprint}: "
                 "this master serves another dataset spec (start another master, or use the same spec)",
                 code="spec_mismatch")
+        if m["world_size"] > self.config.max_world_size:
+            raise RequestError(f"world size {m['world_size']} is above the master's maximum "
+                               f"{self.config.max_world_size}", code="bad_rank")
         if not 0 <= m["rank"] < m["world_size"]:
             raise RequestError(f"rank {m['rank']} is outside world size {m['world_size']}", code="bad_rank")
         if job.world_size is not None and m["world_size"] != job.world_size:
@@ -249,8 +266,8 @@ class MasterService:
     def _on_start_epoch(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])
         epoch = m["epoch"]
-        if epoch < 0:
-            raise RequestError(f"epoch {epoch} is negative")
+        if not 0 <= epoch < self.config.max_epoch:
+            raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code="bad_epoch")
         consumed = _check_acks(m.get("consumed", []))
         done = self._check_done(m.get("done", []))
         if done != _done_of(self.state.resumed.get(epoch)):
@@ -259,6 +276,7 @@ class MasterService:
                                    "every rank must load the same checkpoint", code="resume_mismatch")
             self._commit(U.EpochResumed(epoch, done))
         self._commit(U.EpochStarted(rank, epoch))
+        consumed = self._current_acks(rank, epoch, consumed)
         if consumed:  # a resumed client: what it consumed before is not produced again
             self._commit(U.SplitsConsumed(rank, epoch, consumed))
         splits = [[p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding]
@@ -280,7 +298,7 @@ class MasterService:
 
     def _on_client_heartbeat(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])
-        acks = _check_acks(m["acks"])
+        acks = self._current_acks(rank, m["epoch"], _check_acks(m["acks"]))
         if acks:
             self._commit(U.SplitsConsumed(rank, m["epoch"], acks))
         self._commit(U.ClientHeartbeat(m["client_id"], self.clock(), m.get("stats", {})))
@@ -290,8 +308,19 @@ class MasterService:
 
     def _on_finish_epoch(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])
+        current = self.state.ranks.get(rank)
+        if current is None or current.epoch != m["epoch"]:
+            raise RequestError(f"rank {rank} is not in epoch {m['epoch']}", code="bad_epoch")
         self._commit(U.EpochFinished(rank, m["epoch"]))
         return "ok", {}
+
+    def _current_acks(self, rank: int, epoch: int, acks: list) -> list:
+        """Acks for splits of the rank's current epoch; others are stale (an epoch changed
+        under a heartbeat in flight) and are not journaled."""
+        current = self.state.ranks.get(rank)
+        if current is None or current.epoch != epoch:
+            return []
+        return [a for a in acks if a[0] in current.splits and a[1] >= 0]
 
     def _on_status(self, m: dict) -> Reply:
         return "status_reply", {"status": self.status()}

@@ -12,7 +12,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..core.plan import BaseSplit, EpochSplit, RankShares, pieces_of, plan_epoch, rank_shares
+from ..core.plan import (
+    BaseSplit,
+    EpochSplit,
+    RankShares,
+    pieces_of,
+    plan_epoch,
+    rank_shares,
+)
 from ..formats import DataFile
 from . import updates as U
 
@@ -152,6 +159,7 @@ class JobState:
         replaced = [cid for cid, rank in self.clients.items() if rank == u.rank and cid != u.client_id]
         for cid in replaced:
             del self.clients[cid]
+            self.client_stats.pop(cid, None)
         if replaced and u.rank in self.ranks:
             # A rank back in a new process (resume): pieces already sent to the old client
             # may be lost with it, so every split it had not consumed is produced again

@@ -10,6 +10,7 @@ unpickled, evaluated or imported.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import msgpack
@@ -19,6 +20,9 @@ PROTOCOL_VERSION = 2  # 2: files as maps, start_epoch done, epoch splits with ba
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
 MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
+MAX_STRING = 4096  # ids, addresses, reasons; longer only where SCHEMAS says so
+MAX_LIST = 1 << 20  # items of any list field (a rank's splits, acks)
+MAX_INT = (1 << 63) - 1
 DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64, "uint8": np.uint8}
 
 log = logging.getLogger(__name__)
@@ -30,6 +34,16 @@ class ProtocolError(ValueError):
 
 # type -> {field: (accepted python types, required)}
 _STR, _INT, _NUM, _BOOL, _MAP, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
+_LONG_STRINGS = {"error": 1 << 16, "message": 1 << 16}  # error texts name files and causes
+_NONNEGATIVE = {"epoch", "rank", "world_size", "pid", "buffered", "split_id", "piece", "rows", "retry_ms"}
+
+# Heartbeat statistics: every key typed, numbers finite and >= 0; nothing else accepted.
+_COUNT, _AMOUNT = "count", "amount"
+WORKER_STATS = {"rows": _COUNT, "batches": _COUNT, "splits": _COUNT, "busy_s": _AMOUNT, "cpu": _AMOUNT,
+                "mem": _AMOUNT, "time": _AMOUNT, "capacity": _COUNT, "ahead": _COUNT, "split": "split", "io": "io"}
+CLIENT_STATS = {"wait_s": _AMOUNT, "epoch_start_s": _AMOUNT, "batches": _COUNT, "rows": _COUNT, "queued": _COUNT,
+                "time": _AMOUNT}
+IO_STATS = ("requests", "bytes_requested", "bytes_needed", "splits")
 SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     # worker -> master
     "register": {"addr": (_STR, True), "pid": (_INT, True)},
@@ -115,9 +129,44 @@ def _check_fields(t: str, header: Mapping) -> None:
             raise ProtocolError(f"{t}: field {name!r} must be {types[0].__name__}, got bool")
         if not isinstance(value, types):
             raise ProtocolError(f"{t}: field {name!r} must be {types[0].__name__}, got {type(value).__name__}")
+        _check_value(t, name, value)
     extra = set(header) - set(schema) - {"v", "t"}
     if extra:
         raise ProtocolError(f"{t}: unknown fields {sorted(extra)}")
+    if "stats" in header:
+        _check_stats(t, header["stats"], WORKER_STATS if t == "heartbeat" else CLIENT_STATS)
+
+
+def _check_value(t: str, name: str, value: Any) -> None:
+    if isinstance(value, str) and len(value) > _LONG_STRINGS.get(name, MAX_STRING):
+        raise ProtocolError(f"{t}: field {name!r} is {len(value)} characters long (at most "
+                            f"{_LONG_STRINGS.get(name, MAX_STRING)})")
+    if isinstance(value, list) and len(value) > MAX_LIST:
+        raise ProtocolError(f"{t}: field {name!r} has {len(value)} items (at most {MAX_LIST})")
+    if name in _NONNEGATIVE and isinstance(value, int) and not 0 <= value <= MAX_INT:
+        raise ProtocolError(f"{t}: field {name!r} must be >= 0, got {value}")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _check_stats(t: str, stats: Mapping, schema: Mapping[str, str]) -> None:
+    for key, value in stats.items():
+        kind = schema.get(key)
+        if kind is None:
+            raise ProtocolError(f"{t}: unknown stats key {key!r}")
+        if kind == _COUNT:
+            ok = _is_number(value) and isinstance(value, int)
+        elif kind == _AMOUNT:
+            ok = _is_number(value)
+        elif kind == "split":  # [epoch, split id, pieces produced]
+            ok = isinstance(value, list) and len(value) == 3 and all(_is_number(x) and isinstance(x, int) for x in value)
+        else:  # io counters
+            ok = isinstance(value, dict) and set(value) <= set(IO_STATS) and all(
+                _is_number(x) and isinstance(x, int) for x in value.values())
+        if not ok:
+            raise ProtocolError(f"{t}: stats {key!r} has an invalid value {str(value)[:80]!r}")
 
 
 # -- tensors as raw frames ---------------------------------------------------------------
