@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import traceback
-from collections import deque
+from collections import Counter, deque
 from typing import Optional
 
 import psutil
@@ -32,6 +32,8 @@ from .buffer import BatchBuffer
 from ..core.processor import SplitError, SplitProcessor, SplitTask
 
 log = logging.getLogger(__name__)
+MAX_WAITING = 1 << 14  # get_batch requests held across all clients
+MAX_WAITING_PER_CLIENT = 64  # a well-behaved client keeps `inflight` (a few) per worker
 
 
 class Worker:
@@ -62,6 +64,9 @@ class Worker:
         self.heartbeat_interval = 0.5
         self.processor: Optional[SplitProcessor] = None
         self._waiting: dict[tuple[int, int], deque] = {}  # (rank, epoch) -> client identities
+        self._waiting_count = 0
+        self._waiting_per_client: Counter = Counter()  # identity -> requests it has waiting
+        self._epochs: dict[int, int] = {}  # rank -> latest epoch the master gave this worker a split of
         self._stats = {"rows": 0, "batches": 0, "splits": 0, "busy_s": 0.0}
         self._proc = psutil.Process()
         self._proc.cpu_percent()  # first call primes the counter
@@ -155,6 +160,7 @@ class Worker:
             notify.close(linger=0)
 
     def _process(self, task: SplitTask, rpc: RpcClient, notify: zmq.Socket) -> None:
+        self._epochs[task.rank] = max(task.epoch, self._epochs.get(task.rank, task.epoch))
         start = time.perf_counter()
         self._producing = [task.epoch, task.split_id, 0]
         try:
@@ -246,10 +252,25 @@ class Worker:
             log.warning("dropped %r from a client: workers only serve get_batch", header["t"])
             return
         rank, epoch = header["rank"], header["epoch"]
-        self.buffer.drop_before(rank, epoch)
-        for key in [k for k in self._waiting if k[0] == rank and k[1] < epoch]:
-            del self._waiting[key]
+        if self._waiting_count >= MAX_WAITING or self._waiting_per_client[identity] >= MAX_WAITING_PER_CLIENT:
+            log.warning("dropped get_batch from %s: too many requests outstanding", identity.hex())
+            return
+        # Only an epoch the master has opened for this rank (or the next one) retires older
+        # pieces: a request for a far-off epoch waits without discarding anybody's data.
+        if epoch <= self._epochs.get(rank, -1) + 1:
+            self.buffer.drop_before(rank, epoch)
+            for key in [k for k in self._waiting if k[0] == rank and k[1] < epoch]:
+                for stale in self._waiting.pop(key):
+                    self._forget_request(stale)
         self._waiting.setdefault((rank, epoch), deque()).append(identity)
+        self._waiting_count += 1
+        self._waiting_per_client[identity] += 1
+
+    def _forget_request(self, identity: bytes) -> None:
+        self._waiting_count -= 1
+        self._waiting_per_client[identity] -= 1
+        if not self._waiting_per_client[identity]:
+            del self._waiting_per_client[identity]
 
     def _serve_waiting(self) -> None:
         for key, identities in list(self._waiting.items()):
@@ -261,11 +282,17 @@ class Worker:
                 msg = wire.encode("batch", frames, rank=key[0], epoch=key[1], split_id=piece.split_id,
                                   piece=piece.index, rows=piece.rows, tensors=descs)
                 try:
-                    self.data.send_multipart([identities.popleft(), *msg], copy=False)
+                    # Never block: a client that does not read fills its pipe, and a blocked
+                    # send would stop heartbeats and signal handling for everybody.
+                    self.data.send_multipart([identities[0], *msg], copy=False, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    self.buffer.put_back(key, piece)  # its pipe is full: try again on a later pass
+                    break
                 except zmq.ZMQError:
                     # That client is gone (ROUTER_MANDATORY tells us instead of dropping the
                     # message): keep the piece for the next request.
                     self.buffer.put_back(key, piece)
+                self._forget_request(identities.popleft())
             if not identities:
                 del self._waiting[key]
 
