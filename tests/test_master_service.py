@@ -233,3 +233,29 @@ def test_a_record_that_cannot_be_applied_does_not_keep_the_master_down(spec, tmp
     journal.close()
     restarted = MasterService(MasterConfig(), Journal(tmp_path), Clock())
     assert restarted.state.job is not None and (tmp_path / "journal.quarantine").exists()
+
+
+def test_client_specs_read_only_allowed_tables(spec, tables, tmp_path):
+    from remoteloader.master.allowlist import TableAllowlist
+
+    root = str(tables["orc"].parent)
+    assert TableAllowlist([root]).allows(str(tables["orc"]))
+    assert not TableAllowlist([root]).allows(root + "-private/x")
+    assert not TableAllowlist([root]).allows(root + "/../etc/shadow")
+    assert not TableAllowlist([]).allows(str(tables["orc"]))
+    assert TableAllowlist(["s3://bucket/t?endpoint_override=minio:9000"]).allows(
+        "s3://bucket/t?endpoint_override=minio:9000")
+    assert not TableAllowlist(["s3://bucket/t"]).allows("s3://bucket/t2?endpoint_override=evil:1")
+    assert not TableAllowlist(["s3://bucket/"]).allows("/etc/shadow")
+    link = tmp_path / "link"
+    link.symlink_to("/etc")
+    assert not TableAllowlist([str(tmp_path)]).allows(str(link / "shadow"))
+
+    for table in ("/etc/shadow", "/no/such/table"):               # same answer: not an existence oracle
+        service = MasterService(MasterConfig(allowed_tables=(root,)), None, Clock())
+        other = dict(spec.to_dict(), table={"path": table})
+        t, reply = call(service, "hello", client_id="c0", rank=0, world_size=1, spec=other, fingerprint="x")
+        assert (t, reply["code"]) == ("error", "bad_spec")
+        assert reply["message"] == "table.path: this master does not serve that table (see --allow-table)"
+    service = MasterService(MasterConfig(allowed_tables=(root,)), None, Clock())
+    assert hello(service, spec)[0] == "welcome"

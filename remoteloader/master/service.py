@@ -21,6 +21,7 @@ from ..core.sampling import plan_job_splits
 from ..protocol.wire import MASTER_REQUESTS
 from ..spec import DatasetSpec, SpecError
 from . import updates as U
+from .allowlist import TableAllowlist
 from .journal import Journal
 from .metrics import RateWindow
 from .state import JobState
@@ -51,6 +52,9 @@ class MasterConfig:
     max_workers: int = 4096
     max_world_size: int = 4096
     max_epoch: int = 1 << 31
+    # Table path / URI prefixes clients' specs may read (None: any; empty: none, the
+    # master's own --spec only). remoteloader-master always sets it.
+    allowed_tables: Optional[tuple[str, ...]] = None
 
 
 def _done_of(resumed: Optional[dict]) -> list:
@@ -239,6 +243,9 @@ class MasterService:
         if self.state.job is None:
             try:
                 spec = DatasetSpec.from_dict(m["spec"])
+                if not TableAllowlist(self.config.allowed_tables).allows(spec.table.path):
+                    # Says nothing of whether the path exists: that would be an oracle.
+                    raise SpecError("table.path: this master does not serve that table (see --allow-table)")
                 self.submit(spec)
             except SpecError as e:
                 raise RequestError(str(e), code="bad_spec") from None
