@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgpack
 import pytest
@@ -259,3 +260,39 @@ def test_client_specs_read_only_allowed_tables(spec, tables, tmp_path):
         assert reply["message"] == "table.path: this master does not serve that table (see --allow-table)"
     service = MasterService(MasterConfig(allowed_tables=(root,)), None, Clock())
     assert hello(service, spec)[0] == "welcome"
+
+
+def test_a_slow_bind_does_not_hold_the_loop(spec, monkeypatch):
+    import threading as th
+
+    from remoteloader.master import service as service_module
+
+    release = th.Event()
+    real = service_module._bind_and_plan
+    monkeypatch.setattr(service_module, "_bind_and_plan", lambda s: (release.wait(30), real(s))[1])
+    service = MasterService(MasterConfig(bind_timeout=60), None, Clock())
+    t, reply = hello(service, spec)
+    assert (t, reply["code"]) == ("error", "binding")             # answered within BIND_WAIT_S
+    assert call(service, "status")[0] == "status_reply"           # the loop serves others meanwhile
+    register(service)
+    release.set()
+    deadline = time.monotonic() + 30
+    while (reply := hello(service, spec))[0] == "error" and time.monotonic() < deadline:
+        assert reply[1]["code"] == "binding"
+        time.sleep(0.05)
+    assert reply[0] == "welcome"
+
+
+def test_a_bind_past_its_deadline_is_refused_naming_the_key(spec, monkeypatch):
+    import threading as th
+
+    from remoteloader.master import service as service_module
+
+    never = th.Event()
+    monkeypatch.setattr(service_module, "_bind_and_plan", lambda s: never.wait(30))
+    service = MasterService(MasterConfig(bind_timeout=1.0), None, Clock())
+    assert hello(service, spec)[1]["code"] == "binding"
+    time.sleep(0.6)
+    t, reply = hello(service, spec)
+    assert t == "error" and reply["code"] == "bad_spec" and reply["message"].startswith("table.path:")
+    never.set()

@@ -143,16 +143,22 @@ class RemoteDataLoader:
 
     def _hello(self) -> dict:
         if self._job is None:
-            try:
-                reply = self._rpc.call("hello", client_id=self.client_id, rank=self.rank, world_size=self.world_size,
-                                       spec=self.spec.to_dict(), fingerprint=self.spec.fingerprint(),
-                                       timeout_s=self.connect_timeout)
-            except MasterUnavailable as e:
-                raise MasterUnavailable(f"{e}: is a remoteloader-master running there?") from None
-            except RemoteError as e:
-                if e.code == "bad_spec":  # the message names the spec key or column at fault
-                    raise SpecError(str(e)) from None
-                raise RuntimeError(f"the master refused this loader: {e}") from None
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    reply = self._rpc.call("hello", client_id=self.client_id, rank=self.rank,
+                                           world_size=self.world_size, spec=self.spec.to_dict(),
+                                           fingerprint=self.spec.fingerprint(), timeout_s=self.connect_timeout)
+                    break
+                except MasterUnavailable as e:
+                    raise MasterUnavailable(f"{e}: is a remoteloader-master running there?") from None
+                except RemoteError as e:
+                    if e.code == "binding" and time.monotonic() < deadline:
+                        time.sleep(0.2)  # the master is reading the table's metadata
+                        continue
+                    if e.code == "bad_spec":  # the message names the spec key or column at fault
+                        raise SpecError(str(e)) from None
+                    raise RuntimeError(f"the master refused this loader: {e}") from None
             self._job = reply["job"]
             self._check_plan(self._job)
             if self._job.get("dropped_rows"):

@@ -7,6 +7,7 @@ always consistent with what a restarted master would rebuild from the journal.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -55,6 +56,40 @@ class MasterConfig:
     # Table path / URI prefixes clients' specs may read (None: any; empty: none, the
     # master's own --spec only). remoteloader-master always sets it.
     allowed_tables: Optional[tuple[str, ...]] = None
+    bind_timeout: float = 120.0  # seconds a first client's spec may take to bind (list files, footers)
+
+
+BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
+
+
+def _bind_and_plan(spec: DatasetSpec) -> tuple[BoundDataset, list]:
+    bound = bind(spec)
+    splits = plan_job_splits(bound)
+    if not splits or sum(s.rows for s in splits) == 0:
+        raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
+    return bound, splits
+
+
+class PendingBind:
+    """A spec being bound on its own thread (a daemon: a hung object store cannot keep
+    the master from exiting)."""
+
+    def __init__(self, spec: DatasetSpec, started: float) -> None:
+        self.spec, self.started = spec, started
+        self.done = threading.Event()
+        self.result: Optional[tuple[BoundDataset, list]] = None
+        self.error: Optional[SpecError] = None
+        threading.Thread(target=self._run, name="remoteloader-bind", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.result = _bind_and_plan(self.spec)
+        except SpecError as e:
+            self.error = e
+        except Exception as e:  # a failure the binder did not foresee still answers the client
+            self.error = SpecError(f"table.path: binding failed: {type(e).__name__}: {e}")
+        finally:
+            self.done.set()
 
 
 def _done_of(resumed: Optional[dict]) -> list:
@@ -77,6 +112,7 @@ class MasterService:
         self.rates = RateWindow(config.rate_window_s)
         self.decision_log: Callable[[], list[dict]] = list  # the autoscaler's recent decisions, for status (set by it)
         self.bound: Optional[BoundDataset] = None
+        self._binding: Optional[PendingBind] = None
         if journal is not None:
             replayed = 0
             for update in journal.replay():
@@ -100,11 +136,10 @@ class MasterService:
     # -- the job ---------------------------------------------------------------------
     def submit(self, spec: DatasetSpec) -> None:
         """Bind and plan a job; raises SpecError naming the key or column at fault."""
-        bound = bind(spec)
+        self._submit_bound(spec, *_bind_and_plan(spec))
+
+    def _submit_bound(self, spec: DatasetSpec, bound: BoundDataset, splits: list) -> None:
         files = bound.files or []
-        splits = plan_job_splits(bound)
-        if not splits or sum(s.rows for s in splits) == 0:
-            raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
         self._commit(U.JobSubmitted(spec.to_dict(), spec.fingerprint(), bound.schema,
                                     [f.to_wire() for f in files], [s.to_wire() for s in splits], bound.skipped))
         self.bound = bound
@@ -241,14 +276,7 @@ class MasterService:
     # -- clients ------------------------------------------------------------------------
     def _on_hello(self, m: dict) -> Reply:
         if self.state.job is None:
-            try:
-                spec = DatasetSpec.from_dict(m["spec"])
-                if not TableAllowlist(self.config.allowed_tables).allows(spec.table.path):
-                    # Says nothing of whether the path exists: that would be an oracle.
-                    raise SpecError("table.path: this master does not serve that table (see --allow-table)")
-                self.submit(spec)
-            except SpecError as e:
-                raise RequestError(str(e), code="bad_spec") from None
+            self._bind_first_spec(m["spec"])
         job = self.state.job
         if m["fingerprint"] != job.fingerprint:
             raise RequestError(
@@ -269,6 +297,34 @@ class MasterService:
             "rank_rows": shares.rows[m["rank"]] + shares.padding[m["rank"]], "dropped_rows": shares.dropped,
             "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys, "plan": job.plan_fingerprint,
             "dense_width": self.bound.pipeline.dense_width}}
+
+    def _bind_first_spec(self, spec_dict: dict) -> None:
+        """The first client's spec becomes the job. Binding lists files and reads footers,
+        maybe from an object store: it runs on its own thread, so the loop keeps answering
+        everybody else; hellos meanwhile hear ``binding`` (retry) until it is done or past
+        ``bind_timeout``."""
+        if self._binding is None:
+            try:
+                spec = DatasetSpec.from_dict(spec_dict)
+            except SpecError as e:
+                raise RequestError(str(e), code="bad_spec") from None
+            if not TableAllowlist(self.config.allowed_tables).allows(spec.table.path):
+                # Says nothing of whether the path exists: that would be an oracle.
+                raise RequestError("table.path: this master does not serve that table (see --allow-table)",
+                                   code="bad_spec")
+            self._binding = PendingBind(spec, time.monotonic())
+        pending = self._binding
+        pending.done.wait(BIND_WAIT_S)  # a small table binds within this request
+        if not pending.done.is_set():
+            if time.monotonic() - pending.started < self.config.bind_timeout:
+                raise RequestError("the master is binding the spec to the table; retry", code="binding")
+            self._binding = None
+            raise RequestError(f"table.path: reading the table's metadata took longer than "
+                               f"{self.config.bind_timeout:g} s", code="bad_spec")
+        self._binding = None
+        if pending.error is not None:
+            raise RequestError(str(pending.error), code="bad_spec")
+        self._submit_bound(pending.spec, *pending.result)
 
     def _on_start_epoch(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])
