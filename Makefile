@@ -13,7 +13,9 @@ $(PY):
 # torch is pinned to the CPU build when none is present: a plain `torch` would pull CUDA (gigabytes).
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,torchrec]"
+	# torchrec's metadata names the CUDA fbgemm-gpu: its CPU build and deps come from the extra above.
+	$(PY) -m pip install --quiet --no-deps "torchrec==1.8.0"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,9 +6,10 @@ and workers started when no master is given, rank discovery), ``batch`` (the
 torchrec-shaped ``Batch``), ``resume`` (rank-keyed checkpoint state, elastic resume)
 and ``local`` (the same spec as an in-process ``IterableDataset``, the baseline and fallback).
 """
-from .batch import Batch, JaggedTensor, KeyedJaggedTensor
+from .batch import Batch, JaggedTensor, KeyedJaggedTensor, TorchrecBatch
 from .loader import RemoteDataLoader
 from .local import LocalDataset
 from .resume import read_rank_states
 
-__all__ = ["Batch", "JaggedTensor", "KeyedJaggedTensor", "LocalDataset", "RemoteDataLoader", "read_rank_states"]
+__all__ = ["Batch", "JaggedTensor", "KeyedJaggedTensor", "LocalDataset", "RemoteDataLoader", "TorchrecBatch",
+           "read_rank_states"]

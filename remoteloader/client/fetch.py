@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class WorkerFetcher:
-    def __init__(self, ctx: zmq.Context, rank: int, inflight: int, sparse_keys: list[str]) -> None:
+    def __init__(self, ctx: zmq.Context, rank: int, inflight: int, sparse_keys: list[str],
+                 sparse_scored: Optional[list[bool]] = None) -> None:
         self.ctx, self.rank, self.inflight, self.sparse_keys = ctx, rank, inflight, sparse_keys
+        self.sparse_scored = sparse_scored  # which sparse keys carry scores (id-score features)
         self.sockets: dict[str, zmq.Socket] = {}
         self.addrs: dict[str, str] = {}
         self.outstanding: dict[str, int] = {}
@@ -71,7 +73,7 @@ class WorkerFetcher:
                     continue
                 try:
                     arrays = wire.unpack_arrays(header["tensors"], frames)
-                    batch = Batch.from_numpy(arrays, self.sparse_keys)
+                    batch = Batch.from_numpy(arrays, self.sparse_keys, self.sparse_scored)
                 except (wire.ProtocolError, KeyError) as e:
                     log.warning("dropped a malformed batch from worker %s: %s", wid, e)
                     continue

@@ -215,7 +215,7 @@ class RemoteDataLoader:
         else:
             run = self._start_epoch(epoch, [], {})
         assembler = run.assembler
-        fetcher = WorkerFetcher(self._ctx, self.rank, self.inflight, job["sparse_keys"])
+        fetcher = WorkerFetcher(self._ctx, self.rank, self.inflight, job["sparse_keys"], job.get("sparse_scored"))
         fetcher.start_epoch(epoch)
         self._current = run
         last_beat = 0.0

@@ -79,7 +79,7 @@ class LocalDataset(IterableDataset):
         for split in plan:
             task = make_task(self.files, self.base[split.base], split, epoch)
             for piece in processor.pieces(task):
-                batch = Batch.from_numpy(piece.arrays, keys)
+                batch = Batch.from_numpy(piece.arrays, keys, self._bound.pipeline.sparse_scored)
                 assembler.add(piece.split_id, piece.index, batch.as_padding() if split.padding else batch)
                 yield from self._drain(assembler)
         yield from self._drain(assembler)

@@ -295,7 +295,8 @@ class MasterService:
         return "welcome", {"job": {
             "fingerprint": job.fingerprint, "total_rows": job.total_rows,
             "rank_rows": shares.rows[m["rank"]] + shares.padding[m["rank"]], "dropped_rows": shares.dropped,
-            "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys, "plan": job.plan_fingerprint,
+            "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys,
+            "sparse_scored": self.bound.pipeline.sparse_scored, "plan": job.plan_fingerprint,
             "dense_width": self.bound.pipeline.dense_width}}
 
     def _bind_first_spec(self, spec_dict: dict) -> None:
