@@ -13,7 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version; the source tree's when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("remoteloader")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+__version__ = _version()
 
 _EXPORTS = {
     "RemoteDataLoader": "remoteloader.client.loader",

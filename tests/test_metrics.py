@@ -1,9 +1,22 @@
-"""Rates from heartbeat counters, and the Prometheus endpoint."""
+"""Rates and totals from heartbeat counters, and the Prometheus endpoint (prometheus_client)."""
 from __future__ import annotations
 
+import threading
 import urllib.request
 
-from remoteloader.master.metrics import MetricsServer, RateWindow, prometheus_text
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from remoteloader.master.metrics import MasterMetrics, RateWindow, SlotTable, _Constant, families
+from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.protocol.wire import MASTER_REQUESTS
+from remoteloader.spec import DatasetSpec
+from tests.conftest import spec_dict
+
+# Every label a remoteloader metric may carry: none of them takes a random id or an epoch.
+STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "table", "version", "le"}
+WEIRD = 'tables/"quoted"\\back\\slash\nnew line'
 
 
 def test_rate_window_turns_counters_into_rates():
@@ -19,24 +32,254 @@ def test_rate_window_turns_counters_into_rates():
     assert w.rate("a", "rows") == 0.0
 
 
-STATUS = {
-    "workers": [{"id": "w-1", "buffered": 3, "rows_per_s": 1500.0, "cpu": 0.5, "rows": 9000,
-                 "io": {"requests": 12, "bytes_requested": 4096}}],
-    "clients": [{"id": "c-1", "rank": 0, "stall": 0.02, "batches_per_s": 20.0}],
-    "ranks": {"0": {"epoch": 1, "done": 4, "splits": 8}},
-    "errors": [],
+def test_rate_window_totals_never_go_down():
+    """Workers come and go, a reporter may restart its count: the group's total only grows."""
+    w = RateWindow(window_s=10)
+    w.update("w:a", 1.0, {"rows": 100, "cpu": 0.9, "io": {"requests": 4}})
+    w.update("w:b", 1.0, {"rows": 50})
+    w.update("w:a", 2.0, {"rows": 300, "cpu": 0.1, "io": {"requests": 6}})
+    assert w.group_totals()["w"] == {"rows": 350, "io.requests": 6}  # gauges (cpu) are not summed
+    w.forget({"w:b"})  # a left: what it produced stays counted
+    assert w.group_totals()["w"]["rows"] == 350
+    w.update("w:b", 2.0, {"rows": 20})  # b's count restarted (below its last value): all 20 are new
+    assert w.group_totals()["w"]["rows"] == 370
+    w.forget(set())
+    assert w.group_totals()["w"] == {"rows": 370, "io.requests": 6}
+
+
+def test_slots_are_stable_and_bounded():
+    slots = SlotTable()
+    assert slots.assign(["w-a", "w-b", "w-c"]) == {"w-a": 0, "w-b": 1, "w-c": 2}
+    assert slots.assign(["w-a", "w-c"]) == {"w-a": 0, "w-c": 2}  # nobody moves when b leaves
+    assert slots.assign(["w-a", "w-c", "w-d"])["w-d"] == 1  # the lowest free slot is reused
+    for i in range(100):  # churn: ids are new every time, slots are not
+        assert set(slots.assign([f"x-{i}", f"y-{i}"]).values()) == {0, 1}
+
+
+SNAPSHOT = {
+    "job": {"fingerprint": "abc123", "table": WEIRD, "files": 4, "splits": 8, "rows": 5000, "world_size": 2},
+    "workers": [(0, {"id": "w-1f3a", "buffered": 3, "capacity": 16, "assigned": 1, "rows_per_s": 1500.0,
+                     "cpu": 0.5, "mem": 1e8, "last_seen_s": 0.2, "draining": False}),
+                (1, {"id": "w-88c0", "buffered": 0, "capacity": 16, "assigned": 0, "rows_per_s": 0.0,
+                     "cpu": 0.0, "mem": 9e7, "last_seen_s": 0.1, "draining": True})],
+    "worker_totals": {"rows": 9000, "batches": 40, "busy_s": 3.5, "io.requests": 12, "io.bytes_requested": 4096},
+    "clients": {0: {"stall": 0.02, "batches_per_s": 20.0, "queued": 2}},
+    "client_totals": {0: {"wait_s": 1.5, "batches": 120, "rows": 30000, "wait_buckets.0": 100, "wait_buckets.1": 15,
+                          "wait_buckets.2": 5}},
+    "client_wait_le": {0: [0.01, 0.1]},
+    "ranks": {"0": {"epoch": 3, "splits": 8, "done": 4, "pending": 2, "finished": False}},
+    "errors": {"failed": 0, "skipped": 2},
+    "age_s": 0.05,
 }
 
 
-def test_prometheus_text_and_endpoint():
-    text = prometheus_text(STATUS)
-    assert 'remoteloader_worker_rows_per_second{worker="w-1"} 1500.0' in text
-    assert 'remoteloader_client_stall_fraction{client="c-1",rank="0"} 0.02' in text
-    assert "# TYPE remoteloader_worker_rows_total counter" in text
-    server = MetricsServer(0)
+def _parse(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _exposition(snapshot: dict) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Constant(families(snapshot)))
+    return generate_latest(registry).decode()
+
+
+def _check_conventions(parsed: dict) -> None:
+    for name, family in parsed.items():
+        for sample in family.samples:
+            assert set(sample.labels) <= STABLE_LABELS | {"generation", "implementation", "major", "minor",
+                                                          "patchlevel"}, (name, sample.labels)
+            if family.type == "counter":
+                assert sample.name.endswith(("_total", "_created")), sample.name
+            else:
+                assert not sample.name.endswith("_total"), sample.name
+        if name.startswith("remoteloader_"):
+            assert "cpu" not in name or name.endswith("_ratio"), name
+            assert not any(unit in name for unit in ("_ms", "_milliseconds", "_percent", "_kb", "_mb")), name
+
+
+def test_families_follow_the_naming_conventions():
+    text = _exposition(SNAPSHOT)
+    parsed = _parse(text)
+    _check_conventions(parsed)
+    expected = {  # name (as the parser reports it, counters without _total) -> type, label names
+        "remoteloader_job_info": ("gauge", {"fingerprint", "table"}),  # the text format has no info type
+        "remoteloader_job_rows": ("gauge", set()),
+        "remoteloader_workers": ("gauge", {"state"}),
+        "remoteloader_worker_buffered_batches": ("gauge", {"slot"}),
+        "remoteloader_worker_rows_per_second": ("gauge", {"slot"}),
+        "remoteloader_worker_cpu_ratio": ("gauge", {"slot"}),
+        "remoteloader_worker_resident_memory_bytes": ("gauge", {"slot"}),
+        "remoteloader_worker_rows": ("counter", set()),
+        "remoteloader_worker_busy_seconds": ("counter", set()),
+        "remoteloader_worker_read_bytes": ("counter", set()),
+        "remoteloader_client_stall_ratio": ("gauge", {"rank"}),
+        "remoteloader_client_wait_seconds": ("counter", {"rank"}),
+        "remoteloader_client_batches": ("counter", {"rank"}),
+        "remoteloader_client_batch_wait_seconds": ("histogram", {"rank"}),
+        "remoteloader_rank_epoch": ("gauge", {"rank"}),
+        "remoteloader_rank_splits": ("gauge", {"rank", "state"}),
+        "remoteloader_errors": ("counter", {"outcome"}),
+    }
+    for name, (kind, labels) in expected.items():
+        family = parsed[name]
+        assert family.type == kind, (name, family.type)
+        got = {label for s in family.samples for label in s.labels if label != "le"}
+        assert got == labels, (name, got)
+    assert "remoteloader_rank_splits_total" not in text  # the old gauge named like a counter
+    assert "epoch=" not in text and "w-1f3a" not in text  # no epoch label, no random worker ids
+
+    def value(name: str, **labels) -> float:
+        return next(s.value for f in parsed.values() for s in f.samples
+                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("remoteloader_worker_rows_total") == 9000
+    assert value("remoteloader_client_wait_seconds_total", rank="0") == 1.5
+    assert value("remoteloader_worker_cpu_ratio", slot="0") == 0.5
+    assert value("remoteloader_workers", state="draining") == 1
+    assert value("remoteloader_rank_epoch", rank="0") == 3
+    assert [value("remoteloader_rank_splits", rank="0", state=s) for s in ("pending", "in_progress", "done")] \
+        == [2, 2, 4]
+    assert value("remoteloader_errors_total", outcome="skipped") == 2
+    assert [value("remoteloader_client_batch_wait_seconds_bucket", rank="0", le=le)
+            for le in ("0.01", "0.1", "+Inf")] == [100, 115, 120]
+    assert value("remoteloader_client_batch_wait_seconds_count", rank="0") == 120
+
+
+def test_label_values_are_escaped():
+    text = _exposition(SNAPSHOT)
+    line = next(x for x in text.splitlines() if x.startswith("remoteloader_job_info{"))
+    assert '\\"quoted\\"' in line and "\\\\back\\\\slash" in line and "\\nnew line" in line  # one line, escaped
+    (sample,) = _parse(text)["remoteloader_job_info"].samples
+    assert sample.labels["table"] == WEIRD  # and a parser reads back exactly what was labelled
+
+
+@pytest.fixture
+def service(tables):
+    now = [1000.0]
+    spec = DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=100))
+    service = MasterService(MasterConfig(), None, lambda: now[0])
+    service.submit(spec)
+    service.now, service.spec = now, spec
+    return service
+
+
+def _report(service: MasterService) -> list[str]:
+    """Two workers and a client report through the service, as over the socket."""
+    now, spec = service.now, service.spec
+    call = service.handle
+    ids = [call({"t": "register", "addr": f"tcp://127.0.0.1:{7000 + i}", "pid": 10 + i})[1]["worker_id"]
+           for i in range(2)]
+    for step in range(1, 4):
+        now[0] += 1
+        for wid in ids:
+            call({"t": "heartbeat", "worker_id": wid, "buffered": step,
+                  "stats": {"rows": 100 * step, "batches": step, "busy_s": 0.5 * step, "cpu": 0.25,
+                            "capacity": 16, "io": {"requests": step, "bytes_requested": 1000 * step}}})
+    assert call({"t": "hello", "client_id": "c-1", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
+                 "fingerprint": spec.fingerprint()})[0] == "welcome"
+    call({"t": "start_epoch", "client_id": "c-1", "epoch": 0})
+    for step in range(1, 4):
+        now[0] += 1
+        call({"t": "client_heartbeat", "client_id": "c-1", "epoch": 0, "acks": [],
+              "stats": {"wait_s": 0.5 * step, "batches": 10 * step, "rows": 1000 * step, "queued": 1}})
+    call({"t": "get_split", "worker_id": "w-nobody"})  # answered with an error (unknown_worker)
+    return ids
+
+
+def _leave(service: MasterService, worker_id: str) -> None:
+    service.handle({"t": "bye", "worker_id": worker_id})
+    service.tick()  # forgets the worker that left
+
+
+def _drive(service: MasterService) -> None:
+    _leave(service, _report(service)[0])
+
+
+def test_master_metrics_read_the_service(service):
+    metrics = MasterMetrics(service)
+    ids = _report(service)
+    generate_latest(metrics.registry)  # a scrape while both workers live: slots 0 and 1
+    _leave(service, ids[0])
+    parsed = _parse(generate_latest(metrics.registry).decode())
+    _check_conventions(parsed)
+
+    def value(name: str, **labels) -> float:
+        return next(s.value for f in parsed.values() for s in f.samples
+                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("remoteloader_workers", state="active") == 1
+    assert value("remoteloader_worker_rows_total") == 600  # the worker that left still counts
+    assert value("remoteloader_worker_read_bytes_total") == 6000
+    assert value("remoteloader_worker_busy_seconds_total") == 3.0
+    assert value("remoteloader_worker_cpu_ratio", slot="1") == 0.25  # the remaining worker keeps its slot
+    assert value("remoteloader_client_wait_seconds_total", rank="0") == 1.5
+    assert value("remoteloader_client_batches_total", rank="0") == 30
+    assert value("remoteloader_rank_epoch", rank="0") == 0
+    assert value("remoteloader_job_rows") == service.state.job.total_rows
+    assert value("remoteloader_master_request_seconds_count", type="heartbeat") == 6
+    assert value("remoteloader_master_request_seconds_count", type="hello") == 1
+    assert value("remoteloader_master_request_errors_total", type="get_split", code="unknown_worker") == 1
+    assert value("remoteloader_build_info") == 1
+    assert {s.labels["type"] for s in parsed["remoteloader_master_request_seconds"].samples} == set(MASTER_REQUESTS)
+    assert "process_cpu_seconds" in parsed and "python_info" in parsed  # process metrics, this registry only
+
+
+class FakeLoop:
+    """The master's loop: runs its periodic duties every 50 ms on its own thread."""
+
+    def __init__(self) -> None:
+        self.periodic: list = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            for duty in self.periodic:
+                duty()
+
+
+def test_endpoint_serves_a_snapshot_taken_on_the_loop(service):
+    _drive(service)
+    metrics = MasterMetrics(service, max_wait_s=2.0)
+    loop = FakeLoop()
+    metrics.attach(loop)
+    loop.thread.start()
+    port = metrics.serve(0, "127.0.0.1")
     try:
-        server.publish(STATUS)
-        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
-        assert body == text
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            body = response.read().decode()
     finally:
-        server.close()
+        metrics.close()
+        loop.stop.set()
+    parsed = _parse(body)
+    _check_conventions(parsed)
+    assert next(s.value for s in parsed["remoteloader_worker_rows"].samples) == 600
+    assert next(s.value for s in parsed["remoteloader_metrics_snapshot_age_seconds"].samples) < 2.0
+
+
+def test_a_busy_loop_does_not_hang_the_scrape(service):
+    metrics = MasterMetrics(service, max_wait_s=0.2)
+    metrics.attach(FakeLoop())  # never runs: the master is stuck in a long request
+    parsed = _parse(generate_latest(metrics.registry).decode())
+    assert "remoteloader_build_info" in parsed and "remoteloader_workers" not in parsed
+
+
+def test_client_wait_histogram_from_what_the_loader_reports(service):
+    from remoteloader.client.loader import WAIT_BUCKETS_S, ClientStats
+    from remoteloader.protocol import wire
+
+    metrics = MasterMetrics(service)
+    _report(service)
+    stats = ClientStats(wait_s=0.2, batches=7, rows=700)
+    stats.wait_buckets[0], stats.wait_buckets[4] = 5, 2                # 5 waits <= 1 ms, 2 <= 100 ms
+    for _ in range(2):
+        service.now[0] += 1
+        header, _ = wire.decode(wire.encode("client_heartbeat", client_id="c-1", epoch=0, acks=[],
+                                            stats=stats.to_wire(0)))   # what goes over the socket
+        service.handle(header)
+    parsed = _parse(generate_latest(metrics.registry).decode())
+    samples = {(s.name, s.labels.get("le")): s.value for s in parsed["remoteloader_client_batch_wait_seconds"].samples}
+    assert samples[("remoteloader_client_batch_wait_seconds_count", None)] == 7
+    assert samples[("remoteloader_client_batch_wait_seconds_bucket", str(WAIT_BUCKETS_S[0]))] == 5
+    assert samples[("remoteloader_client_batch_wait_seconds_bucket", "+Inf")] == 7

@@ -12,13 +12,14 @@ batch of the epoch may be short, or is dropped with ``drop_last``).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
 import uuid
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generator, Iterator, Optional, Union
 
 import torch
@@ -34,6 +35,8 @@ from ..spec import DatasetSpec, SpecError, load_spec
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.25
+# Upper bounds of the per-batch wait histogram (seconds) reported to the master's metrics.
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 
 @dataclass
@@ -44,11 +47,12 @@ class ClientStats:
     epoch_start_s: float = 0.0  # time spent waiting for the first batch of an epoch
     batches: int = 0
     rows: int = 0
+    wait_buckets: list = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS_S) + 1))  # per-batch waits
 
     def to_wire(self, queued: int) -> dict:
         return {"wait_s": self.wait_s, "epoch_start_s": self.epoch_start_s, "batches": self.batches,
-                "rows": self.rows, "queued": queued,
-                "time": time.monotonic()}
+                "rows": self.rows, "queued": queued, "time": time.monotonic(),
+                "wait_le": list(WAIT_BUCKETS_S), "wait_buckets": list(self.wait_buckets)}
 
 
 def _acks_of(consumed: dict[int, tuple[int, int]]) -> list[list[int]]:
@@ -219,6 +223,7 @@ class RemoteDataLoader:
         fetcher.start_epoch(epoch)
         self._current = run
         last_beat = 0.0
+        batch_wait = 0.0  # the training loop's wait for the batch it is waiting for now
         try:
             last_progress = time.monotonic()
             while not assembler.exhausted:
@@ -235,6 +240,7 @@ class RemoteDataLoader:
                     # produce one split, which no number of workers shortens.
                     if self._batches_yielded:
                         self.stats.wait_s += time.monotonic() - now
+                        batch_wait += time.monotonic() - now
                     else:
                         self.stats.epoch_start_s += time.monotonic() - now
                 else:
@@ -249,6 +255,8 @@ class RemoteDataLoader:
                     assembler.consume(ready)
                     self._batches_yielded += 1
                     self.stats.batches += 1
+                    self.stats.wait_buckets[bisect.bisect_left(WAIT_BUCKETS_S, batch_wait)] += 1
+                    batch_wait = 0.0
                     self.stats.rows += len(ready.batch)
                     last_progress = time.monotonic()
                     yield ready.batch.pin_memory() if self.pin_memory else ready.batch

@@ -7,49 +7,68 @@ import os
 import shlex
 import signal
 import sys
-import time
 from typing import Optional, Sequence
 
+import zmq
+
+from .. import __version__
 from ..core.procs import die_with_parent
+from ..protocol.address import DefaultsHelpFormatter, address_type
 from ..spec import DatasetSpec, SpecError
 from .autoscale import AutoscaleConfig, Autoscaler, CpuTargetConfig, CpuTargetPolicy
 from .journal import Journal
 from .launcher import make_launcher
-from .metrics import MetricsServer
+from .metrics import MasterMetrics
 from .server import MasterServer
 from .service import MasterConfig, MasterService
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="remoteloader-master", description="The remoteloader master (control plane).")
-    p.add_argument("--bind", default="tcp://127.0.0.1:5555", help="address to listen on (port 0: any free port)")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="remoteloader-master", description="The remoteloader master (control plane).",
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--bind", default="tcp://127.0.0.1:5555", type=address_type(bind=True), metavar="tcp://HOST:PORT",
+                   help="address to listen on (port 0: any free port; the address bound is printed)")
     p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
-    p.add_argument("--journal", help="directory of the state journal; without it state lives in memory only")
-    p.add_argument("--popularity-log", help="append each job's feature projection here "
-                   "(default: popularity.jsonl in the journal directory)")
+    p.add_argument("--journal", metavar="DIR",
+                   help="directory of the state journal; without it state lives in memory only")
+    p.add_argument("--popularity-log", metavar="FILE", help="append each job's feature projection here "
+                   "(without it: popularity.jsonl in the journal directory, if there is one)")
     p.add_argument("--workers", type=int, default=0, help="workers to start and keep running (a fixed pool)")
     p.add_argument("--autoscale", action="store_true", help="let the autoscaler choose the worker count")
-    p.add_argument("--min-workers", type=int, help="autoscaling lower bound (default: spec's autoscale, else 1)")
-    p.add_argument("--max-workers", type=int, help="autoscaling upper bound (default: spec's autoscale, else 64)")
+    p.add_argument("--min-workers", type=int, help="autoscaling lower bound (without it: the spec's autoscale, else 1)")
+    p.add_argument("--max-workers", type=int,
+                   help="autoscaling upper bound (without it: the spec's autoscale, else 64)")
     p.add_argument("--autoscale-policy", choices=("stall", "cpu"), default="stall",
                    help="stall: remoteloader's policy; cpu: a Kubernetes-style 80%% CPU target (for comparison)")
     p.add_argument("--launcher", choices=("local", "ray"), default="local", help="how workers are started")
     p.add_argument("--ray-address", help="Ray cluster address for --launcher ray (e.g. 127.0.0.1:6379, auto)")
-    p.add_argument("--ray-auth-token-file",
-                   help="file holding the Ray cluster's auth token (default: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
+    p.add_argument("--ray-auth-token-file", metavar="FILE",
+                   help="file holding the Ray cluster's auth token (without it: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
                         "or ~/.ray/auth_token)")
     p.add_argument("--worker-buffer", type=int, default=16, help="batches each launched worker may buffer")
     p.add_argument("--worker-args", default="", help="extra arguments for launched local workers (one string)")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds without heartbeat before a worker is dead")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds without heartbeat before a worker is dead")
     p.add_argument("--split-timeout", type=float, default=60.0,
                    help="seconds a worker may hold a split without progress before it is re-queued")
     p.add_argument("--no-prefetch", action="store_true",
                    help="do not let idle workers start a rank's next epoch early (for comparison)")
     p.add_argument("--max-workers-per-client", type=int, default=32, help="partitioned round robin: workers per client")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any port)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics endpoint")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on --metrics-host:PORT/metrics (0: any free port; "
+                        "without it: no metrics endpoint)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="interface the metrics endpoint binds to")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s master %(levelname)s %(message)s")
     if args.die_with_parent:
@@ -66,13 +85,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except SpecError as e:
             print(f"remoteloader-master: {e}", file=sys.stderr)
             return 2
-    server = MasterServer(service, args.bind)
+    try:
+        server = MasterServer(service, args.bind)
+    except zmq.ZMQError as e:  # e.g. the port is taken, or the host is not this machine's
+        print(f"remoteloader-master: --bind {args.bind}: {e}", file=sys.stderr)
+        return 2
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = MasterMetrics(service)
+        metrics.attach(server)  # values are read on the master's loop, at scrape time
+        try:
+            port = metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as e:
+            print(f"remoteloader-master: --metrics-port {args.metrics_port} on {args.metrics_host}: {e}",
+                  file=sys.stderr)
+            server.sock.close(linger=0)
+            return 2
+        print(f"remoteloader-master metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr)
+
     try:
         launcher = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
                                  ray_auth_token_path=args.ray_auth_token_file,
                                  worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer)
     except (ValueError, ImportError, ConnectionError) as e:
         print(f"remoteloader-master: {e}", file=sys.stderr)
+        if metrics is not None:
+            metrics.close()
         return 2
     scaling = _autoscale_config(args, service)
     autoscaler = None
@@ -93,18 +131,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if launcher.reap():
                 launcher.start(args.workers - launcher.running())
         server.periodic.append(keep_workers)
-
-    metrics = None
-    if args.metrics_port is not None:
-        metrics = MetricsServer(args.metrics_port, args.metrics_host)
-        last_publish = [0.0]
-
-        def publish() -> None:
-            if time.monotonic() - last_publish[0] >= 1.0:
-                metrics.publish(service.status())
-                last_publish[0] = time.monotonic()
-        server.periodic.append(publish)
-        print(f"remoteloader-master metrics on http://{args.metrics_host}:{metrics.port}/metrics", file=sys.stderr)
 
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())

@@ -1,22 +1,85 @@
-"""Rates from heartbeats, and the same status as Prometheus metrics.
+"""Rates and totals from heartbeats, and the master's Prometheus metrics.
 
 Workers and clients report cumulative counters (rows produced, seconds spent waiting);
 ``RateWindow`` turns them into rates over a sliding window, which is what the status
-page, the metrics endpoint and the autoscaler read. This is measurement, not job state:
-it lives beside ``JobState`` and is rebuilt from the next heartbeats after a restart.
+page, the metrics endpoint and the autoscaler read, and into totals that only grow,
+through worker and client restarts, which is what Prometheus counters need. This is
+measurement, not job state: it lives beside ``JobState`` and starts from zero when the
+master restarts (a counter reset, which Prometheus' ``rate()`` handles).
+
+``MasterMetrics`` exposes them with ``prometheus_client``: one registry per master
+(never the global default one), a collector that reads the master's state at scrape time
+on the master's own loop (the state has no locks, so the scrape thread asks the loop
+for a snapshot), a histogram of request handling time per message type, and the
+process collectors. docs/operations.md lists every metric.
 """
 from __future__ import annotations
 
+import re
 import threading
+import time
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import Callable, Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from ..protocol.wire import MASTER_REQUESTS
+
+# Cumulative counters in worker and client heartbeat stats (nested dicts are flattened
+# with dots: ``io.requests``). ``wait_buckets.N``: per-bucket counts of per-batch waits,
+# if a client reports them (with the bucket bounds in ``wait_le``).
+CUMULATIVE = frozenset({"rows", "batches", "splits", "busy_s", "wait_s", "epoch_start_s",
+                        "io.requests", "io.bytes_requested", "io.bytes_needed", "io.splits"})
+REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0)
+_CODE = re.compile(r"[a-z_]{1,32}")
+
+
+def _is_cumulative(name: str) -> bool:
+    return name in CUMULATIVE or (name.startswith("wait_buckets.") and name[13:].isdigit())
+
+
+def _flatten(stats: dict, prefix: str = "") -> Iterable[tuple[str, float]]:
+    for k, v in stats.items():
+        name = prefix + str(k)
+        if isinstance(v, dict):
+            yield from _flatten(v, name + ".")
+        elif isinstance(v, list):
+            yield from ((f"{name}.{i}", x) for i, x in enumerate(v)
+                        if isinstance(x, (int, float)) and not isinstance(x, bool))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield name, v
+
+
+def _kind(key: str) -> str:
+    return key.partition(":")[0]
 
 
 class RateWindow:
-    def __init__(self, window_s: float = 10.0) -> None:
+    """Per reporter (``key``, e.g. ``w:<worker id>``, ``c:<client id>``): rates over a
+    window, and monotonic totals summed per group (``group_of(key)``, by default the
+    key's kind; the metrics use the client's rank). A reporter's totals outlive it: when
+    it is forgotten they stay in its group, so a group's totals never go down."""
+
+    def __init__(self, window_s: float = 10.0, group_of: Optional[Callable[[str], str]] = None) -> None:
         self.window_s = window_s
+        self.group_of: Callable[[str], str] = group_of or _kind
         self._samples: dict[str, deque] = {}
+        self._last: dict[str, dict[str, float]] = {}  # key -> last cumulative values reported
+        self._totals: dict[str, dict[str, float]] = {}  # key -> increase since first seen
+        self._group: dict[str, str] = {}  # key -> its group, fixed at its first report
+        self._retired: dict[str, dict[str, float]] = {}  # group -> totals of forgotten keys
 
     def update(self, key: str, time: float, counters: dict) -> None:
         samples = self._samples.setdefault(key, deque())
@@ -25,6 +88,16 @@ class RateWindow:
         samples.append((time, counters))
         while len(samples) > 2 and time - samples[1][0] >= self.window_s:
             samples.popleft()
+        if key not in self._group:
+            self._group[key] = self.group_of(key)
+        last, totals = self._last.setdefault(key, {}), self._totals.setdefault(key, {})
+        for name, value in _flatten(counters):
+            if not _is_cumulative(name):
+                continue
+            before = last.get(name, 0.0)
+            # Below the last value: the reporter restarted its count (a reset), so all of it is new.
+            totals[name] = totals.get(name, 0.0) + (value - before if value >= before else value)
+            last[name] = value
 
     def rate(self, key: str, counter: str) -> float:
         """Increase of ``counter`` per second over the window (0 until two samples exist)."""
@@ -37,81 +110,311 @@ class RateWindow:
     def forget(self, live: set) -> None:
         for key in [k for k in self._samples if k not in live]:
             del self._samples[key]
+            self._last.pop(key, None)
+            group = self._group.pop(key, None)
+            totals = self._totals.pop(key, {})
+            if group is not None:
+                retired = self._retired.setdefault(group, {})
+                for name, value in totals.items():
+                    retired[name] = retired.get(name, 0.0) + value
+
+    def group_totals(self) -> dict[str, dict[str, float]]:
+        """Group -> counter -> total increase, over live and forgotten reporters."""
+        out = {group: dict(totals) for group, totals in self._retired.items()}
+        for key, totals in self._totals.items():
+            group = out.setdefault(self._group[key], {})
+            for name, value in totals.items():
+                group[name] = group.get(name, 0.0) + value
+        return out
 
 
-def prometheus_text(status: dict) -> str:
-    """The status dict in Prometheus' text exposition format."""
-    lines = []
+class SlotTable:
+    """Small stable numbers for workers: a worker keeps its slot while it lives, a new
+    one takes the lowest free slot. The label's values are bounded by the largest worker
+    count, unlike worker ids, which are new at every registration."""
 
-    def metric(name: str, help_: str, kind: str, samples: list) -> None:
-        lines.append(f"# HELP remoteloader_{name} {help_}")
-        lines.append(f"# TYPE remoteloader_{name} {kind}")
-        for labels, value in samples:
-            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            lines.append(f"remoteloader_{name}{{{label_text}}} {float(value)}" if label_text
-                         else f"remoteloader_{name} {float(value)}")
+    def __init__(self) -> None:
+        self._slots: dict[str, int] = {}
 
-    workers = status.get("workers", [])
-    metric("workers", "Live workers.", "gauge", [({}, len(workers))])
-    metric("worker_buffered_batches", "Batches in a worker's buffer.", "gauge",
-           [({"worker": w["id"]}, w["buffered"]) for w in workers])
-    metric("worker_rows_per_second", "Rows a worker produced per second (window).", "gauge",
-           [({"worker": w["id"]}, w.get("rows_per_s", 0.0)) for w in workers])
-    metric("worker_cpu_utilization", "CPU utilization of a worker process (0..1).", "gauge",
-           [({"worker": w["id"]}, w.get("cpu", 0.0)) for w in workers])
-    metric("worker_rows_total", "Rows a worker produced since it started.", "counter",
-           [({"worker": w["id"]}, w.get("rows", 0)) for w in workers])
-    metric("worker_read_requests_total", "Storage read requests a worker issued.", "counter",
-           [({"worker": w["id"]}, w.get("io", {}).get("requests", 0)) for w in workers])
-    metric("worker_bytes_read_total", "Bytes a worker requested from storage.", "counter",
-           [({"worker": w["id"]}, w.get("io", {}).get("bytes_requested", 0)) for w in workers])
-    clients = status.get("clients", [])
-    metric("client_stall_fraction", "Share of time a trainer waited for batches (window).", "gauge",
-           [({"client": c["id"], "rank": c["rank"]}, c.get("stall", 0.0)) for c in clients])
-    metric("client_batches_per_second", "Batches a trainer consumed per second (window).", "gauge",
-           [({"client": c["id"], "rank": c["rank"]}, c.get("batches_per_s", 0.0)) for c in clients])
-    ranks = status.get("ranks", {})
-    metric("rank_splits_done", "Splits of the rank's current epoch fully consumed.", "gauge",
-           [({"rank": r, "epoch": v["epoch"]}, v["done"]) for r, v in ranks.items()])
-    metric("rank_splits_total", "Splits of the rank's current epoch.", "gauge",
-           [({"rank": r, "epoch": v["epoch"]}, v["splits"]) for r, v in ranks.items()])
-    metric("errors_total", "Failed or skipped splits and files.", "counter", [({}, len(status.get("errors", [])))])
-    return "\n".join(lines) + "\n"
+    def assign(self, ids: Iterable[str]) -> dict[str, int]:
+        ids = list(ids)
+        live = set(ids)
+        self._slots = {i: s for i, s in self._slots.items() if i in live}
+        used = set(self._slots.values())
+        free = (s for s in range(len(ids) + 1) if s not in used)
+        for i in ids:
+            if i not in self._slots:
+                self._slots[i] = next(free)
+        return dict(self._slots)
 
 
-class MetricsServer:
-    """``GET /metrics`` on a port, serving the status the master loop last published."""
+# -- the metric families, from a snapshot (a pure function: tests feed it directly) ---------
+def families(snap: dict) -> list[Metric]:
+    """The master's metrics from a snapshot (see ``MasterMetrics.snapshot`` for its keys)."""
+    out: list[Metric] = []
 
-    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
-        self._status: dict = {}
-        self._lock = threading.Lock()
-        outer = self
+    def gauge(name: str, doc: str, labels: Iterable[str] = (), samples: Iterable[tuple] = ()) -> None:
+        g = GaugeMetricFamily(name, doc, labels=list(labels))
+        for *values, v in samples:
+            g.add_metric([str(x) for x in values], float(v))
+        out.append(g)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404)
-                    return
-                with outer._lock:
-                    body = prometheus_text(outer._status).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def counter(name: str, doc: str, labels: Iterable[str] = (), samples: Iterable[tuple] = ()) -> None:
+        c = CounterMetricFamily(name, doc, labels=list(labels))
+        for *values, v in samples:
+            c.add_metric([str(x) for x in values], float(v))
+        out.append(c)
 
-            def log_message(self, *args) -> None:
-                pass
+    job = snap.get("job")
+    if job:
+        info = InfoMetricFamily("remoteloader_job", "The job this master serves (value 1).",
+                                labels=["fingerprint", "table"])
+        info.add_metric([str(job["fingerprint"]), str(job["table"])], {})
+        out.append(info)
+        gauge("remoteloader_job_rows", "Rows selected by the job's spec.", samples=[(job["rows"],)])
+        gauge("remoteloader_job_splits", "Base splits of the job.", samples=[(job["splits"],)])
+        gauge("remoteloader_job_files", "Files the job reads.", samples=[(job["files"],)])
+        if job.get("world_size") is not None:
+            gauge("remoteloader_job_world_size", "Trainer ranks of the job.", samples=[(job["world_size"],)])
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.port = self.httpd.server_address[1]
-        self._thread: Optional[threading.Thread] = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self._thread.start()
+    # Workers: current values per slot, cumulative counts summed over every worker that reported.
+    workers = snap.get("workers", [])
+    draining = sum(1 for _, w in workers if w.get("draining"))
+    gauge("remoteloader_workers", "Registered workers, by state.", ["state"],
+          [("active", len(workers) - draining), ("draining", draining)])
+    per_slot = [
+        ("remoteloader_worker_buffered_batches", "Batches in the worker's buffer.", "buffered"),
+        ("remoteloader_worker_buffer_capacity_batches", "Capacity of the worker's buffer.", "capacity"),
+        ("remoteloader_worker_assigned_splits", "Splits the worker holds.", "assigned"),
+        ("remoteloader_worker_rows_per_second", "Rows the worker produced per second over the rate window.",
+         "rows_per_s"),
+        ("remoteloader_worker_cpu_ratio", "CPU time of the worker process per second (1 = one core busy).", "cpu"),
+        ("remoteloader_worker_resident_memory_bytes", "Resident memory of the worker process.", "mem"),
+        ("remoteloader_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.", "last_seen_s"),
+        ("remoteloader_worker_draining", "1 while the worker drains before it exits.", "draining"),
+    ]
+    for name, doc, field in per_slot:
+        gauge(name, doc, ["slot"], [(slot, float(w[field])) for slot, w in workers
+                                    if isinstance(w.get(field), (int, float))])
+    wt = snap.get("worker_totals", {})
+    for name, doc, field in [
+        ("remoteloader_worker_rows", "Rows produced by all workers.", "rows"),
+        ("remoteloader_worker_batches", "Batch pieces produced by all workers.", "batches"),
+        ("remoteloader_worker_splits", "Splits produced by all workers.", "splits"),
+        ("remoteloader_worker_busy_seconds", "Seconds workers spent producing splits.", "busy_s"),
+        ("remoteloader_worker_read_requests", "Storage read requests issued by workers.", "io.requests"),
+        ("remoteloader_worker_read_bytes", "Bytes workers requested from storage.", "io.bytes_requested"),
+        ("remoteloader_worker_needed_bytes", "Bytes the decoders needed of what was read "
+         "(read_bytes / needed_bytes is the over-read).", "io.bytes_needed"),
+    ]:
+        counter(name, doc, samples=[(wt.get(field, 0.0),)])
 
-    def publish(self, status: dict) -> None:
-        with self._lock:
-            self._status = status
+    # Clients, by rank (a rank's client is replaced when the rank restarts; the rank stays).
+    clients = snap.get("clients", {})
+    gauge("remoteloader_clients", "Connected trainer clients.", samples=[(len(clients),)])
+    gauge("remoteloader_client_stall_ratio", "Share of time the rank's training loop waited for batches "
+          "over the rate window.", ["rank"], [(r, c["stall"]) for r, c in sorted(clients.items())])
+    gauge("remoteloader_client_batches_per_second", "Batches the rank consumed per second over the rate window.",
+          ["rank"], [(r, c["batches_per_s"]) for r, c in sorted(clients.items())])
+    gauge("remoteloader_client_queued_batches", "Assembled batches waiting in the rank's client.",
+          ["rank"], [(r, c["queued"]) for r, c in sorted(clients.items())])
+    ct = snap.get("client_totals", {})
+    for name, doc, field in [
+        ("remoteloader_client_wait_seconds", "Seconds the rank's training loop waited for a batch "
+         "mid-epoch.", "wait_s"),
+        ("remoteloader_client_epoch_start_wait_seconds", "Seconds the rank waited for the first batch "
+         "of an epoch.", "epoch_start_s"),
+        ("remoteloader_client_batches", "Batches the rank consumed.", "batches"),
+        ("remoteloader_client_rows", "Rows the rank consumed.", "rows"),
+    ]:
+        counter(name, doc, ["rank"], [(r, t.get(field, 0.0)) for r, t in sorted(ct.items())])
+    hist = HistogramMetricFamily("remoteloader_client_batch_wait_seconds",
+                                 "Per-batch wait of the rank's training loop (from clients that report buckets).",
+                                 labels=["rank"])
+    for rank, bounds in sorted(snap.get("client_wait_le", {}).items()):
+        totals = ct.get(rank, {})
+        counts = [totals.get(f"wait_buckets.{i}", 0.0) for i in range(len(bounds) + 1)]
+        cumulative, running = [], 0.0
+        for le, n in zip([*(repr(float(b)) for b in bounds), "+Inf"], counts):
+            running += n
+            cumulative.append((le, running))
+        hist.add_metric([str(rank)], cumulative, sum_value=totals.get("wait_s", 0.0))
+    out.append(hist)
+
+    # Ranks' progress through their current epoch.
+    ranks = snap.get("ranks", {})
+    gauge("remoteloader_rank_epoch", "The rank's current epoch.", ["rank"],
+          [(r, v["epoch"]) for r, v in ranks.items()])
+    gauge("remoteloader_rank_splits", "Splits of the rank's current epoch, by state (pending: no worker yet; "
+          "in_progress: assigned or produced, not yet consumed; done: consumed).", ["rank", "state"],
+          [s for r, v in ranks.items() for s in (
+              (r, "pending", v["pending"]), (r, "in_progress", max(0, v["splits"] - v["done"] - v["pending"])),
+              (r, "done", v["done"]))])
+    gauge("remoteloader_rank_epoch_finished", "1 once the rank finished its current epoch.", ["rank"],
+          [(r, 1 if v.get("finished") else 0) for r, v in ranks.items()])
+
+    errors = snap.get("errors", {})
+    counter("remoteloader_errors", "Failed splits and files, by outcome (skipped under on_error: skip).",
+            ["outcome"], [("failed", errors.get("failed", 0)), ("skipped", errors.get("skipped", 0))])
+    if "age_s" in snap:
+        gauge("remoteloader_metrics_snapshot_age_seconds", "Age of the state these values were read from "
+              "(above 1 s: the master's loop was busy at scrape time).", samples=[(snap["age_s"],)])
+    return out
+
+
+class _StatusCollector(Collector):
+    def __init__(self, owner: "MasterMetrics") -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self.owner.current()
+        return families(snap) if snap else []  # no snapshot yet: nothing rather than zeros
+
+
+class MasterMetrics:
+    """The master's metrics on their own registry.
+
+    ``refresh`` must run on the master's loop (``attach`` adds it to the server's periodic
+    duties): a scrape asks for a snapshot and waits up to ``max_wait_s`` for the loop to
+    take it, then uses the previous one. Without a loop attached, the scrape reads the
+    state itself (tests, or a caller that owns the only thread).
+    """
+
+    def __init__(self, service, process_metrics: bool = True, max_wait_s: float = 1.0) -> None:
+        from .. import __version__
+
+        self.service = service
+        self.max_wait_s = max_wait_s
+        self.registry = CollectorRegistry(auto_describe=False)  # no collect() at registration
+        self.request_seconds = Histogram("remoteloader_master_request_seconds",
+                                         "Time the master took to handle a request, by message type.",
+                                         ["type"], registry=self.registry, buckets=REQUEST_BUCKETS)
+        self.request_errors = Counter("remoteloader_master_request_errors",
+                                      "Requests answered with an error, by message type and error code.",
+                                      ["type", "code"], registry=self.registry)
+        for t in sorted(MASTER_REQUESTS):
+            self.request_seconds.labels(t)
+        build = InfoMetricFamily("remoteloader_build", "remoteloader's version (value 1).")
+        build.add_metric([], {"version": __version__})
+        self.registry.register(_Constant([build]))
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
+        self._slots = SlotTable()
+        self._wait_le: dict[int, list[float]] = {}
+        self._snapshot: Optional[dict] = None
+        self._scrape_lock = threading.Lock()
+        self._wanted, self._fresh = threading.Event(), threading.Event()
+        self._attached = False
+        self._http = None
+        self.port: Optional[int] = None
+        service.rates.group_of = self._group_of
+        self._instrument()
+        self.registry.register(_StatusCollector(self))
+
+    # -- on the master's loop --------------------------------------------------------------
+    def _group_of(self, key: str) -> str:
+        kind, _, ident = key.partition(":")
+        if kind == "c":
+            rank = self.service.state.clients.get(ident)
+            return f"c:{rank}" if rank is not None else "c:?"
+        return kind
+
+    def _instrument(self) -> None:
+        """Time ``service.handle``; the server calls it through the service instance."""
+        handle = self.service.handle
+
+        def timed(header: dict):
+            t = header.get("t")
+            label = t if t in MASTER_REQUESTS else "other"
+            start = time.perf_counter()
+            try:
+                reply = handle(header)
+            except Exception:
+                self.request_errors.labels(label, "exception").inc()
+                raise
+            finally:
+                self.request_seconds.labels(label).observe(time.perf_counter() - start)
+            if reply[0] == "error":
+                code = reply[1].get("code") or "none"
+                self.request_errors.labels(label, code if _CODE.fullmatch(code) else "other").inc()
+            return reply
+
+        self.service.handle = timed
+
+    def attach(self, server) -> None:
+        """Take snapshots on ``server``'s loop (call before ``serve_forever``)."""
+        self._attached = True
+        server.periodic.append(self.refresh)
+
+    def refresh(self) -> None:
+        if self._wanted.is_set():
+            self._wanted.clear()
+            self._snapshot = self.snapshot()
+            self._fresh.set()
+
+    def snapshot(self) -> dict:
+        """What ``families`` needs, read from the service; only on the master's loop."""
+        service = self.service
+        status = service.status()
+        slots = self._slots.assign(w["id"] for w in status["workers"])
+        clients: dict[int, dict] = {}
+        for c in status["clients"]:
+            agg = clients.setdefault(c["rank"], {"stall": 0.0, "batches_per_s": 0.0, "queued": 0})
+            agg["stall"] = max(agg["stall"], c.get("stall", 0.0))
+            agg["batches_per_s"] += c.get("batches_per_s", 0.0)
+            agg["queued"] += c.get("queued", 0) or 0
+            bounds = c.get("wait_le")
+            if (isinstance(bounds, list) and bounds and all(isinstance(b, (int, float)) for b in bounds)
+                    and bounds == sorted(bounds) and len(bounds) <= 64):
+                self._wait_le[c["rank"]] = [float(b) for b in bounds]
+        totals = service.rates.group_totals()
+        client_totals = {int(g[2:]): t for g, t in totals.items() if g.startswith("c:") and g[2:].isdigit()}
+        errors = service.state.errors
+        skipped = sum(1 for e in errors if e.get("skipped"))
+        return {
+            "time": time.monotonic(),
+            "job": status["job"],
+            "workers": sorted(((slots[w["id"]], w) for w in status["workers"]), key=lambda sw: sw[0]),
+            "worker_totals": totals.get("w", {}),
+            "clients": clients,
+            "client_totals": client_totals,
+            "client_wait_le": dict(self._wait_le),
+            "ranks": status["ranks"],
+            "errors": {"failed": len(errors) - skipped, "skipped": skipped},
+        }
+
+    # -- on the scrape thread ----------------------------------------------------------------
+    def current(self) -> dict:
+        if not self._attached:
+            snap = self.snapshot()
+        else:
+            with self._scrape_lock:
+                self._fresh.clear()
+                self._wanted.set()
+                self._fresh.wait(self.max_wait_s)
+                snap = self._snapshot
+            if snap is None:
+                return {}
+        return dict(snap, age_s=max(0.0, time.monotonic() - snap["time"]))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve the registry over HTTP (any path, e.g. /metrics); returns the port bound."""
+        self._http, _ = start_http_server(port, host, registry=self.registry)
+        self.port = self._http.server_address[1]
+        return self.port
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _Constant(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return self.metrics

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import zmq
 
 from . import wire
+from .address import validate_address
 
 
 class MasterUnavailable(ConnectionError):
@@ -29,6 +30,7 @@ class RemoteError(RuntimeError):
 
 class RpcClient:
     def __init__(self, ctx: zmq.Context, addr: str, timeout_s: float) -> None:
+        validate_address(addr, "master address")  # AddressError (a ValueError): one line, not a ZMQError later
         self.ctx, self.addr, self.timeout_s = ctx, addr, timeout_s
         self._sock: Optional[zmq.Socket] = None
 

@@ -42,7 +42,8 @@ _COUNT, _AMOUNT = "count", "amount"
 WORKER_STATS = {"rows": _COUNT, "batches": _COUNT, "splits": _COUNT, "busy_s": _AMOUNT, "cpu": _AMOUNT,
                 "mem": _AMOUNT, "time": _AMOUNT, "capacity": _COUNT, "ahead": _COUNT, "split": "split", "io": "io"}
 CLIENT_STATS = {"wait_s": _AMOUNT, "epoch_start_s": _AMOUNT, "batches": _COUNT, "rows": _COUNT, "queued": _COUNT,
-                "time": _AMOUNT}
+                "time": _AMOUNT, "wait_le": "amounts", "wait_buckets": "counts"}  # a wait histogram
+MAX_BUCKETS = 32
 IO_STATS = ("requests", "bytes_requested", "bytes_needed", "splits")
 SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     # worker -> master
@@ -160,6 +161,9 @@ def _check_stats(t: str, stats: Mapping, schema: Mapping[str, str]) -> None:
             ok = _is_number(value) and isinstance(value, int)
         elif kind == _AMOUNT:
             ok = _is_number(value)
+        elif kind in ("amounts", "counts"):
+            ok = isinstance(value, list) and len(value) <= MAX_BUCKETS and all(
+                _is_number(x) and (kind == "amounts" or isinstance(x, int)) for x in value)
         elif kind == "split":  # [epoch, split id, pieces produced]
             ok = isinstance(value, list) and len(value) == 3 and all(_is_number(x) and isinstance(x, int) for x in value)
         else:  # io counters

@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from .. import __version__
+from ..protocol.address import DefaultsHelpFormatter, address_type
 from ..spec import SpecError
 
 
@@ -125,19 +127,26 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="remoteloader", description="remoteloader tools")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="remoteloader", description="remoteloader's command line: synthetic data, "
+                                "table rewrites, spec checks and a running master's status.",
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("gen-data", help="write a synthetic Hive-partitioned recommendation table")
-    g.add_argument("--out", required=True)
-    g.add_argument("--rows", type=int, required=True)
-    g.add_argument("--partitions", type=int, default=1)
-    g.add_argument("--files-per-partition", type=int, default=1)
-    g.add_argument("--dense", type=int, default=13)
-    g.add_argument("--sparse", type=int, default=26)
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".",
+                              formatter_class=DefaultsHelpFormatter)
+
+    g = command("gen-data", "write a synthetic Hive-partitioned recommendation table")
+    g.add_argument("--out", required=True, metavar="DIR", help="directory of the table (created)")
+    g.add_argument("--rows", type=int, required=True, help="rows in the whole table")
+    g.add_argument("--partitions", type=int, default=1, help="Hive partitions (ds=...) the rows are spread over")
+    g.add_argument("--files-per-partition", type=int, default=1, help="files in each partition")
+    g.add_argument("--dense", type=int, default=13, help="dense (float) features")
+    g.add_argument("--sparse", type=int, default=26, help="sparse (id list) features")
     g.add_argument("--scored", type=int, default=0, help="scored sparse features (id list + score list)")
-    g.add_argument("--format", choices=("orc", "parquet"), default="orc")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--format", choices=("orc", "parquet"), default="orc", help="file format")
+    g.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same table)")
     g.add_argument("--stripe-size", type=int, default=64 << 20, help="ORC stripe size in bytes")
     g.add_argument("--row-group-rows", type=int, default=128 * 1024, help="Parquet row-group size in rows")
     g.add_argument("--layout", choices=("flat", "map"), default="flat",
@@ -145,32 +154,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(run=_gen_data)
 
-    f = sub.add_parser("flatten", help="rewrite a map-column table with one column per feature")
-    f.add_argument("src")
-    f.add_argument("dst")
-    f.add_argument("--format", choices=("orc", "parquet"), help="output format (default: the source's)")
-    f.add_argument("--stripe-size", type=int, help="output stripe size in bytes")
-    f.add_argument("--quiet", action="store_true")
+    f = command("flatten", "rewrite a map-column table with one column per feature")
+    f.add_argument("src", help="directory of the map-column table")
+    f.add_argument("dst", help="directory of the flattened table (created)")
+    f.add_argument("--format", choices=("orc", "parquet"), help="output format (without it: the source's)")
+    f.add_argument("--stripe-size", type=int, help="output stripe size in bytes (without it: the source's stripes)")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
     f.set_defaults(run=_flatten)
 
-    r = sub.add_parser("reorder", help="rewrite a table with popular columns first and together")
-    r.add_argument("src")
-    r.add_argument("dst")
-    r.add_argument("--log", required=True, help="popularity log (popularity.jsonl beside the master's journal)")
-    r.add_argument("--window-days", type=float, help="only jobs of the last N days (default: all)")
-    r.add_argument("--stripe-size", type=int, help="output stripe size in bytes (large stripes: fewer requests)")
-    r.add_argument("--quiet", action="store_true")
+    r = command("reorder", "rewrite a table with popular columns first and together")
+    r.add_argument("src", help="directory of the table")
+    r.add_argument("dst", help="directory of the reordered table (created)")
+    r.add_argument("--log", required=True, metavar="FILE",
+                   help="popularity log (popularity.jsonl beside the master's journal)")
+    r.add_argument("--window-days", type=float, help="only jobs of the last N days (without it: all)")
+    r.add_argument("--stripe-size", type=int, help="output stripe size in bytes (large stripes: fewer requests; "
+                   "without it: the source's stripes)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(run=_reorder)
 
-    v = sub.add_parser("validate", help="check a spec against its table and show what it would read")
-    v.add_argument("spec")
-    v.add_argument("--json", action="store_true")
+    v = command("validate", "check a spec against its table and show what it would read")
+    v.add_argument("spec", help="dataset spec (YAML/JSON)")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(run=_validate)
 
-    s = sub.add_parser("status", help="show a running master's workers, progress and errors")
-    s.add_argument("--master", required=True)
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--timeout", type=float, default=5.0)
+    s = command("status", "show a running master's workers, progress and errors")
+    s.add_argument("--master", required=True, type=address_type(), metavar="tcp://HOST:PORT",
+                   help="the master's address, as it printed it")
+    s.add_argument("--json", action="store_true", help="print the master's whole status as JSON")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the master's answer")
     s.set_defaults(run=_status)
     return p
 

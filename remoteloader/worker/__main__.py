@@ -7,25 +7,49 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from ..formats import DEFAULT_COALESCE_GAP
+from .. import __version__
 from ..core.procs import die_with_parent
+from ..formats import DEFAULT_COALESCE_GAP
+from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address
 from .server import Faults, Worker
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="remoteloader-worker", description=__doc__)
-    p.add_argument("--master", required=True, help="the master's address, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--bind-host", default="127.0.0.1", help="interface the data port binds to (default 127.0.0.1)")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="remoteloader-worker", description=__doc__,
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--master", required=True, type=address_type(), metavar="tcp://HOST:PORT",
+                   help="the master's address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--bind-host", default="127.0.0.1", type=_host,
+                   help="interface the data port binds to (a free port is chosen; 0.0.0.0: every interface)")
     p.add_argument("--buffer-batches", type=int, default=16, help="bounded buffer size in batches")
     p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "
-                        "(default 1.25 MiB; 0: one request per stream)")
+                        "(0: one request per stream)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to wait for clients to consume what this worker holds")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
     p.add_argument("--inject-batch-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     p.add_argument("--inject-hang-after", type=int, default=-1, help=argparse.SUPPRESS)  # tests only
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    return p
+
+
+def _host(value: str) -> str:
+    """A host to bind (the port is chosen): checked as the address ``tcp://HOST:0``."""
+    try:
+        validate_address(f"tcp://{value}:0", bind=True)
+    except AddressError:
+        raise argparse.ArgumentTypeError(f"invalid host {value!r} (expected e.g. 127.0.0.1, 0.0.0.0 or [::1])") \
+            from None
+    return value
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
     if args.die_with_parent:
