@@ -122,7 +122,7 @@ def run_real(duration_s: float) -> list[Row]:
     rows = []
     for name, flags in runs.items():
         master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
-                                   "--worker-args", worker_args, *flags], stdout=subprocess.PIPE, text=True)
+                                   "--allow-table", str(table), "--worker-args", worker_args, *flags], stdout=subprocess.PIPE, text=True)
         addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
         trace: list[tuple[float, int, float]] = []  # (t, active workers, client stall)
         start = last = time.monotonic()

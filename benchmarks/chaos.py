@@ -43,7 +43,7 @@ def main() -> int:
                          "passthrough": ["row_id"]},
             "batch_size": 256, "split_rows": 2000, "shuffle": True}
     master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
-                               "--workers", str(args.workers), "--heartbeat-timeout", "1"],
+                               "--allow-table", str(tmp / "t"), "--workers", str(args.workers), "--heartbeat-timeout", "1"],
                               stdout=subprocess.PIPE, text=True)
     addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
     rng = random.Random(args.seed)

@@ -20,7 +20,7 @@ from remoteloader.tools.datagen import generate_table
 
 def run(table: Path, epochs: int, step_s: float, extra: list[str]) -> list[float]:
     master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
-                               "--workers", "2", *extra], stdout=subprocess.PIPE, text=True)
+                               "--allow-table", str(table), "--workers", "2", *extra], stdout=subprocess.PIPE, text=True)
     addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
     spec = {"table": {"path": str(table)},
             "features": {"label": "label", "dense": ["float_0", "float_1"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,8 +58,9 @@ class MasterProcess:
     are its own children (``--workers``)."""
 
     def __init__(self, *args: str, workers: int = 2, bind: str = "tcp://127.0.0.1:0") -> None:
+        # Test tables live under the temp directory: the only tables these masters serve.
         self.proc = subprocess.Popen([str(BIN / "remoteloader-master"), "--bind", bind, "--workers", str(workers),
-                                      "--heartbeat-timeout", "2", *args],
+                                      "--heartbeat-timeout", "2", "--allow-table", tempfile.gettempdir(), *args],
                                      stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         assert "listening on" in line, line

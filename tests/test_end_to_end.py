@@ -222,3 +222,17 @@ def test_row_counts_balance_across_many_workers(tables, cluster):
         got, sizes = collect(loader)
     assert sorted(got) == list(range(ROWS))
     assert Counter(sizes) == Counter({100: ROWS // 100})
+
+
+@pytest.mark.slow
+def test_master_without_allowlist_serves_no_client_spec(tables):
+    proc = subprocess.Popen([str(BIN / "remoteloader-master"), "--bind", "tcp://127.0.0.1:0"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        addr = proc.stdout.readline().rsplit(" ", 1)[1].strip()
+        with pytest.raises(SpecError, match="table.path: this master does not serve that table"):
+            len(RemoteDataLoader(spec_dict(tables["orc"]), master=addr, timeout=30))
+    finally:
+        proc.kill()
+        proc.wait()
+        wait_gone([proc.pid])

@@ -131,7 +131,8 @@ class RemoteDataLoader:
         if os.environ.get("REMOTELOADER_MASTER"):
             return os.environ["REMOTELOADER_MASTER"]
         scaling = self.spec.autoscale
-        extra = () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
+        extra = ("--allow-table", self.spec.table.path)  # the embedded master serves this table only
+        extra += () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
                                             "--max-workers", str(scaling.get("max_workers", os.cpu_count() or 1)))
         self._cluster = EmbeddedCluster(num_workers or os.cpu_count() or 1, extra_args=extra)
         self._finalizer = weakref.finalize(self, self._cluster.close)

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="tcp://127.0.0.1:5555", type=address_type(bind=True), metavar="tcp://HOST:PORT",
                    help="address to listen on (port 0: any free port; the address bound is printed)")
     p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
+    p.add_argument("--allow-table", action="append", default=[], metavar="PREFIX",
+                   help="a table path or URI prefix clients' specs may read (repeatable); without it and without "
+                        "--spec, the master accepts no client spec")
     p.add_argument("--journal", metavar="DIR",
                    help="directory of the state journal; without it state lives in memory only")
     p.add_argument("--popularity-log", metavar="FILE", help="append each job's feature projection here "
@@ -76,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
                           split_timeout=args.split_timeout, prefetch_next_epoch=not args.no_prefetch,
+                          allowed_tables=tuple(args.allow_table),
                           popularity_log=args.popularity_log or (os.path.join(args.journal, "popularity.jsonl")
                                                                  if args.journal else None))
     service = MasterService(config, Journal(args.journal) if args.journal else None)
