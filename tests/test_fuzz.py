@@ -1,0 +1,134 @@
+"""Fuzzing the master's edge: generated messages never crash it, never reach the journal
+invalid, and afterwards it still serves a full, exact epoch."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remoteloader.core.plan import SplitTask
+from remoteloader.core.processor import SplitProcessor
+from remoteloader.master.journal import Journal
+from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.protocol import wire
+from remoteloader.spec import DatasetSpec
+from tests.conftest import ROWS, spec_dict
+
+# Values a peer might send: the right types with hostile values, and the wrong types.
+# Weighted towards values that reach past the first checks (epoch 0, split 1, a known client).
+ints = st.one_of(st.sampled_from([0, 0, 1, 2, -1]), st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1))
+# "$W" stands for the id of a worker that really registered, "c0" is a client that said hello.
+texts = st.one_of(st.sampled_from(["c0", "$W"]), st.sampled_from(["w-x", "tcp://127.0.0.1:1", ""]),
+                  st.text(max_size=40))
+leaves = st.one_of(ints, texts, st.floats(allow_nan=True), st.booleans(), st.none())
+values = st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                      st.dictionaries(texts, inner, max_size=4)), max_leaves=12)
+
+
+def near_value(types: tuple) -> st.SearchStrategy:
+    """The right type, with values that get past the first checks and probe the next ones."""
+    if types == (int,):
+        return st.sampled_from([0, 0, 1, 2, -1, 2**40])
+    if types == (str,):
+        return st.sampled_from(["c0", "c0", "$W", "w-x", "tcp://127.0.0.1:1"])
+    if types == (list,):
+        return st.lists(st.lists(st.sampled_from([0, 1, 2, -1, 10**9]), max_size=3), max_size=4)
+    if types == (dict,):
+        return st.just({})
+    return values
+
+
+def hostile_value(types: tuple) -> st.SearchStrategy:
+    if types == (int,):
+        return st.one_of(ints, values)
+    if types == (str,):
+        return st.one_of(texts, values)
+    return values
+
+
+@st.composite
+def master_messages(draw) -> tuple:
+    t = draw(st.sampled_from(sorted(wire.MASTER_REQUESTS)))
+    value = near_value if draw(st.booleans()) else hostile_value
+    fields = {name: draw(value(types)) for name, (types, required) in wire.SCHEMAS[t].items()
+              if required or draw(st.booleans())}
+    if draw(st.integers(0, 9)) == 0:
+        fields[draw(texts)] = draw(values)  # an unknown field
+    header = {"v": draw(st.sampled_from([2] * 8 + [1, "2"])), "t": t, **fields}
+    cut = draw(st.one_of(st.none(), st.floats(0, 1))) if draw(st.integers(0, 9)) == 0 else None  # truncation
+    frames = [b"x" * draw(st.integers(0, 64)) for _ in range(draw(st.integers(0, 2)))]
+    return header, cut, frames
+
+
+def packed(message: tuple, worker_id: str) -> list:
+    header, cut, frames = message
+    header = {k: (worker_id if v == "$W" else v) for k, v in header.items()}
+    raw = msgpack.packb(header, use_bin_type=True)
+    return [raw if cut is None else raw[: int(cut * len(raw))], *frames]
+
+
+@pytest.fixture(scope="module")
+def spec(tables) -> DatasetSpec:
+    return DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=256, shuffle=True))
+
+
+def serve(service: MasterService, parts: list) -> None:
+    """What MasterServer does with one message, minus the socket: decode, handle, encode."""
+    try:
+        header, _ = wire.decode(parts)
+    except wire.ProtocolError:
+        return
+    t, fields = service.handle(header)  # must not raise: handlers refuse with an error reply
+    wire.encode(t, **fields)            # and the reply must itself follow the protocol
+
+
+def full_epoch(service: MasterService, spec: DatasetSpec, epoch: int) -> list[int]:
+    """A worker and a client, in process: every row of the epoch, through the real processor."""
+    w = service.handle({"t": "register", "addr": "tcp://127.0.0.1:9", "pid": 1})[1]["worker_id"]
+    t, reply = service.handle({"t": "hello", "client_id": "good", "rank": 0, "world_size": 1,
+                               "spec": spec.to_dict(), "fingerprint": spec.fingerprint()})
+    assert t == "welcome", reply
+    assert service.handle({"t": "start_epoch", "client_id": "good", "epoch": epoch})[0] == "epoch"
+    processor, rows = SplitProcessor(service.bound), []
+    while (reply := service.handle({"t": "get_split", "worker_id": w}))[0] == "split":
+        task = SplitTask.from_wire(reply[1]["split"])
+        pieces = list(processor.pieces(task))
+        rows += [int(r) for p in pieces for r in p.arrays["pt.row_id"]]
+        service.handle({"t": "split_produced", "worker_id": w, "epoch": epoch, "split_id": task.split_id})
+        service.handle({"t": "client_heartbeat", "client_id": "good", "epoch": epoch,
+                        "acks": [[task.split_id, len(pieces)]]})
+    return rows
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(st.lists(master_messages(), min_size=1, max_size=12))
+def test_generated_messages_neither_crash_nor_poison_the_master(spec, tmp_path_factory, messages):
+    directory = tmp_path_factory.mktemp("journal")
+    service = MasterService(MasterConfig(allowed_tables=(str(spec.table.path),)), Journal(directory))
+    service.submit(spec)
+    worker_id = service.handle({"t": "register", "addr": "tcp://127.0.0.1:8", "pid": 2})[1]["worker_id"]
+    service.handle({"t": "hello", "client_id": "c0", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
+                    "fingerprint": spec.fingerprint()})
+    service.handle({"t": "start_epoch", "client_id": "c0", "epoch": 0})
+    for message in messages:
+        serve(service, packed(message, worker_id))
+        service.tick()
+    service.journal.close()
+    # Whatever was journaled replays, and the master still serves an exact epoch.
+    restarted = MasterService(MasterConfig(), Journal(directory))
+    assert not (directory / "journal.quarantine").exists()
+    rows = full_epoch(restarted, spec, epoch=0)
+    assert sorted(rows) == list(range(ROWS))
+
+
+def test_random_bytes_are_refused(spec):
+    rng = np.random.default_rng(0)
+    service = MasterService(MasterConfig())
+    service.submit(spec)
+    for _ in range(2000):
+        n = int(rng.integers(0, 200))
+        serve(service, [rng.integers(0, 256, n, dtype=np.uint8).tobytes()])
+    assert sorted(full_epoch(service, spec, epoch=3)) == list(range(ROWS))
