@@ -8,9 +8,17 @@ signal stops the master (and the master's workers) even if the owner is SIGKILLe
 With several ranks (e.g. under ``torchrun``), rank 0 starts the cluster and publishes
 its address; the other ranks find it in torch.distributed's default store when a
 process group is initialized, else in the ``REMOTELOADER_MASTER`` environment variable.
+
+The embedded cluster is always authenticated (CURVE, ``protocol/auth.py``): without a
+key directory of the user's, it makes ephemeral keys in a private temporary directory
+(0700) that it removes at ``close``. The master gets the directory's path in
+``REMOTELOADER_AUTH`` and hands it on to its workers the same way; rank 0 publishes the
+path (never the keys) beside the address, for ranks on this machine (the master binds
+loopback only) to read.
 """
 from __future__ import annotations
 
+import json
 import os
 import select
 import subprocess
@@ -20,18 +28,24 @@ from datetime import timedelta
 from typing import Optional
 
 from ..core.procs import stop as stop_process
+from ..protocol.auth import ENV_AUTH, EphemeralKeys
 
 ENV_MASTER = "REMOTELOADER_MASTER"
 STORE_KEY = "remoteloader/master/{fingerprint}"
 
 
 class EmbeddedCluster:
-    def __init__(self, num_workers: int, start_timeout: float = 60.0, extra_args: tuple = ()) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
-             "--workers", str(num_workers), "--die-with-parent", *extra_args],
-            stdout=subprocess.PIPE, text=True)
+    def __init__(self, num_workers: int, start_timeout: float = 60.0, extra_args: tuple = (),
+                 auth_dir: Optional[str] = None) -> None:
+        """``auth_dir``: the user's key directory; without it, ephemeral keys made here."""
+        self._keys = EphemeralKeys() if auth_dir is None else None
+        self.auth_dir = os.path.abspath(auth_dir) if auth_dir is not None else self._keys.directory
+        self.proc = None
         try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
+                 "--workers", str(num_workers), "--die-with-parent", *extra_args],
+                stdout=subprocess.PIPE, text=True, env=dict(os.environ, **{ENV_AUTH: self.auth_dir}))
             self.addr = self._read_address(start_timeout)
         except BaseException:
             self.close()
@@ -51,7 +65,10 @@ class EmbeddedCluster:
         raise TimeoutError(f"the embedded remoteloader master did not start within {timeout:g} s")
 
     def close(self) -> None:
-        stop_process(self.proc, timeout=10)
+        if self.proc is not None:
+            stop_process(self.proc, timeout=10)
+        if self._keys is not None:
+            self._keys.close()
 
 
 def resolve_rank(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
@@ -78,16 +95,16 @@ def _store():
     return None
 
 
-def publish_master(addr: str, fingerprint: str) -> None:
+def publish_master(addr: str, fingerprint: str, auth_dir: Optional[str] = None) -> None:
     store = _store()
     if store is not None:
-        store.set(STORE_KEY.format(fingerprint=fingerprint), addr)
+        store.set(STORE_KEY.format(fingerprint=fingerprint), json.dumps({"addr": addr, "auth": auth_dir}))
 
 
-def discover_master(fingerprint: str, timeout: float) -> str:
-    """Where rank 0's embedded master listens, for ranks > 0."""
+def discover_master(fingerprint: str, timeout: float) -> tuple[str, Optional[str]]:
+    """Where rank 0's embedded master listens and its key directory (None: the caller's), for ranks > 0."""
     if os.environ.get(ENV_MASTER):
-        return os.environ[ENV_MASTER]
+        return os.environ[ENV_MASTER], None
     store = _store()
     if store is None:
         raise RuntimeError(
@@ -96,4 +113,8 @@ def discover_master(fingerprint: str, timeout: float) -> str:
             "or pass master=...")
     key = STORE_KEY.format(fingerprint=fingerprint)
     store.wait([key], timedelta(seconds=timeout))
-    return store.get(key).decode()
+    value = store.get(key).decode()
+    if not value.startswith("{"):  # an address alone
+        return value, None
+    published = json.loads(value)
+    return published["addr"], published.get("auth")

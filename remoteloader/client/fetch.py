@@ -12,6 +12,7 @@ from typing import Optional
 import zmq
 
 from ..protocol import wire
+from ..protocol.auth import Credentials, secure_client
 from .batch import Batch
 
 log = logging.getLogger(__name__)
@@ -19,9 +20,10 @@ log = logging.getLogger(__name__)
 
 class WorkerFetcher:
     def __init__(self, ctx: zmq.Context, rank: int, inflight: int, sparse_keys: list[str],
-                 sparse_scored: Optional[list[bool]] = None) -> None:
+                 sparse_scored: Optional[list[bool]] = None, auth: Optional[Credentials] = None) -> None:
         self.ctx, self.rank, self.inflight, self.sparse_keys = ctx, rank, inflight, sparse_keys
         self.sparse_scored = sparse_scored  # which sparse keys carry scores (id-score features)
+        self.auth = auth  # CURVE client keys for the workers' data sockets; None: plain sockets
         self.sockets: dict[str, zmq.Socket] = {}
         self.addrs: dict[str, str] = {}
         self.outstanding: dict[str, int] = {}
@@ -42,6 +44,8 @@ class WorkerFetcher:
                 sock = self.ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+                if self.auth is not None:
+                    secure_client(sock, self.auth)
                 sock.connect(addr)
                 self.sockets[wid], self.addrs[wid], self.outstanding[wid] = sock, addr, 0
                 self.poller.register(sock, zmq.POLLIN)

@@ -30,6 +30,7 @@ from .assembly import EpochAssembler
 from .batch import Batch
 from .embedded import EmbeddedCluster, discover_master, publish_master, resolve_rank
 from .fetch import WorkerFetcher
+from ..protocol import auth as cluster_auth
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from ..spec import DatasetSpec, SpecError, load_spec
 
@@ -85,13 +86,17 @@ class RemoteDataLoader:
         inflight: requests kept outstanding per worker (prefetch depth).
         timeout: seconds without any progress (no batch, no master answer) before an error.
         connect_timeout: seconds to wait for the master's first answer.
+        auth: key directory (``remoteloader keygen DIR``) of a cluster started with ``--auth``;
+            default ``$REMOTELOADER_AUTH``. The embedded default is always authenticated: it
+            uses this directory if given, else ephemeral keys it makes and removes itself.
     """
 
     def __init__(self, spec: Union[DatasetSpec, dict, str, os.PathLike], *, master: Optional[str] = None,
                  num_workers: Optional[int] = None, batch_size: Optional[int] = None,
                  shuffle: Optional[bool] = None, seed: Optional[int] = None, drop_last: Optional[bool] = None,
                  even_batches: Union[bool, str, None] = None, rank: Optional[int] = None, world_size: Optional[int] = None, pin_memory: bool = False,
-                 inflight: int = 2, timeout: float = 300.0, connect_timeout: float = 60.0) -> None:
+                 inflight: int = 2, timeout: float = 300.0, connect_timeout: float = 60.0,
+                 auth: Union[str, os.PathLike, None] = None) -> None:
         spec = load_spec(spec)
         if isinstance(even_batches, bool):
             even_batches = "pad" if even_batches else "off"
@@ -107,11 +112,15 @@ class RemoteDataLoader:
         self.client_id = f"c-{uuid.uuid4().hex[:10]}"
         self._cluster: Optional[EmbeddedCluster] = None
         self._finalizer = None
+        auth_dir = os.fspath(auth) if auth is not None else os.environ.get(cluster_auth.ENV_AUTH) or None
+        if auth_dir:
+            cluster_auth.load(auth_dir)  # AuthError (a ValueError, one line) before anything starts
         if master is None:
-            master = self._start_or_find_master(num_workers)
+            master, auth_dir = self._start_or_find_master(num_workers, auth_dir)
         self.master = master
+        self._auth = cluster_auth.load(auth_dir) if auth_dir else None
         self._ctx = zmq.Context.instance()
-        self._rpc = RpcClient(self._ctx, master, connect_timeout)
+        self._rpc = RpcClient(self._ctx, master, connect_timeout, auth=self._auth)
         self._job: Optional[dict] = None
         self._next_epoch = 0
         self._pending: Optional[dict] = None  # a loaded position, used by the next iter() of its epoch
@@ -124,20 +133,22 @@ class RemoteDataLoader:
         self.stats = ClientStats()
 
     # -- cluster and session ---------------------------------------------------------------
-    def _start_or_find_master(self, num_workers: Optional[int]) -> str:
+    def _start_or_find_master(self, num_workers: Optional[int], auth_dir: Optional[str]) -> tuple[str, Optional[str]]:
+        """The master's address and key directory: rank 0's embedded cluster, or one found."""
         fingerprint = self.spec.fingerprint()
         if self.rank != 0:
-            return discover_master(fingerprint, self.connect_timeout)
+            addr, published = discover_master(fingerprint, self.connect_timeout)
+            return addr, published or auth_dir
         if os.environ.get("REMOTELOADER_MASTER"):
-            return os.environ["REMOTELOADER_MASTER"]
+            return os.environ["REMOTELOADER_MASTER"], auth_dir
         scaling = self.spec.autoscale
         extra = ("--allow-table", self.spec.table.path)  # the embedded master serves this table only
         extra += () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
                                             "--max-workers", str(scaling.get("max_workers", os.cpu_count() or 1)))
-        self._cluster = EmbeddedCluster(num_workers or os.cpu_count() or 1, extra_args=extra)
+        self._cluster = EmbeddedCluster(num_workers or os.cpu_count() or 1, extra_args=extra, auth_dir=auth_dir)
         self._finalizer = weakref.finalize(self, self._cluster.close)
-        publish_master(self._cluster.addr, fingerprint)
-        return self._cluster.addr
+        publish_master(self._cluster.addr, fingerprint, self._cluster.auth_dir)
+        return self._cluster.addr, self._cluster.auth_dir
 
     @staticmethod
     def _can_pin() -> bool:
@@ -220,7 +231,8 @@ class RemoteDataLoader:
         else:
             run = self._start_epoch(epoch, [], {})
         assembler = run.assembler
-        fetcher = WorkerFetcher(self._ctx, self.rank, self.inflight, job["sparse_keys"], job.get("sparse_scored"))
+        fetcher = WorkerFetcher(self._ctx, self.rank, self.inflight, job["sparse_keys"], job.get("sparse_scored"),
+                                auth=self._auth)
         fetcher.start_epoch(epoch)
         self._current = run
         last_beat = 0.0

@@ -13,6 +13,7 @@ import zmq
 
 from .. import __version__
 from ..core.procs import die_with_parent
+from ..protocol import auth as cluster_auth
 from ..protocol.address import DefaultsHelpFormatter, address_type
 from ..spec import DatasetSpec, SpecError
 from .autoscale import AutoscaleConfig, Autoscaler, CpuTargetConfig, CpuTargetPolicy
@@ -32,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--bind", default="tcp://127.0.0.1:5555", type=address_type(bind=True), metavar="tcp://HOST:PORT",
                    help="address to listen on (port 0: any free port; the address bound is printed)")
+    p.add_argument("--auth", metavar="DIR",
+                   help="key directory (remoteloader keygen DIR): CURVE-authenticate and encrypt every socket, and "
+                        "hand the directory to launched workers (without it: $REMOTELOADER_AUTH, else no auth)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow binding a non-loopback address without --auth (anyone who can reach it is served)")
     p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
     p.add_argument("--allow-table", action="append", default=[], metavar="PREFIX",
                    help="a table path or URI prefix clients' specs may read (repeatable); without it and without "
@@ -76,6 +82,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s master %(levelname)s %(message)s")
     if args.die_with_parent:
         die_with_parent()
+    try:
+        creds = cluster_auth.server_credentials("remoteloader-master", args.auth, args.insecure, "--bind", args.bind)
+    except cluster_auth.AuthError as e:
+        print(e, file=sys.stderr)
+        return 2
 
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
                           split_timeout=args.split_timeout, prefetch_next_epoch=not args.no_prefetch,
@@ -90,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"remoteloader-master: {e}", file=sys.stderr)
             return 2
     try:
-        server = MasterServer(service, args.bind)
+        server = MasterServer(service, args.bind, auth=creds)
     except zmq.ZMQError as e:  # e.g. the port is taken, or the host is not this machine's
         print(f"remoteloader-master: --bind {args.bind}: {e}", file=sys.stderr)
         return 2
@@ -103,18 +114,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except OSError as e:
             print(f"remoteloader-master: --metrics-port {args.metrics_port} on {args.metrics_host}: {e}",
                   file=sys.stderr)
-            server.sock.close(linger=0)
+            server.close()
             return 2
         print(f"remoteloader-master metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr)
 
     try:
         launcher = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
                                  ray_auth_token_path=args.ray_auth_token_file,
-                                 worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer)
+                                 worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer,
+                                 auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
     except (ValueError, ImportError, ConnectionError) as e:
         print(f"remoteloader-master: {e}", file=sys.stderr)
         if metrics is not None:
             metrics.close()
+        server.close()
         return 2
     scaling = _autoscale_config(args, service)
     autoscaler = None

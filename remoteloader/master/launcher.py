@@ -19,6 +19,12 @@ import sys
 from typing import Optional, Protocol, Sequence
 
 log = logging.getLogger(__name__)
+ENV_AUTH = "REMOTELOADER_AUTH"  # protocol.auth.ENV_AUTH: the key directory, never keys, on no command line
+
+
+def _worker_env(auth_dir: Optional[str]) -> dict[str, str]:
+    """The variables a launched worker needs beyond the master's own environment."""
+    return {ENV_AUTH: os.path.abspath(auth_dir)} if auth_dir else {}
 
 
 class Launcher(Protocol):
@@ -38,16 +44,21 @@ class Launcher(Protocol):
 class LocalLauncher:
     """Worker processes on this machine, tied to the master's lifetime."""
 
-    def __init__(self, master_addr: str, worker_args: Sequence[str] = ()) -> None:
+    def __init__(self, master_addr: str, worker_args: Sequence[str] = (), auth_dir: Optional[str] = None) -> None:
         self.master_addr = master_addr
         self.worker_args = list(worker_args)
         self.procs: list[subprocess.Popen] = []
+        # With auth: the key directory's path, in the environment (never key material on a command line).
+        # Without: the variable is removed, so a stray $REMOTELOADER_AUTH cannot split the cluster.
+        self.env = dict(os.environ, **_worker_env(auth_dir))
+        if not auth_dir:
+            self.env.pop(ENV_AUTH, None)
 
     def start(self, n: int) -> None:
         for _ in range(n):
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "remoteloader.worker", "--master", self.master_addr, "--die-with-parent",
-                 *self.worker_args]))
+                 *self.worker_args], env=self.env))
 
     def running(self) -> int:
         return len(self.procs)
@@ -100,7 +111,8 @@ class RayLauncher:
     """
 
     def __init__(self, master_addr: str, address: str, num_cpus: float = 1.0,
-                 worker_args: Sequence[str] = (), auth_token_path: Optional[str] = None) -> None:
+                 worker_args: Sequence[str] = (), auth_token_path: Optional[str] = None,
+                 auth_dir: Optional[str] = None) -> None:
         if auth_token_path is not None:
             _use_ray_token_file(auth_token_path)
         import ray
@@ -109,7 +121,14 @@ class RayLauncher:
         if self._owns_ray:
             ray.init(address=address, namespace="remoteloader", log_to_driver=False)
         self._ray = ray
-        self._actor_cls = ray.remote(num_cpus=num_cpus)(WorkerProcessActor)
+        # remoteloader's own CURVE keys (not Ray's token): the key directory's path goes to each actor
+        # in its runtime environment, so the directory must be readable at the same path on every
+        # node (shared storage, or copied there with mode 0700/0600). Its contents never travel
+        # through Ray (its GCS and dashboard show runtime environments).
+        options: dict = {"num_cpus": num_cpus}
+        if auth_dir:
+            options["runtime_env"] = {"env_vars": _worker_env(auth_dir)}
+        self._actor_cls = ray.remote(**options)(WorkerProcessActor)
         self.master_addr = master_addr
         self.worker_args = list(worker_args)
         self.actors: list[tuple] = []  # (actor handle, ObjectRef of its run())
@@ -167,12 +186,16 @@ def _use_ray_token_file(path: str) -> None:
 
 def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = None,
                   ray_auth_token_path: Optional[str] = None, worker_args: Sequence[str] = (),
-                  buffer_batches: int = 16) -> Launcher:
+                  buffer_batches: int = 16, auth_dir: Optional[str] = None, insecure: bool = False) -> Launcher:
     if kind == "local":
-        return LocalLauncher(master_addr, ["--buffer-batches", str(buffer_batches), *worker_args])
+        return LocalLauncher(master_addr, ["--buffer-batches", str(buffer_batches), *worker_args], auth_dir=auth_dir)
     if kind == "ray":
         if not ray_address:
             raise ValueError("--launcher ray needs --ray-address (e.g. 127.0.0.1:6379, or 'auto')")
-        return RayLauncher(master_addr, ray_address, worker_args=["--buffer-batches", str(buffer_batches), *worker_args],
-                           auth_token_path=ray_auth_token_path)
+        # Ray workers bind their node's IP: without keys they start only if the master's operator said
+        # --insecure too (a worker on a loopback node IP, as in single-machine tests, needs neither).
+        insecure_args = ["--insecure"] if insecure and not auth_dir else []
+        return RayLauncher(master_addr, ray_address,
+                           worker_args=["--buffer-batches", str(buffer_batches), *insecure_args, *worker_args],
+                           auth_token_path=ray_auth_token_path, auth_dir=auth_dir)
     raise ValueError(f"unknown launcher {kind!r} (local, ray)")

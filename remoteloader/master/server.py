@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import zmq
 
 from ..protocol import wire
+from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
 from .service import MasterService
 
 log = logging.getLogger(__name__)
@@ -28,13 +29,21 @@ def bind_endpoint(sock: zmq.Socket, addr: str) -> str:
 
 
 class MasterServer:
-    def __init__(self, service: MasterService, bind: str) -> None:
+    def __init__(self, service: MasterService, bind: str, auth: Optional[Credentials] = None) -> None:
         self.service = service
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES + 1024)
-        self.addr = bind_endpoint(self.sock, bind)
+        self._auth: Optional[AuthenticatorHandle] = None
+        if auth is not None:  # CURVE: only peers holding the cluster key get through the handshake
+            self._auth = server_authenticator(self.ctx, auth)
+            secure_server(self.sock, auth)
+        try:
+            self.addr = bind_endpoint(self.sock, bind)
+        except zmq.ZMQError:
+            self.close()
+            raise
         self.stop_event = threading.Event()
         self._stop_requested = False  # set by signal handlers: a plain flag is safe there, Event.set is not
         self.periodic: list[Callable[[], None]] = [service.tick]
@@ -55,7 +64,12 @@ class MasterServer:
                             log.exception("periodic duty %s failed", getattr(duty, "__qualname__", duty))
                     next_tick = now + TICK_S
         finally:
-            self.sock.close(linger=0)
+            self.close()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.close()
 
     def request_stop(self) -> None:
         """Async-signal-safe: Event.set takes a lock that a second signal could deadlock on."""

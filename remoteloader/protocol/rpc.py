@@ -13,6 +13,7 @@ from typing import Any, Optional
 import zmq
 
 from . import wire
+from .auth import Credentials, secure_client
 from .address import validate_address
 
 
@@ -29,9 +30,10 @@ class RemoteError(RuntimeError):
 
 
 class RpcClient:
-    def __init__(self, ctx: zmq.Context, addr: str, timeout_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, timeout_s: float, auth: Optional[Credentials] = None) -> None:
         validate_address(addr, "master address")  # AddressError (a ValueError): one line, not a ZMQError later
         self.ctx, self.addr, self.timeout_s = ctx, addr, timeout_s
+        self.auth = auth  # CURVE client keys (protocol/auth.py); None: a plain socket
         self._sock: Optional[zmq.Socket] = None
 
     def _socket(self) -> zmq.Socket:
@@ -39,6 +41,8 @@ class RpcClient:
             self._sock = self.ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES + 1024)
+            if self.auth is not None:
+                secure_client(self._sock, self.auth)
             self._sock.connect(self.addr)
         return self._sock
 

@@ -1,4 +1,4 @@
-"""``remoteloader``: the operator's command line (gen-data, validate, status)."""
+"""``remoteloader``: the operator's command line (gen-data, validate, status, keygen)."""
 from __future__ import annotations
 
 import argparse
@@ -99,9 +99,18 @@ def _status(args: argparse.Namespace) -> int:
 
     from ..protocol.rpc import RpcClient
 
-    rpc = RpcClient(zmq.Context.instance(), args.master, args.timeout)
+    from ..protocol import auth as cluster_auth
+    from ..protocol.rpc import MasterUnavailable
+
+    creds = cluster_auth.from_option(args.auth)  # AuthError is a ValueError: one line, exit 1
+    rpc = RpcClient(zmq.Context.instance(), args.master, args.timeout, auth=creds)
     try:
         status = rpc.call("status")["status"]
+    except MasterUnavailable as e:
+        hint = ("" if creds is not None else
+                f" (a master started with --auth answers only peers holding its keys: pass --auth DIR "
+                f"or set {cluster_auth.ENV_AUTH})")
+        raise MasterUnavailable(f"{e}{hint}") from None
     finally:
         rpc.close()
     if args.json:
@@ -123,6 +132,16 @@ def _status(args: argparse.Namespace) -> int:
         print(f"autoscaler: {d['action']} {d['count']} -> {d['workers']} workers: {d['reason']}")
     for e in status["errors"]:
         print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from ..protocol import auth as cluster_auth
+
+    directory = cluster_auth.keygen(args.directory)
+    print(f"wrote the cluster key pair to {directory} (mode 0700; files 0600). Copy the whole directory to every "
+          f"machine of the cluster and pass --auth {directory} (or set {cluster_auth.ENV_AUTH}) to "
+          "remoteloader-master, remoteloader-worker, remoteloader status and RemoteDataLoader(auth=...)")
     return 0
 
 
@@ -183,7 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the master's address, as it printed it")
     s.add_argument("--json", action="store_true", help="print the master's whole status as JSON")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the master's answer")
+    s.add_argument("--auth", metavar="DIR",
+                   help="key directory of a master started with --auth (without it: $REMOTELOADER_AUTH, else none)")
     s.set_defaults(run=_status)
+
+    k = command("keygen", "write a cluster key directory for --auth (CURVE keys; 0700/0600)")
+    k.add_argument("directory", metavar="DIR", help="directory to write (created; refuses to overwrite a key)")
+    k.set_defaults(run=_keygen)
     return p
 
 

@@ -7,9 +7,12 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+import zmq
+
 from .. import __version__
 from ..core.procs import die_with_parent
 from ..formats import DEFAULT_COALESCE_GAP
+from ..protocol import auth as cluster_auth
 from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address
 from .server import Faults, Worker
 
@@ -25,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the master's address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--bind-host", default="127.0.0.1", type=_host,
                    help="interface the data port binds to (a free port is chosen; 0.0.0.0: every interface)")
+    p.add_argument("--auth", metavar="DIR",
+                   help="key directory (remoteloader keygen DIR): CURVE-authenticate and encrypt the data socket and "
+                        "the master connection (without it: $REMOTELOADER_AUTH, else no auth)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --bind-host without --auth (anyone who can reach it is served)")
     p.add_argument("--buffer-batches", type=int, default=16, help="bounded buffer size in batches")
     p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "
@@ -54,9 +62,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
     if args.die_with_parent:
         die_with_parent()
-    worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches,
-                    drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
-                    faults=Faults(args.inject_batch_delay, args.inject_hang_after))
+    try:
+        creds = cluster_auth.server_credentials("remoteloader-worker", args.auth, args.insecure, "--bind-host",
+                                                args.bind_host)
+    except cluster_auth.AuthError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches,
+                        drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
+                        faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds)
+    except zmq.ZMQError as e:
+        print(f"remoteloader-worker: --bind-host {args.bind_host}: {e}", file=sys.stderr)
+        return 2
     # SIGTERM (scale-down, orderly shutdown) drains; SIGINT (Ctrl-C) stops at once.
     signal.signal(signal.SIGTERM, lambda *_: worker.request("drain"))
     signal.signal(signal.SIGINT, lambda *_: worker.request("stop"))

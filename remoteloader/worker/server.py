@@ -24,6 +24,7 @@ import psutil
 import zmq
 
 from ..protocol import wire
+from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
 from ..core.binding import bind_schema
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
@@ -39,8 +40,9 @@ MAX_WAITING_PER_CLIENT = 64  # a well-behaved client keeps `inflight` (a few) pe
 class Worker:
     def __init__(self, master: str, bind_host: str = "127.0.0.1", buffer_batches: int = 16,
                  rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional["Faults"] = None,
-                 coalesce_gap: int = DEFAULT_COALESCE_GAP) -> None:
+                 coalesce_gap: int = DEFAULT_COALESCE_GAP, auth: Optional[Credentials] = None) -> None:
         self.master = master
+        self.auth = auth  # CURVE keys: the data socket is a CURVE server, the master calls CURVE clients
         self.ctx = zmq.Context.instance()
         self.stop_event = threading.Event()
         self.draining = threading.Event()  # no new splits; leave once the master says so
@@ -58,7 +60,15 @@ class Worker:
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.MAXMSGSIZE, 64 << 10)  # clients only send small requests
         self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises rather than vanishing
-        self.data.bind(f"tcp://{bind_host}:0")
+        self._authenticator: Optional[AuthenticatorHandle] = None
+        if auth is not None:
+            self._authenticator = server_authenticator(self.ctx, auth)
+            secure_server(self.data, auth)
+        try:
+            self.data.bind(f"tcp://{bind_host}:0")
+        except zmq.ZMQError:
+            self._close_data()
+            raise
         self.addr = self.data.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.worker_id: Optional[str] = None
         self.heartbeat_interval = 0.5
@@ -107,10 +117,10 @@ class Worker:
         return False
 
     def run(self) -> None:
-        control = RpcClient(self.ctx, self.master, self.rpc_timeout_s)
+        control = RpcClient(self.ctx, self.master, self.rpc_timeout_s, auth=self.auth)
         if not self._join(control):
             control.close()
-            self.data.close(linger=0)
+            self._close_data()
             return
         producer = threading.Thread(target=self._produce, name="producer", daemon=True)
         producer.start()
@@ -127,11 +137,16 @@ class Worker:
                 except (MasterUnavailable, RemoteError):
                     pass
             control.close()
-            self.data.close(linger=0)
+            self._close_data()
+
+    def _close_data(self) -> None:
+        self.data.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.close()
 
     # -- producer thread ---------------------------------------------------------------
     def _produce(self) -> None:
-        rpc = RpcClient(self.ctx, self.master, self.rpc_timeout_s)
+        rpc = RpcClient(self.ctx, self.master, self.rpc_timeout_s, auth=self.auth)
         notify = self.ctx.socket(zmq.PUSH)
         notify.connect("inproc://worker-notify")
         try:

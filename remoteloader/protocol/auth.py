@@ -1,0 +1,206 @@
+"""CURVE authentication and encryption of every socket (ZeroMQ's own, through ``zmq.auth``).
+
+Key layout (``remoteloader keygen DIR``; the directory is 0700, every file 0600)::
+
+    DIR/cluster.key            the cluster's public key (a ZeroMQ certificate)
+    DIR/cluster.key_secret     the cluster's key pair (public and secret)
+    DIR/public_keys/cluster.key  client public keys the servers accept (here: the cluster's own)
+
+First version, kept simple: one "cluster" key pair is used by every component, as the
+server key of the master's and the workers' ROUTER sockets and as the client key of
+every DEALER (workers, clients, ``remoteloader status``). Each server runs a ZAP
+handler (pyzmq's ``ThreadAuthenticator``) that accepts only clients whose public key is
+in ``public_keys/``. So **possession of the key directory is membership**: whoever can
+read it can serve and read data; whoever cannot gets no reply at all (a plain or
+wrong-key peer fails the CURVE handshake and never reaches the application). Traffic is
+encrypted too.
+
+ZeroMQ allows one ZAP handler per context (it binds ``inproc://zeromq.zap.01``), so
+``server_authenticator`` starts one ``ThreadAuthenticator`` per context, shared and
+reference-counted by the servers of that context, and stops it when the last releases it.
+Server sockets also set ``ZAP_ENFORCE_DOMAIN``, so a missing handler refuses every peer
+rather than admitting any.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+ENV_AUTH = "REMOTELOADER_AUTH"
+KEY_NAME = "cluster"
+PUBLIC_KEYS = "public_keys"
+
+
+class AuthError(ValueError):
+    """A key directory that is missing, incomplete or readable by others."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The cluster's key material, loaded from a key directory."""
+
+    directory: str
+    public_key: bytes  # z85, the cluster key: the servers' key and every client's key
+    secret_key: bytes
+    public_keys_dir: str  # client public keys the servers accept
+
+    @property
+    def server_public(self) -> bytes:
+        return self.public_key
+
+
+def keygen(directory: Union[str, os.PathLike]) -> str:
+    """Write a fresh cluster key pair into ``directory`` (created 0700; files 0600)."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    if os.path.exists(os.path.join(directory, KEY_NAME + ".key_secret")):
+        raise AuthError(f"{directory} already holds a cluster key; refusing to overwrite it")
+    public_dir = os.path.join(directory, PUBLIC_KEYS)
+    os.makedirs(public_dir, mode=0o700, exist_ok=True)
+    os.chmod(public_dir, 0o700)
+    old = os.umask(0o077)  # zmq.auth writes with the default mode: never let the secret be readable first
+    try:
+        public_file, secret_file = zmq.auth.create_certificates(directory, KEY_NAME)
+    finally:
+        os.umask(old)
+    allowed = os.path.join(public_dir, KEY_NAME + ".key")
+    shutil.copyfile(public_file, allowed)
+    for path in (public_file, secret_file, allowed):
+        os.chmod(path, 0o600)
+    return directory
+
+
+def load(directory: Union[str, os.PathLike]) -> Credentials:
+    """Load a key directory written by ``keygen``; ``AuthError`` (one line) if it is not usable."""
+    directory = os.fspath(directory)
+    secret_file = os.path.join(directory, KEY_NAME + ".key_secret")
+    public_dir = os.path.join(directory, PUBLIC_KEYS)
+    if not os.path.isfile(secret_file):
+        raise AuthError(f"auth directory {directory!r} has no {KEY_NAME}.key_secret "
+                        f"(create one with: remoteloader keygen {directory})")
+    if os.stat(secret_file).st_mode & 0o077:
+        raise AuthError(f"{secret_file} is readable by group or others; chmod 600 it")
+    if not os.path.isdir(public_dir):
+        raise AuthError(f"auth directory {directory!r} has no {PUBLIC_KEYS}/ directory of allowed client keys")
+    try:
+        public, secret = zmq.auth.load_certificate(secret_file)
+    except (OSError, ValueError) as e:
+        raise AuthError(f"cannot read the cluster key in {directory!r}: {e}") from None
+    if not secret:
+        raise AuthError(f"{secret_file} holds no secret key")
+    return Credentials(directory, public, secret, public_dir)
+
+
+def from_option(value: Optional[str]) -> Optional[Credentials]:
+    """``--auth DIR`` / ``auth=DIR``, defaulting to ``$REMOTELOADER_AUTH``; None: no auth."""
+    value = value if value else os.environ.get(ENV_AUTH) or None
+    return load(value) if value else None
+
+
+def secure_server(sock: zmq.Socket, creds: Credentials) -> None:
+    """Make ``sock`` (before bind) a CURVE server; pair it with ``server_authenticator``."""
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: refuse everyone, not admit everyone
+    sock.curve_secretkey = creds.secret_key
+    sock.curve_publickey = creds.public_key
+    sock.curve_server = True
+
+
+def secure_client(sock: zmq.Socket, creds: Credentials, server_public: Optional[bytes] = None) -> None:
+    """Make ``sock`` (before connect) a CURVE client of a server with key ``server_public``."""
+    sock.curve_secretkey = creds.secret_key
+    sock.curve_publickey = creds.public_key
+    sock.curve_serverkey = server_public if server_public is not None else creds.server_public
+
+
+class _Shared:
+    def __init__(self, authenticator: ThreadAuthenticator) -> None:
+        self.authenticator = authenticator
+        self.users = 0
+        self.locations: list[str] = []
+
+
+_lock = threading.Lock()
+_running: dict[int, _Shared] = {}  # id(context) -> its one authenticator
+
+
+class AuthenticatorHandle:
+    """A server's share of its context's authenticator; ``close`` releases it (idempotent)."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._ctx: Optional[zmq.Context] = ctx
+
+    def close(self) -> None:
+        with _lock:
+            if self._ctx is None:
+                return
+            key, self._ctx = id(self._ctx), None
+            shared = _running.get(key)
+            if shared is None:
+                return
+            shared.users -= 1
+            if shared.users <= 0:
+                del _running[key]
+                shared.authenticator.stop()
+
+
+def server_authenticator(ctx: zmq.Context, creds: Credentials) -> AuthenticatorHandle:
+    """Start (once per context) the ZAP handler that admits the keys in ``creds.public_keys_dir``.
+
+    Call before binding a ``secure_server`` socket. A second set of credentials on the
+    same context (two clusters in one process, e.g. tests) adds its allowed keys.
+    """
+    with _lock:
+        shared = _running.get(id(ctx))
+        if shared is None:
+            authenticator = ThreadAuthenticator(ctx)
+            authenticator.start()
+            authenticator.configure_curve(domain="*", location=creds.public_keys_dir)
+            shared = _running[id(ctx)] = _Shared(authenticator)
+            shared.locations.append(creds.public_keys_dir)
+        elif creds.public_keys_dir not in shared.locations:
+            shared.locations.append(creds.public_keys_dir)
+            shared.authenticator.certs.setdefault("*", {}).update(zmq.auth.load_certificates(creds.public_keys_dir))
+        shared.users += 1
+    return AuthenticatorHandle(ctx)
+
+
+class EphemeralKeys:
+    """A private temporary key directory (0700), removed by ``close``: the embedded default's keys."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="remoteloader-auth-")  # mkdtemp makes it 0700
+        keygen(self.directory)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def is_loopback(host_or_addr: str) -> bool:
+    """Is this bind host (or ``tcp://HOST:PORT``) reachable only from this machine?"""
+    host = host_or_addr
+    if "://" in host:
+        host = host.split("://", 1)[1].rsplit(":", 1)[0]
+    return host == "localhost" or host == "[::1]" or host == "::1" or host.startswith("127.")
+
+
+def server_credentials(prog: str, auth: Optional[str], insecure: bool, flag: str, where: str) -> Optional[Credentials]:
+    """A server's keys from ``--auth`` / the environment; raises AuthError (one line) for
+    a bad key directory, or for a non-loopback bind without keys unless ``--insecure``."""
+    try:
+        creds = from_option(auth)
+    except AuthError as e:
+        raise AuthError(f"{prog}: --auth: {e}") from None
+    if creds is None and not insecure and not is_loopback(where):
+        raise AuthError(f"{prog}: {flag} {where} is not a loopback address and no --auth key directory was given "
+                        f"(nor ${ENV_AUTH}): create one with 'remoteloader keygen DIR' and pass --auth DIR, "
+                        f"or pass --insecure to serve unauthenticated anyway")
+    return creds

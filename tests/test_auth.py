@@ -1,0 +1,222 @@
+"""CURVE on every socket (issue 11, item 1): a peer without the cluster key gets nothing."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import threading
+import time
+from collections import Counter
+
+import pytest
+import zmq
+
+from remoteloader import RemoteDataLoader
+from remoteloader.protocol import auth, wire
+from remoteloader.protocol.rpc import RpcClient
+from tests.conftest import BIN, ROWS, spec_dict
+
+SILENCE_S = 2.0  # how long an unauthenticated peer waits for a reply that must never come
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_keys(monkeypatch):
+    monkeypatch.delenv(auth.ENV_AUTH, raising=False)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    return auth.keygen(tmp_path / "keys")
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def _replies(addr: str, parts: list, creds=None, timeout_s: float = SILENCE_S) -> bool:
+    """Does a DEALER (plain, or a CURVE client with ``creds``) get any reply to ``parts``?"""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if creds is not None:
+            auth.secure_client(sock, creds)
+        sock.connect(addr)
+        sock.send_multipart(parts)
+        got = bool(sock.poll(int(timeout_s * 1000)))
+        sock.close(linger=0)
+        return got
+    finally:
+        ctx.term()
+
+
+# -- key material and the in-process building blocks ------------------------------------------------
+def test_keygen_writes_private_files_and_load_reads_them(keys):
+    assert _mode(keys) == 0o700 and _mode(os.path.join(keys, auth.PUBLIC_KEYS)) == 0o700
+    for name in ("cluster.key", "cluster.key_secret", os.path.join(auth.PUBLIC_KEYS, "cluster.key")):
+        assert _mode(os.path.join(keys, name)) == 0o600, name
+    creds = auth.load(keys)
+    assert len(creds.public_key) == 40 and len(creds.secret_key) == 40
+    with pytest.raises(auth.AuthError, match="refusing to overwrite"):
+        auth.keygen(keys)
+
+
+def test_load_refuses_missing_or_readable_keys(tmp_path, keys):
+    with pytest.raises(auth.AuthError, match="remoteloader keygen"):
+        auth.load(tmp_path / "nowhere")
+    os.chmod(os.path.join(keys, "cluster.key_secret"), 0o644)
+    with pytest.raises(auth.AuthError, match="readable by group or others"):
+        auth.load(keys)
+
+
+def test_option_defaults_to_the_environment(keys, monkeypatch):
+    assert auth.from_option(None) is None
+    monkeypatch.setenv(auth.ENV_AUTH, keys)
+    assert auth.from_option(None).directory == keys
+
+
+def test_is_loopback():
+    assert auth.is_loopback("tcp://127.0.0.1:5555") and auth.is_loopback("127.0.0.1")
+    assert auth.is_loopback("tcp://[::1]:0") and auth.is_loopback("localhost")
+    assert not auth.is_loopback("tcp://0.0.0.0:5555") and not auth.is_loopback("tcp://*:5555")
+    assert not auth.is_loopback("10.0.0.3") and not auth.is_loopback("eth0")
+
+
+def test_curve_router_answers_only_the_cluster_key(keys, tmp_path):
+    """The primitive every server uses: ROUTER + secure_server + the context's authenticator."""
+    creds = auth.load(keys)
+    other = auth.load(auth.keygen(tmp_path / "other"))
+    ctx = zmq.Context()
+    handle = auth.server_authenticator(ctx, creds)
+    second = auth.server_authenticator(ctx, creds)  # one authenticator per context, shared
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    auth.secure_server(router, creds)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    addr = f"tcp://127.0.0.1:{port}"
+    stop = False
+
+    def echo():
+        while not stop:
+            if router.poll(50):
+                identity, *body = router.recv_multipart()
+                router.send_multipart([identity, *wire.encode("ok")])
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    try:
+        status = wire.encode("status")
+        assert _replies(addr, status, creds, timeout_s=10)  # the cluster key: answered
+        assert not _replies(addr, status)  # plain ZeroMQ: the handshake fails, nothing arrives
+        assert not _replies(addr, status, other)  # a CURVE client with another key: ZAP refuses it
+        assert len(auth._running) == 1
+    finally:
+        stop = True
+        t.join()
+        router.close(linger=0)
+        handle.close()
+        handle.close()  # idempotent
+        assert id(ctx) in auth._running  # still used by `second`
+        second.close()
+        assert id(ctx) not in auth._running
+        ctx.term()
+
+
+# -- real processes ----------------------------------------------------------------------------------
+def _one_epoch(loader) -> Counter:
+    return Counter(rid for b in loader for rid in b.passthrough["row_id"].tolist())
+
+
+@pytest.mark.slow
+def test_authenticated_cluster_serves_only_key_holders(tables, cluster, keys, tmp_path):
+    master = cluster.master("--auth", keys, workers=2)
+    creds = auth.load(keys)
+    with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, auth=keys, timeout=60) as loader:
+        seen = _one_epoch(loader)
+        assert len(seen) == ROWS and set(seen.values()) == {1}  # a full, exact epoch: every row once
+
+        rpc = RpcClient(zmq.Context.instance(), master.addr, 10, auth=creds)
+        deadline = time.monotonic() + 60  # the epoch may end before the second worker has registered
+        while len(workers := rpc.call("status")["status"]["workers"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rpc.close()
+        assert len(workers) == 2
+
+        # No key, or another cluster's key: no status, no spec, no batches, not even an error.
+        other = auth.load(auth.keygen(tmp_path / "other"))
+        for creds_tried in (None, other):
+            for t in ("status", "get_spec"):
+                assert not _replies(master.addr, wire.encode(t), creds_tried), (t, creds_tried)
+            for w in workers:
+                assert not _replies(w["addr"], wire.encode("get_batch", rank=0, epoch=1), creds_tried)
+        # ... while a key holder still gets batches of the next epoch from the same processes.
+        seen = _one_epoch(loader)
+        assert len(seen) == ROWS and set(seen.values()) == {1}
+
+    cli = str(BIN / "remoteloader")
+    env = {k: v for k, v in os.environ.items() if k != auth.ENV_AUTH}
+    without = subprocess.run([cli, "status", "--master", master.addr, "--timeout", "2"],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert without.returncode == 1
+    assert len(without.stderr.strip().splitlines()) == 1 and "--auth" in without.stderr, without.stderr
+    with_auth = subprocess.run([cli, "status", "--master", master.addr, "--auth", keys, "--json"],
+                               capture_output=True, text=True, timeout=60, env=env)
+    assert with_auth.returncode == 0, with_auth.stderr
+    from_env = subprocess.run([cli, "status", "--master", master.addr],
+                              capture_output=True, text=True, timeout=60, env=dict(env, **{auth.ENV_AUTH: keys}))
+    assert from_env.returncode == 0 and "workers: 2" in from_env.stdout, from_env.stderr
+
+
+@pytest.mark.slow
+def test_standalone_worker_with_auth_flag(tables, cluster, keys):
+    """A worker started by hand (not launched) joins with --auth; one without keys never joins."""
+    master = cluster.master("--auth", keys, workers=0)
+    cluster.workers(master.addr, 1, "--auth", keys)
+    cluster.workers(master.addr, 1)  # no key: its register never reaches the master
+    with RemoteDataLoader(spec_dict(tables["parquet"]), master=master.addr, auth=keys, timeout=60) as loader:
+        seen = _one_epoch(loader)
+        assert len(seen) == ROWS and set(seen.values()) == {1}
+        rpc = RpcClient(zmq.Context.instance(), master.addr, 10, auth=auth.load(keys))
+        assert len(rpc.call("status")["status"]["workers"]) == 1
+        rpc.close()
+
+
+@pytest.mark.slow
+def test_embedded_default_is_authenticated(tables):
+    loader = RemoteDataLoader(spec_dict(tables["orc"]), num_workers=1, timeout=60)
+    try:
+        key_dir = loader._cluster.auth_dir
+        assert _mode(key_dir) == 0o700 and auth.load(key_dir)
+        assert not _replies(loader.master, wire.encode("status"))  # the embedded master wants the key too
+        seen = _one_epoch(loader)
+        assert len(seen) == ROWS and set(seen.values()) == {1}
+    finally:
+        loader.close()
+    assert not os.path.exists(key_dir)  # ephemeral keys are removed with the cluster
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [
+    ["remoteloader-master", "--bind", "tcp://0.0.0.0:0"],
+    ["remoteloader-worker", "--master", "tcp://127.0.0.1:9", "--bind-host", "0.0.0.0"],
+])
+def test_non_loopback_bind_without_auth_refuses_to_start(argv):
+    env = {k: v for k, v in os.environ.items() if k != auth.ENV_AUTH}
+    r = subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "--insecure" in r.stderr and "--auth" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", ["--insecure", "--auth"])
+def test_non_loopback_master_starts_with_insecure_or_auth(extra, keys):
+    args = [extra] + ([keys] if extra == "--auth" else [])
+    env = {k: v for k, v in os.environ.items() if k != auth.ENV_AUTH}
+    proc = subprocess.Popen([str(BIN / "remoteloader-master"), "--bind", "tcp://0.0.0.0:0", *args],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "listening on" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    assert proc.returncode == 0
