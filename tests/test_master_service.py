@@ -10,7 +10,7 @@ import pytest
 from remoteloader.master import updates as U
 from remoteloader.master.journal import Journal
 from remoteloader.master.service import MasterConfig, MasterService
-from remoteloader.protocol.wire import ProtocolError, decode
+from remoteloader.protocol.wire import PROTOCOL_VERSION, ProtocolError, decode
 from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
 
@@ -36,7 +36,7 @@ def make_service(spec: DatasetSpec, clock: Clock, journal: Journal | None = None
 
 
 def call(service: MasterService, t: str, **fields) -> tuple[str, dict]:
-    return service.handle({"v": 2, "t": t, **fields})
+    return service.handle({"v": PROTOCOL_VERSION, "t": t, **fields})
 
 
 def register(service: MasterService, n: int = 1) -> list[str]:
@@ -97,6 +97,29 @@ def test_stale_reports_of_a_reassigned_split_are_ignored(spec):
     progress = service.state.ranks[0].splits[split["split_id"]]
     assert progress.worker == b and progress.failed is None and not progress.produced
     assert service.state.errors == []
+
+
+def test_released_splits_are_handed_out_again_and_full_ranks_avoided(spec):
+    service = make_service(spec, Clock())
+    (w,) = register(service)
+    for rank in (0, 1):
+        hello(service, spec, client=f"c{rank}", rank=rank, world_size=2)
+        call(service, "start_epoch", client_id=f"c{rank}", epoch=0)
+    first = call(service, "get_split", worker_id=w)[1]["split"]
+    other = 1 - first["rank"]
+    # The worker holds its share for the first rank: it asks only for the other's splits.
+    for _ in range(3):
+        assert call(service, "get_split", worker_id=w, avoid_ranks=[first["rank"]])[1]["split"]["rank"] == other
+    # It hands the first split back (its client went silent): it is pending again, first in line.
+    assert call(service, "splits_released", worker_id=w, splits=[[0, first["split_id"]]], reason="silent") == ("ok", {})
+    assert (0, first["split_id"]) not in service.state.workers[w].assigned
+    assert service.state.ranks[first["rank"]].pending[0] == first["split_id"]
+    again = call(service, "get_split", worker_id=w, avoid_ranks=[other])[1]["split"]
+    assert (again["rank"], again["split_id"]) == (first["rank"], first["split_id"])
+    # A split it does not hold, and malformed lists, change nothing.
+    assert call(service, "splits_released", worker_id=w, splits=[[0, 10**6]], reason="x") == ("ok", {})
+    assert call(service, "splits_released", worker_id=w, splits=[[0]], reason="x")[0] == "error"
+    assert call(service, "get_split", worker_id=w, avoid_ranks=["0"])[0] == "error"
 
 
 def test_next_epoch_prefetch_waits_until_the_worker_holds_nothing_ahead(spec):
@@ -186,7 +209,7 @@ def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path):
 
 
 def encoded(t: str, **fields) -> list:
-    return [msgpack.packb({"v": 2, "t": t, **fields})]
+    return [msgpack.packb({"v": PROTOCOL_VERSION, "t": t, **fields})]
 
 
 @pytest.mark.parametrize("parts,match", [
@@ -237,7 +260,7 @@ def test_a_record_that_cannot_be_applied_does_not_keep_the_master_down(spec, tmp
 
 
 def test_client_specs_read_only_allowed_tables(spec, tables, tmp_path):
-    from remoteloader.master.allowlist import TableAllowlist
+    from remoteloader.core.allowlist import TableAllowlist
 
     root = str(tables["orc"].parent)
     assert TableAllowlist([root]).allows(str(tables["orc"]))

@@ -7,9 +7,11 @@ import subprocess
 import time
 
 import msgpack
+import pytest
 import zmq
 
 from remoteloader import RemoteDataLoader
+from remoteloader.protocol.wire import PROTOCOL_VERSION
 from tests.conftest import BIN, ROWS, spec_dict
 
 
@@ -20,7 +22,7 @@ def status(addr: str) -> dict:
 
 
 def get_batch(rank: int, epoch: int) -> list:
-    return [msgpack.packb({"v": 2, "t": "get_batch", "rank": rank, "epoch": epoch})]
+    return [msgpack.packb({"v": PROTOCOL_VERSION, "t": "get_batch", "rank": rank, "epoch": epoch})]
 
 
 def test_worker_survives_forged_epochs_and_a_client_that_never_reads(tables, cluster):
@@ -49,3 +51,39 @@ def test_worker_survives_forged_epochs_and_a_client_that_never_reads(tables, clu
     # SIGTERM drains; rank 1's pieces are never consumed, so it leaves at its drain timeout.
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(60) is not None
+
+
+@pytest.mark.parametrize("client_timeout", [
+    "60",  # rank 1 is never silent long enough: its share and the producer's yield keep rank 0 fed
+    "3",   # rank 1 goes silent: what the worker held for it is released, then produced again
+])
+def test_a_rank_that_stops_reading_does_not_starve_another(tables, cluster, client_timeout):
+    master = cluster.master(workers=0)
+    cluster.workers(master.addr, 1, "--buffer-batches", "8", "--client-timeout", client_timeout)
+    spec = spec_dict(tables["orc"], batch_size=50, split_rows=500)
+    with RemoteDataLoader(spec, master=master.addr, rank=0, world_size=2, timeout=30) as reader, \
+            RemoteDataLoader(spec, master=master.addr, rank=1, world_size=2, timeout=30) as sleeper:
+        asleep = iter(sleeper)
+        rows1 = next(asleep).passthrough["row_id"].tolist()   # rank 1 starts its epoch, then stops reading
+        rows0 = [r for b in reader for r in b.passthrough["row_id"].tolist()]
+        assert len(rows0) == len(set(rows0)) == ROWS // 2
+        time.sleep(4)
+        rows1 += [r for b in asleep for r in b.passthrough["row_id"].tolist()]
+    assert len(rows1) == len(set(rows1)) == ROWS // 2
+    assert sorted(rows0 + rows1) == list(range(ROWS))
+
+
+def test_a_worker_refuses_a_job_outside_its_allowlist(tables, cluster, tmp_path):
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec_dict(tables["orc"])))
+    master = cluster.master("--spec", str(spec_path), workers=0)
+    elsewhere = tmp_path / "other-tables"
+    elsewhere.mkdir()
+    refused = subprocess.run([str(BIN / "remoteloader-worker"), "--master", master.addr,
+                              "--allow-table", str(elsewhere)], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "outside this worker's --allow-table" in refused.stderr and str(tables["orc"]) in refused.stderr
+    # Launched workers get the master's own tables: the job is served.
+    (worker,) = cluster.workers(master.addr, 1, "--allow-table", str(tables["orc"]))
+    with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
+        assert sum(len(b) for b in loader) == ROWS

@@ -24,12 +24,12 @@ def test_roundtrip_with_frames():
     ([b"\xc1garbage"], "not msgpack"),
     ([msgpack.packb([1, 2])], "not a map"),
     ([msgpack.packb({"v": 99, "t": "ok"})], "version"),
-    ([msgpack.packb({"v": 2, "t": "pickle_me"})], "unknown message type"),
-    ([msgpack.packb({"v": 2, "t": "get_split"})], "missing"),
-    ([msgpack.packb({"v": 2, "t": "get_split", "worker_id": 5})], "must be str"),
-    ([msgpack.packb({"v": 2, "t": "get_batch", "rank": True, "epoch": 0})], "got bool"),
-    ([msgpack.packb({"v": 2, "t": "ok", "extra": 1})], "unknown fields"),
-    ([msgpack.packb({"v": 2, "t": "ok"})] + [b""] * 65, "frames"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "pickle_me"})], "unknown message type"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split"})], "missing"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split", "worker_id": 5})], "must be str"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_batch", "rank": True, "epoch": 0})], "got bool"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok", "extra": 1})], "unknown fields"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok"})] + [b""] * 65, "frames"),
 ])
 def test_malformed_messages_are_rejected(parts, match):
     with pytest.raises(wire.ProtocolError, match=match):

@@ -118,10 +118,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         print(f"remoteloader-master metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr)
 
+    # Workers it starts check the same tables again (a second line of defence).
+    served = [*args.allow_table, *([service.state.job.spec["table"]["path"]] if service.state.job else [])]
+    worker_args = [*(a for prefix in served for a in ("--allow-table", prefix)), *shlex.split(args.worker_args)]
     try:
         launcher = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
                                  ray_auth_token_path=args.ray_auth_token_file,
-                                 worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer,
+                                 worker_args=worker_args, buffer_batches=args.worker_buffer,
                                  auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
     except (ValueError, ImportError, ConnectionError) as e:
         print(f"remoteloader-master: {e}", file=sys.stderr)

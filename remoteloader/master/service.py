@@ -22,7 +22,7 @@ from ..core.sampling import plan_job_splits
 from ..protocol.wire import MASTER_REQUESTS
 from ..spec import DatasetSpec, SpecError
 from . import updates as U
-from .allowlist import TableAllowlist
+from ..core.allowlist import TableAllowlist
 from .journal import Journal
 from .metrics import RateWindow
 from .state import JobState
@@ -235,12 +235,16 @@ class MasterService:
 
     def _on_get_split(self, m: dict) -> Reply:
         self._require_worker(m["worker_id"])
-        choice = self.state.choose_split(m["worker_id"]) if self.state.job else None
+        avoid = m.get("avoid_ranks", [])
+        if len(avoid) > self.config.max_world_size or not all(type(r) is int for r in avoid):
+            raise RequestError("avoid_ranks must be a list of ranks")
+        avoid = frozenset(avoid)
+        choice = self.state.choose_split(m["worker_id"], avoid) if self.state.job else None
         if (choice is None and self.config.prefetch_next_epoch and self.state.job is not None
                 and self._room_to_prefetch(m["worker_id"])):
             for rank, epoch in self.state.prefetch_candidates(m["worker_id"]):
                 self._commit(U.EpochPrefetched(rank, epoch))
-            choice = self.state.choose_split(m["worker_id"])
+            choice = self.state.choose_split(m["worker_id"], avoid)
         if choice is None:
             return "no_split", {"retry_ms": self.config.no_split_retry_ms, "reason": "no pending split for this worker"}
         epoch, progress = choice
@@ -265,6 +269,21 @@ class MasterService:
             skipped = self.state.job.spec["on_error"] == "skip"
             log.error("split %d failed%s: %s", m["split_id"], " (skipped)" if skipped else "", m["error"])
             self._commit(U.SplitFailed(m["epoch"], m["split_id"], m["worker_id"], m["error"], skipped))
+        return "ok", {}
+
+    def _on_splits_released(self, m: dict) -> Reply:
+        """The worker gives splits back: their rank went silent (its pieces were dropped) or
+        its share of the worker's buffer is full while other ranks starve. They are handed
+        out again from what the rank consumed, as after a worker failure."""
+        self._require_worker(m["worker_id"])
+        released = m["splits"]
+        if len(released) > 1024 or not all(isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s)
+                                           for s in released):
+            raise RequestError("splits must be [[epoch, split_id], ...] (at most 1024)")
+        held = self.state.workers[m["worker_id"]].assigned
+        for epoch, split_id in released:
+            if (epoch, split_id) in held:
+                self._commit(U.SplitRevoked(epoch, split_id, m["worker_id"], f"released: {m['reason'][:200]}"))
         return "ok", {}
 
     def _holds(self, m: dict) -> bool:
@@ -431,6 +450,7 @@ _HANDLERS: dict[str, Callable[[MasterService, dict], Reply]] = {
     "get_split": MasterService._on_get_split,
     "split_produced": MasterService._on_split_produced,
     "split_failed": MasterService._on_split_failed,
+    "splits_released": MasterService._on_splits_released,
     "hello": MasterService._on_hello,
     "start_epoch": MasterService._on_start_epoch,
     "client_heartbeat": MasterService._on_client_heartbeat,

@@ -136,7 +136,8 @@ class JobState:
         w = self.workers.get(u.worker_id)
         if w is not None:
             w.assigned.discard((u.epoch, u.split_id))
-            w.producing = None
+            if w.producing is not None and tuple(w.producing[:2]) == (u.epoch, u.split_id):
+                w.producing = None
         if progress is not None and progress.worker == u.worker_id:
             self._requeue(lambda p: p is progress)
 
@@ -311,17 +312,19 @@ class JobState:
                 load[wid] += 1
 
     # -- queries ---------------------------------------------------------------------------
-    def choose_split(self, worker_id: str) -> Optional[tuple[int, SplitProgress]]:
-        """(epoch, split) next for this worker: from the ranks it serves, the one with the
-        fewest splits in flight, so every trainer's queue fills evenly; a prefetched next
-        epoch only when no current epoch has work for it."""
+    def choose_split(self, worker_id: str, avoid: frozenset = frozenset()) -> Optional[tuple[int, SplitProgress]]:
+        """(epoch, split) next for this worker: from the ranks it serves (but those in
+        ``avoid``, whose share of the worker's buffer is full), the one with the fewest
+        splits in flight, so every trainer's queue fills evenly; a prefetched next epoch
+        only when no current epoch has work for it."""
         if self.workers[worker_id].draining:
             return None
         for epochs in (self.ranks, self.prefetched):
             best = None
             for rank, members in sorted(self.partitions.items()):
                 rank_epoch = epochs.get(rank)
-                if worker_id not in members or rank_epoch is None or rank_epoch.finished or not rank_epoch.pending:
+                if (worker_id not in members or rank in avoid or rank_epoch is None or rank_epoch.finished
+                        or not rank_epoch.pending):
                     continue
                 in_flight = sum(1 for p in rank_epoch.splits.values() if p.worker is not None and not p.done)
                 if best is None or in_flight < best[0]:

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: files as maps, start_epoch done, epoch splits with base/row_lo/padding
+PROTOCOL_VERSION = 3  # 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
 MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
@@ -50,7 +50,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "register": {"addr": (_STR, True), "pid": (_INT, True)},
     "get_spec": {},
     "heartbeat": {"worker_id": (_STR, True), "buffered": (_INT, True), "stats": (_MAP, False)},
-    "get_split": {"worker_id": (_STR, True)},
+    "get_split": {"worker_id": (_STR, True), "avoid_ranks": (_LIST, False)},
+    "splits_released": {"worker_id": (_STR, True), "splits": (_LIST, True), "reason": (_STR, True)},
     "split_produced": {"worker_id": (_STR, True), "epoch": (_INT, True), "split_id": (_INT, True)},
     "split_failed": {"worker_id": (_STR, True), "epoch": (_INT, True), "split_id": (_INT, True),
                      "error": (_STR, True)},
@@ -84,6 +85,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
 }
 # What the master answers; MasterService checks at import that it has a handler for each.
 MASTER_REQUESTS = frozenset({"register", "get_spec", "heartbeat", "get_split", "split_produced", "split_failed",
+                             "splits_released",
                              "drain", "bye", "hello", "start_epoch", "client_heartbeat", "finish_epoch", "status"})
 
 

@@ -14,7 +14,7 @@ from ..core.procs import die_with_parent
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import auth as cluster_auth
 from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address
-from .server import Faults, Worker
+from .server import Faults, TableRefused, Worker
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "
                         "(0: one request per stream)")
+    p.add_argument("--allow-table", action="append", default=None, metavar="PREFIX",
+                   help="path or URI prefix of tables this worker may read (repeatable); a job outside them "
+                        "is refused (default: whatever the master names)")
+    p.add_argument("--client-timeout", type=float, default=30.0,
+                   help="seconds a rank may send no request before the batches held for it are released "
+                        "(re-produced if it returns); keep below the master's --split-timeout")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to wait for clients to consume what this worker holds")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
@@ -71,14 +77,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches,
                         drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
-                        faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds)
+                        faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
+                        client_timeout_s=args.client_timeout,
+                        allowed_tables=None if args.allow_table is None else tuple(args.allow_table))
     except zmq.ZMQError as e:
         print(f"remoteloader-worker: --bind-host {args.bind_host}: {e}", file=sys.stderr)
         return 2
     # SIGTERM (scale-down, orderly shutdown) drains; SIGINT (Ctrl-C) stops at once.
     signal.signal(signal.SIGTERM, lambda *_: worker.request("drain"))
     signal.signal(signal.SIGINT, lambda *_: worker.request("stop"))
-    worker.run()
+    try:
+        worker.run()
+    except TableRefused as e:
+        print(f"remoteloader-worker: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -25,11 +25,12 @@ import zmq
 
 from ..protocol import wire
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
+from ..core.allowlist import TableAllowlist
 from ..core.binding import bind_schema
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from ..spec import DatasetSpec
-from .buffer import BatchBuffer
+from .buffer import RELEASED, STOPPED, STORED, BatchBuffer
 from ..core.processor import SplitError, SplitProcessor, SplitTask
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ MAX_WAITING_PER_CLIENT = 64  # a well-behaved client keeps `inflight` (a few) pe
 class Worker:
     def __init__(self, master: str, bind_host: str = "127.0.0.1", buffer_batches: int = 16,
                  rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional["Faults"] = None,
-                 coalesce_gap: int = DEFAULT_COALESCE_GAP, auth: Optional[Credentials] = None) -> None:
+                 coalesce_gap: int = DEFAULT_COALESCE_GAP, auth: Optional[Credentials] = None,
+                 client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None) -> None:
         self.master = master
         self.auth = auth  # CURVE keys: the data socket is a CURVE server, the master calls CURVE clients
         self.ctx = zmq.Context.instance()
@@ -53,8 +55,12 @@ class Worker:
         self._drain_deadline = float("inf")
         self.faults = faults or Faults()
         self.coalesce_gap = coalesce_gap
+        # A second line of defence behind the master's: a spec or split naming a table
+        # outside these prefixes is refused (None: whatever the master names).
+        self.allowlist = TableAllowlist(allowed_tables)
         self._producing: Optional[list] = None  # [epoch, split_id, pieces produced]
-        self.buffer = BatchBuffer(buffer_batches)
+        # A rank silent this long loses what the worker holds for it (handed back to the master).
+        self.buffer = BatchBuffer(buffer_batches, silent_after_s=client_timeout_s)
         self.rpc_timeout_s = rpc_timeout_s
         self.data = self.ctx.socket(zmq.ROUTER)
         self.data.setsockopt(zmq.LINGER, 0)
@@ -76,6 +82,7 @@ class Worker:
         self._waiting: dict[tuple[int, int], deque] = {}  # (rank, epoch) -> client identities
         self._waiting_count = 0
         self._waiting_per_client: Counter = Counter()  # identity -> requests it has waiting
+        self._unreported: list[list[int]] = []  # released (epoch, split id)s the master has not heard of
         self._epochs: dict[int, int] = {}  # rank -> latest epoch the master gave this worker a split of
         self._stats = {"rows": 0, "batches": 0, "splits": 0, "busy_s": 0.0}
         self._proc = psutil.Process()
@@ -101,6 +108,9 @@ class Worker:
                 if self.processor is None:
                     reply = rpc.call("get_spec")
                     spec = DatasetSpec.from_dict(reply["spec"])
+                    if not self.allowlist.allows(spec.table.path):
+                        raise TableRefused(f"the master's job reads table {spec.table.path!r}, outside this "
+                                           "worker's --allow-table prefixes; refusing to serve it")
                     processor = SplitProcessor(bind_schema(spec, reply["schema"]), self.coalesce_gap)
                     processor.warm_up()
                     self.processor = processor
@@ -118,9 +128,14 @@ class Worker:
 
     def run(self) -> None:
         control = RpcClient(self.ctx, self.master, self.rpc_timeout_s, auth=self.auth)
-        if not self._join(control):
-            control.close()
-            self._close_data()
+        joined = False
+        try:
+            joined = self._join(control)  # raises TableRefused for a job outside --allow-table
+        finally:
+            if not joined:
+                control.close()
+                self._close_data()
+        if not joined:
             return
         producer = threading.Thread(target=self._produce, name="producer", daemon=True)
         producer.start()
@@ -155,7 +170,8 @@ class Worker:
                     self.stop_event.wait(0.1)
                     continue
                 try:
-                    reply = rpc.call("get_split", worker_id=self.worker_id, stop=self.stop_event)
+                    reply = rpc.call("get_split", worker_id=self.worker_id, avoid_ranks=self.buffer.blocked_ranks(),
+                                     stop=self.stop_event)
                 except (MasterUnavailable, RemoteError) as e:
                     log.warning("get_split: %s", e)
                     time.sleep(0.5)
@@ -169,6 +185,10 @@ class Worker:
                     log.error("dropped a malformed split from the master: %s", e)
                     self.stop_event.wait(0.5)
                     continue
+                if not self.allowlist.allows(task.file.path):
+                    self._report_failure(rpc, task, f"{task.describe()}: file {task.file.path!r} is outside this "
+                                                    "worker's --allow-table prefixes")
+                    continue
                 self._process(task, rpc, notify)
         finally:
             rpc.close()
@@ -181,7 +201,14 @@ class Worker:
         try:
             for piece in self.processor.pieces(task):
                 self.faults.before_piece(self.stop_event)
-                if not self.buffer.put((task.rank, task.epoch), piece, self.stop_event):
+                outcome = self.buffer.put((task.rank, task.epoch), piece, self.stop_event)
+                if outcome == STOPPED:
+                    return
+                if outcome != STORED:  # the rank is silent, or its share is full while others starve
+                    reason = ("its client went silent" if outcome == RELEASED
+                              else "its rank's share of the buffer is full while another rank waits")
+                    self._call_quietly(rpc, "splits_released", worker_id=self.worker_id,
+                                       splits=[[task.epoch, task.split_id]], reason=reason)
                     return
                 self._producing[2] += 1
                 self._stats["rows"] += piece.rows
@@ -245,6 +272,7 @@ class Worker:
                     break
                 if now >= next_heartbeat:
                     self._heartbeat(control)
+                    self._release_silent(control)
                     next_heartbeat = now + self.heartbeat_interval
                 events = dict(poller.poll(max(1, int(1000 * (next_heartbeat - time.monotonic())))))
                 if wake in events:
@@ -254,6 +282,9 @@ class Worker:
                     while self.data.poll(0):
                         self._on_request(self.data.recv_multipart(copy=False))
                 self._serve_waiting()
+                # Ranks asking with nothing buffered: a producer stuck on another rank's
+                # full share hands its split back rather than keep them waiting.
+                self.buffer.set_hungry(frozenset(k[0] for k in self._waiting))
         finally:
             wake.close(linger=0)
 
@@ -277,6 +308,7 @@ class Worker:
             for key in [k for k in self._waiting if k[0] == rank and k[1] < epoch]:
                 for stale in self._waiting.pop(key):
                     self._forget_request(stale)
+        self.buffer.heard_from(rank)
         self._waiting.setdefault((rank, epoch), deque()).append(identity)
         self._waiting_count += 1
         self._waiting_per_client[identity] += 1
@@ -311,6 +343,24 @@ class Worker:
             if not identities:
                 del self._waiting[key]
 
+    def _release_silent(self, control: RpcClient) -> None:
+        """Hand back the splits of ranks silent past the client timeout (their pieces are
+        dropped); kept and retried until the master has them, or that rank would wait for
+        pieces nobody holds."""
+        released = self.buffer.release_silent()
+        if released:
+            log.warning("released %d splits held for silent clients", len(released))
+        self._unreported.extend(list(s) for s in released)
+        while self._unreported:
+            chunk = self._unreported[:1024]
+            try:
+                control.call("splits_released", worker_id=self.worker_id, splits=chunk,
+                             reason="its client went silent", timeout_s=min(self.rpc_timeout_s, 2.0))
+            except (MasterUnavailable, RemoteError) as e:
+                log.warning("splits_released: %s; retrying", e)
+                return
+            del self._unreported[:len(chunk)]
+
     def _heartbeat(self, control: RpcClient) -> None:
         stats = dict(self._stats, cpu=self._proc.cpu_percent() / 100.0, capacity=self.buffer.capacity,
                      ahead=self.buffer.ahead_count(),
@@ -341,6 +391,10 @@ class Worker:
             log.warning("master does not know worker %s; registering again", self.worker_id)
             self.worker_id = None
             self._join(control)
+
+
+class TableRefused(Exception):
+    """The master's job names a table this worker may not read (``--allow-table``)."""
 
 
 class Faults:

@@ -1,4 +1,4 @@
-"""Which tables a master may read for its clients: path or URI prefixes (``--allow-table``).
+"""Which tables a master (and its workers) may read for clients: path or URI prefixes (``--allow-table``).
 
 A client's spec names a table; the master (and through it every worker) would read
 whatever it names. The allowlist confines that to the prefixes an operator chose. Local
