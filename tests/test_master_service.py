@@ -122,6 +122,38 @@ def test_released_splits_are_handed_out_again_and_full_ranks_avoided(spec):
     assert call(service, "get_split", worker_id=w, avoid_ranks=["0"])[0] == "error"
 
 
+def test_a_silent_client_is_forgotten_and_can_rejoin(spec, tmp_path):
+    clock = Clock()
+    service = make_service(spec, clock, Journal(str(tmp_path)), client_timeout=600.0)
+    register(service)
+    for rank in (0, 1):
+        hello(service, spec, client=f"c{rank}", rank=rank, world_size=2)
+        call(service, "start_epoch", client_id=f"c{rank}", epoch=0)
+    clock.now += 400
+    call(service, "client_heartbeat", client_id="c0", epoch=0, acks=[])  # c0 is alive, c1 is not
+    clock.now += 300
+    service.tick()
+    assert set(service.state.clients) == {"c0"} and set(service.state.client_stats) == {"c0"}
+    assert call(service, "client_heartbeat", client_id="c1", epoch=0, acks=[])[1]["code"] == "unknown_client"
+    restarted = MasterService(MasterConfig(), Journal(str(tmp_path)), clock)  # the journal forgets it too
+    assert set(restarted.state.clients) == {"c0"}
+    hello(service, spec, client="c1", rank=1, world_size=2)  # what a returning loader does
+    assert call(service, "start_epoch", client_id="c1", epoch=0)[0] == "epoch"
+
+
+def test_one_peer_cannot_flood_joins():
+    from remoteloader.master.server import PeerRateLimit
+    clock = Clock()
+    limit = PeerRateLimit(limit=3, window_s=10.0, max_peers=2, clock=clock)
+    assert [limit.allow(b"a", "hello") for _ in range(4)] == [True, True, True, False]
+    assert limit.allow(b"a", "client_heartbeat")              # only joins are limited
+    assert limit.allow(b"b", "register")                      # per peer
+    clock.now += 10
+    assert limit.allow(b"a", "hello")                         # a new window
+    limit.allow(b"c", "hello")
+    assert len(limit._peers) == 2                             # bounded memory of peers
+
+
 def test_next_epoch_prefetch_waits_until_the_worker_holds_nothing_ahead(spec):
     service = make_service(spec, Clock())
     (w,) = register(service)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import zmq
@@ -18,6 +19,37 @@ from .service import MasterService
 
 log = logging.getLogger(__name__)
 TICK_S = 0.1
+
+
+class PeerRateLimit:
+    """At most ``limit`` joins (``register``, ``hello``) per peer (ZeroMQ routing identity)
+    in each ``window_s``; past it the peer is answered ``error`` code ``flood`` and the
+    service never sees the request. The service's totals (``max_workers``, world size)
+    bound what many peers together can add; this keeps one peer in a retry loop from
+    monopolizing the loop. A legitimate client retries ``hello`` about 5 times a second
+    while a spec binds, well under the default."""
+
+    LIMITED = frozenset({"register", "hello"})
+
+    def __init__(self, limit: int = 100, window_s: float = 10.0, max_peers: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window_s, self.max_peers, self.clock = limit, window_s, max_peers, clock
+        self._peers: OrderedDict[bytes, tuple[float, int]] = OrderedDict()  # peer -> (window start, joins)
+
+    def allow(self, peer: bytes, t: str) -> bool:
+        if t not in self.LIMITED:
+            return True
+        now = self.clock()
+        start, count = self._peers.get(peer, (now, 0))
+        if now - start >= self.window_s:
+            start, count = now, 0
+        if count >= self.limit:
+            return False
+        self._peers[peer] = (start, count + 1)
+        self._peers.move_to_end(peer)
+        while len(self._peers) > self.max_peers:  # forget the peers heard from longest ago
+            self._peers.popitem(last=False)
+        return True
 
 
 def bind_endpoint(sock: zmq.Socket, addr: str) -> str:
@@ -47,6 +79,7 @@ class MasterServer:
         self.stop_event = threading.Event()
         self._stop_requested = False  # set by signal handlers: a plain flag is safe there, Event.set is not
         self.periodic: list[Callable[[], None]] = [service.tick]
+        self.joins = PeerRateLimit()
 
     def serve_forever(self) -> None:
         next_tick = 0.0
@@ -87,6 +120,11 @@ class MasterServer:
             self.sock.send_multipart([identity, *wire.encode("error", message=f"malformed message: {e}", code="protocol")])
             return
         header, _ = msg
+        if not self.joins.allow(identity, header["t"]):
+            log.warning("refused %r from peer %s: too many joins", header["t"], identity.hex())
+            self.sock.send_multipart([identity, *wire.encode(
+                "error", message=f"too many {header['t']} requests from this peer; slow down", code="flood")])
+            return
         try:
             t, fields = self.service.handle(header)
             reply = wire.encode(t, **fields)

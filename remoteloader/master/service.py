@@ -57,6 +57,7 @@ class MasterConfig:
     # master's own --spec only). remoteloader-master always sets it.
     allowed_tables: Optional[tuple[str, ...]] = None
     bind_timeout: float = 120.0  # seconds a first client's spec may take to bind (list files, footers)
+    client_timeout: float = 600.0  # a client silent this long is forgotten (it rejoins by saying hello)
 
 
 BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
@@ -168,6 +169,10 @@ class MasterService:
                 log.warning("worker %s (%s) missed heartbeats for %.1f s: presumed dead",
                             w.worker_id, w.addr, now - w.last_seen)
                 self._commit(U.WorkerLost(w.worker_id, "heartbeat timeout"))
+        for cid, seen in list(self.state.client_seen.items()):
+            if seen < now - self.config.client_timeout:
+                log.warning("client %s (rank %d) silent for %.0f s: forgotten", cid, self.state.clients[cid], now - seen)
+                self._commit(U.ClientLeft(cid, "client timeout"))
         for epoch, split_id, worker_id, reason in self.state.stalled_splits(
                 now, self.config.heartbeat_interval, self.config.split_timeout):
             log.warning("worker %s: split %d of epoch %d revoked: %s", worker_id, split_id, epoch, reason)

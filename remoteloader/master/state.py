@@ -88,6 +88,7 @@ class JobState:
         self.workers: dict[str, WorkerInfo] = {}
         self.clients: dict[str, int] = {}  # client id -> rank
         self.client_stats: dict[str, dict] = {}
+        self.client_seen: dict[str, float] = {}  # client id -> its last hello or heartbeat
         self.partitions: dict[int, list[str]] = {}  # rank -> worker ids it reads from
         self.ranks: dict[int, RankEpoch] = {}
         self.prefetched: dict[int, RankEpoch] = {}  # rank -> its next epoch, started early
@@ -104,6 +105,8 @@ class JobState:
     def _on_MasterStarted(self, u: U.MasterStarted) -> None:
         for w in self.workers.values():
             w.last_seen = u.time
+        for cid in self.client_seen:
+            self.client_seen[cid] = u.time
 
     def _on_JobSubmitted(self, u: U.JobSubmitted) -> None:
         splits = [BaseSplit(i, *row) for i, row in enumerate(u.splits)]
@@ -159,20 +162,29 @@ class JobState:
             self.job.world_size = u.world_size
         replaced = [cid for cid, rank in self.clients.items() if rank == u.rank and cid != u.client_id]
         for cid in replaced:
-            del self.clients[cid]
-            self.client_stats.pop(cid, None)
+            self._forget_client(cid)
         if replaced and u.rank in self.ranks:
             # A rank back in a new process (resume): pieces already sent to the old client
             # may be lost with it, so every split it had not consumed is produced again
             # (from what was consumed, which the new client reports at start_epoch).
             self._requeue(lambda p: p.split.rank == u.rank)
         self.clients[u.client_id] = u.rank
+        self.client_seen[u.client_id] = u.time
         self.partitions.setdefault(u.rank, [])
         self._rebalance()
 
     def _on_ClientHeartbeat(self, u: U.ClientHeartbeat) -> None:
         if u.client_id in self.clients:
             self.client_stats[u.client_id] = dict(u.stats, time=u.time)
+            self.client_seen[u.client_id] = u.time
+
+    def _on_ClientLeft(self, u: U.ClientLeft) -> None:
+        self._forget_client(u.client_id)
+
+    def _forget_client(self, client_id: str) -> None:
+        self.clients.pop(client_id, None)
+        self.client_stats.pop(client_id, None)
+        self.client_seen.pop(client_id, None)
 
     def _on_EpochStarted(self, u: U.EpochStarted) -> None:
         # A fresh start from the plan, unless workers already started this epoch ahead of
@@ -391,6 +403,7 @@ _APPLY: dict[type, Callable[[JobState, Any], None]] = {
     U.WorkerLost: JobState._on_WorkerLost,
     U.ClientJoined: JobState._on_ClientJoined,
     U.ClientHeartbeat: JobState._on_ClientHeartbeat,
+    U.ClientLeft: JobState._on_ClientLeft,
     U.EpochStarted: JobState._on_EpochStarted,
     U.EpochPrefetched: JobState._on_EpochPrefetched,
     U.EpochResumed: JobState._on_EpochResumed,

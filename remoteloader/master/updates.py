@@ -91,6 +91,14 @@ class ClientHeartbeat(Update):
 
 
 @dataclass(frozen=True)
+class ClientLeft(Update):
+    """A client silent past the client timeout is forgotten (its rank's progress stays:
+    a client of that rank that comes back says hello and continues)."""
+    client_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class EpochStarted(Update):
     rank: int
     epoch: int
