@@ -1,10 +1,14 @@
-"""Fuzzing the master's edge: generated messages never crash it, never reach the journal
-invalid, and afterwards it still serves a full, exact epoch."""
+"""Fuzzing the edges: generated messages never crash the master or a worker, never reach
+the master's journal invalid, and afterwards both still serve a full, exact epoch."""
 from __future__ import annotations
+
+import json
+import subprocess
 
 import msgpack
 import numpy as np
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +18,8 @@ from remoteloader.master.journal import Journal
 from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol import wire
 from remoteloader.spec import DatasetSpec
-from tests.conftest import ROWS, spec_dict
+from remoteloader import RemoteDataLoader
+from tests.conftest import BIN, ROWS, spec_dict
 
 # Values a peer might send: the right types with hostile values, and the wrong types.
 # Weighted towards values that reach past the first checks (epoch 0, split 1, a known client).
@@ -56,7 +61,8 @@ def master_messages(draw) -> tuple:
               if required or draw(st.booleans())}
     if draw(st.integers(0, 9)) == 0:
         fields[draw(texts)] = draw(values)  # an unknown field
-    header = {"v": draw(st.sampled_from([2] * 8 + [1, "2"])), "t": t, **fields}
+    v = wire.PROTOCOL_VERSION
+    header = {"v": draw(st.sampled_from([v] * 8 + [v - 1, str(v)])), "t": t, **fields}
     cut = draw(st.one_of(st.none(), st.floats(0, 1))) if draw(st.integers(0, 9)) == 0 else None  # truncation
     frames = [b"x" * draw(st.integers(0, 64)) for _ in range(draw(st.integers(0, 2)))]
     return header, cut, frames
@@ -132,3 +138,50 @@ def test_random_bytes_are_refused(spec):
         n = int(rng.integers(0, 200))
         serve(service, [rng.integers(0, 256, n, dtype=np.uint8).tobytes()])
     assert sorted(full_epoch(service, spec, epoch=3)) == list(range(ROWS))
+
+
+@st.composite
+def worker_messages(draw) -> list:
+    """What a hostile peer sends a worker's data socket: requests of every type (mostly
+    get_batch, with hostile values), truncated msgpack, random bytes, wrong frame counts,
+    frames past the worker's 64 KiB message limit."""
+    kind = draw(st.sampled_from(["get_batch"] * 4 + ["other", "bytes", "frames", "oversize"]))
+    if kind == "bytes":
+        return [draw(st.binary(max_size=200))]
+    if kind == "oversize":
+        return [msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_batch", "rank": 1, "epoch": 0}), b"x" * (70 << 10)]
+    t = "get_batch" if kind in ("get_batch", "frames") else draw(st.sampled_from(sorted(wire.SCHEMAS)))
+    fields = {name: draw(hostile_value(types)) for name, (types, required) in wire.SCHEMAS[t].items()
+              if required or draw(st.booleans())}
+    message = packed(({"v": wire.PROTOCOL_VERSION, "t": t, **fields},
+                      draw(st.one_of(st.none(), st.floats(0, 1))) if draw(st.integers(0, 5)) == 0 else None, []), "")
+    if kind == "frames":
+        message += [b"y"] * draw(st.integers(1, 70))
+    return message
+
+
+def test_generated_messages_neither_crash_nor_starve_a_worker(tables, cluster):
+    master = cluster.master(workers=1)
+    spec = spec_dict(tables["orc"], batch_size=256)
+    ctx = zmq.Context.instance()
+    with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
+        assert sorted(r for b in loader for r in b.passthrough["row_id"].tolist()) == list(range(ROWS))
+        status = json.loads(subprocess.run([str(BIN / "remoteloader"), "status", "--master", master.addr, "--json"],
+                                           capture_output=True, text=True, check=True, timeout=30).stdout)
+        (worker,) = status["workers"]
+
+        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.lists(worker_messages(), min_size=1, max_size=50))
+        def attack(messages):
+            hostile = ctx.socket(zmq.DEALER)
+            hostile.setsockopt(zmq.LINGER, 0)
+            hostile.connect(worker["addr"])
+            for message in messages:
+                hostile.send_multipart(message)
+            hostile.poll(50)
+            hostile.close()  # whatever it asked for goes back to the buffer: the worker cannot route it
+
+        attack()
+        # Same worker process, still heartbeating, and the next epoch is exact.
+        assert master.worker_pids() == [worker["pid"]]
+        assert sorted(r for b in loader for r in b.passthrough["row_id"].tolist()) == list(range(ROWS))
