@@ -37,6 +37,7 @@ from zmq.auth.thread import ThreadAuthenticator
 ENV_AUTH = "REMOTELOADER_AUTH"
 KEY_NAME = "cluster"
 PUBLIC_KEYS = "public_keys"
+ZAP_DOMAIN = b"remoteloader"  # the ZAP domain of every server socket; the authenticator checks keys for it
 
 
 class AuthError(ValueError):
@@ -108,7 +109,11 @@ def from_option(value: Optional[str]) -> Optional[Credentials]:
 
 def secure_server(sock: zmq.Socket, creds: Credentials) -> None:
     """Make ``sock`` (before bind) a CURVE server; pair it with ``server_authenticator``."""
-    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: refuse everyone, not admit everyone
+    # libzmq asks the ZAP handler only for a socket with a ZAP domain: without one, CURVE
+    # admits any client key that knows the server's public key. With a domain and
+    # ZAP_ENFORCE_DOMAIN, a missing handler refuses everyone rather than admitting everyone.
+    sock.zap_domain = ZAP_DOMAIN
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     sock.curve_secretkey = creds.secret_key
     sock.curve_publickey = creds.public_key
     sock.curve_server = True
@@ -163,12 +168,13 @@ def server_authenticator(ctx: zmq.Context, creds: Credentials) -> AuthenticatorH
         if shared is None:
             authenticator = ThreadAuthenticator(ctx)
             authenticator.start()
-            authenticator.configure_curve(domain="*", location=creds.public_keys_dir)
+            authenticator.configure_curve(domain=ZAP_DOMAIN.decode(), location=creds.public_keys_dir)
             shared = _running[id(ctx)] = _Shared(authenticator)
             shared.locations.append(creds.public_keys_dir)
         elif creds.public_keys_dir not in shared.locations:
             shared.locations.append(creds.public_keys_dir)
-            shared.authenticator.certs.setdefault("*", {}).update(zmq.auth.load_certificates(creds.public_keys_dir))
+            shared.authenticator.certs.setdefault(ZAP_DOMAIN.decode(), {}).update(
+                zmq.auth.load_certificates(creds.public_keys_dir))
         shared.users += 1
     return AuthenticatorHandle(ctx)
 
