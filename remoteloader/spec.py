@@ -166,11 +166,20 @@ class _SpecLoader(yaml.SafeLoader):
     """Safe YAML without aliases: ``*name`` can expand a few hundred bytes into gigabytes
     ("billion laughs"), and a spec never needs one."""
 
+    MAX_DEPTH = 64  # a spec nests a few levels; refusing early beats recursing a thousand deep
+
     def compose_node(self, parent, index):  # type: ignore[override]
         if self.check_event(yaml.AliasEvent):
             mark = self.peek_event().start_mark
             raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a spec", mark)
-        return super().compose_node(parent, index)
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > self.MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {self.MAX_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 EVEN_BATCHES = ("pad", "drop", "off")
 
 

@@ -133,6 +133,7 @@ def test_a_silent_client_is_forgotten_and_can_rejoin(spec, tmp_path):
     call(service, "client_heartbeat", client_id="c0", epoch=0, acks=[])  # c0 is alive, c1 is not
     clock.now += 300
     service.tick()
+    service.sync()  # what the server does after each pass
     assert set(service.state.clients) == {"c0"} and set(service.state.client_stats) == {"c0"}
     assert call(service, "client_heartbeat", client_id="c1", epoch=0, acks=[])[1]["code"] == "unknown_client"
     restarted = MasterService(MasterConfig(), Journal(str(tmp_path)), clock)  # the journal forgets it too
@@ -212,9 +213,10 @@ def durable_view(service: MasterService) -> dict:
             "ranks": rank_view(st.ranks), "prefetched": rank_view(st.prefetched), "errors": st.errors}
 
 
-def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path):
+@pytest.mark.parametrize("compacted", [False, True])
+def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path, compacted):
     clock = Clock()
-    live = make_service(spec, clock, Journal(tmp_path))
+    live = make_service(spec, clock, Journal(tmp_path), journal_compact_bytes=0 if compacted else 4 << 20)
     a, b, c = register(live, 3)
     hello(live, spec, client="c0", rank=0, world_size=2)
     hello(live, spec, client="c1", rank=1, world_size=2)
@@ -232,9 +234,15 @@ def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path):
     call(live, "client_heartbeat", client_id=f"c{s0['rank']}", epoch=0, acks=[[s0["split_id"], 1]],
          stats={"batches": 1, "wait_s": 0.1})
     call(live, "drain", worker_id=c)
+    live.sync()  # with journal_compact_bytes 0: the journal is now one Snapshot record
+    records = [type(u).__name__ for u in Journal(tmp_path).replay()]
+    assert (records == ["Snapshot"]) == compacted
     live.journal.close()
 
     restarted = MasterService(MasterConfig(), Journal(tmp_path), clock)
+    # Consumption is not journaled: the client reports it again when it sees a new master.
+    t, reply = call(restarted, "client_heartbeat", client_id=f"c{s0['rank']}", epoch=0, acks=[[s0["split_id"], 1]])
+    assert reply["master"] != live.incarnation
     assert durable_view(restarted) == durable_view(live)
     # Workers get a fresh grace period from the restart, not their pre-restart last_seen.
     assert all(w.last_seen == clock.now for w in restarted.state.workers.values())
@@ -351,3 +359,29 @@ def test_a_bind_past_its_deadline_is_refused_naming_the_key(spec, monkeypatch):
     t, reply = hello(service, spec)
     assert t == "error" and reply["code"] == "bad_spec" and reply["message"].startswith("table.path:")
     never.set()
+
+
+def test_the_journal_is_compacted_at_each_epoch_end(spec, tmp_path):
+    """Consumption is not journaled, and a finished epoch compacts the journal to one
+    snapshot: its size follows the current state, not the job's age."""
+    clock = Clock()
+    service = make_service(spec, clock, Journal(tmp_path))
+    (w,) = register(service)
+    hello(service, spec)
+    sizes = []
+    for epoch in range(3):
+        call(service, "start_epoch", client_id="c0", epoch=epoch)
+        while (reply := call(service, "get_split", worker_id=w))[0] == "split":
+            split = reply[1]["split"]
+            pieces = -(-(split["row_hi"] - split["row_lo"]) // 100)
+            call(service, "split_produced", worker_id=w, epoch=epoch, split_id=split["split_id"])
+            for done in range(1, pieces + 1):  # an ack per piece: none of them is journaled
+                call(service, "client_heartbeat", client_id="c0", epoch=epoch, acks=[[split["split_id"], done]])
+        assert call(service, "finish_epoch", client_id="c0", epoch=epoch) == ("ok", {})
+        service.sync()
+        assert [type(u).__name__ for u in Journal(tmp_path).replay()] == ["Snapshot"]
+        sizes.append(service.journal.size)
+    assert max(sizes) - min(sizes) < 200  # the same state each epoch end: the same size
+    service.journal.close()
+    restarted = MasterService(MasterConfig(), Journal(tmp_path), clock)
+    assert restarted.state.ranks[0].epoch == 2 and restarted.state.ranks[0].finished

@@ -127,6 +127,7 @@ class RemoteDataLoader:
         self._current: Optional[EpochRun] = None
         self._active: Optional[Generator[Batch, None, None]] = None
         self._batches_yielded = 0
+        self._master_seen: Optional[str] = None  # the master process heard from last (membership.master)
         self._plan: Optional[str] = None
         self._closed = False
         self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings
@@ -300,6 +301,14 @@ class RemoteDataLoader:
             self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(assembler.consumed_state()),
                        done=self._current.done if self._current is not None else [])
             reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=[])
+        master = reply.get("master")
+        if master is not None and self._master_seen not in (None, master):
+            # Another master process (a restart on its journal): consumption is not
+            # journaled, so it hears everything this rank has consumed again.
+            log.info("master restarted; reporting what rank %d consumed in epoch %d", self.rank, epoch)
+            reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch,
+                               acks=_acks_of(assembler.consumed_state()))
+        self._master_seen = master
         fetcher.set_workers(reply["workers"])
         for err in reply["errors"]:
             if not err["skipped"]:

@@ -1,4 +1,11 @@
-"""An append-only journal of update records, flushed to disk before they take effect.
+"""An append-only journal of update records, on disk before anyone hears of their effect.
+
+Group commit: ``append`` only buffers; ``sync`` writes and fsyncs what was appended, once
+per pass of the master's loop, before the replies of that pass go out. A crash can
+lose records whose effects nobody was told about, which is the same as the requests
+never having arrived. ``compact`` replaces the whole file by one ``Snapshot`` record (write
+to a temporary file, fsync, rename), so the journal and its replay stay the size of
+the current state, not of the job's history.
 
 Format: a sequence of records, each a 4-byte little-endian length and a msgpack map
 (``Update.to_record()``). A crash can leave a torn last record; replay stops at the
@@ -31,6 +38,8 @@ class Journal:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / self.FILE
         self._file = None
+        self._pending: list[bytes] = []
+        self.size = self.path.stat().st_size if self.path.exists() else 0  # bytes on disk, and pending
 
     def replay(self) -> Iterator[Update]:
         """Every whole record written so far, oldest first."""
@@ -64,14 +73,44 @@ class Journal:
             f.write(_LEN.pack(len(record)) + record)
 
     def append(self, update: Update) -> None:
+        """Buffer a record; it is durable after the next ``sync``."""
+        blob = msgpack.packb(update.to_record(), use_bin_type=True)
+        self._pending.append(_LEN.pack(len(blob)) + blob)
+        self.size += _LEN.size + len(blob)
+
+    def sync(self) -> None:
+        """Write and fsync every record appended since the last sync (one fsync for all)."""
+        if not self._pending:
+            return
         if self._file is None:
             self._file = open(self.path, "ab")
-        blob = msgpack.packb(update.to_record(), use_bin_type=True)
-        self._file.write(_LEN.pack(len(blob)) + blob)
+        self._file.write(b"".join(self._pending))
+        self._pending.clear()
         self._file.flush()
         os.fsync(self._file.fileno())
 
+    def compact(self, snapshot: Update) -> None:
+        """Replace the journal by ``snapshot`` alone (after a sync: nothing pending is lost)."""
+        self.sync()
+        blob = msgpack.packb(snapshot.to_record(), use_bin_type=True)
+        tmp = self.dir / (self.FILE + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(_LEN.pack(len(blob)) + blob)
+            f.flush()
+            os.fsync(f.fileno())
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        os.replace(tmp, self.path)  # atomic: a crash leaves the old journal or the new one
+        dir_fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self.size = _LEN.size + len(blob)
+
     def close(self) -> None:
+        self.sync()
         if self._file is not None:
             self._file.close()
             self._file = None

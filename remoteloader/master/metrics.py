@@ -371,8 +371,7 @@ class MasterMetrics:
                 self._wait_le[c["rank"]] = [float(b) for b in bounds]
         totals = service.rates.group_totals()
         client_totals = {int(g[2:]): t for g, t in totals.items() if g.startswith("c:") and g[2:].isdigit()}
-        errors = service.state.errors
-        skipped = sum(1 for e in errors if e.get("skipped"))
+        counts = service.state.error_counts
         return {
             "time": time.monotonic(),
             "job": status["job"],
@@ -382,7 +381,7 @@ class MasterMetrics:
             "client_totals": client_totals,
             "client_wait_le": dict(self._wait_le),
             "ranks": status["ranks"],
-            "errors": {"failed": len(errors) - skipped, "skipped": skipped},
+            "errors": dict(counts),
         }
 
     # -- on the scrape thread ----------------------------------------------------------------

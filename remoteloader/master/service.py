@@ -58,6 +58,8 @@ class MasterConfig:
     allowed_tables: Optional[tuple[str, ...]] = None
     bind_timeout: float = 120.0  # seconds a first client's spec may take to bind (list files, footers)
     client_timeout: float = 600.0  # a client silent this long is forgotten (it rejoins by saying hello)
+    # The journal is compacted to one snapshot when a rank finishes an epoch, or past this size.
+    journal_compact_bytes: int = 4 << 20
 
 
 BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
@@ -114,6 +116,10 @@ class MasterService:
         self.decision_log: Callable[[], list[dict]] = list  # the autoscaler's recent decisions, for status (set by it)
         self.bound: Optional[BoundDataset] = None
         self._binding: Optional[PendingBind] = None
+        # Who this master process is: a client that sees it change reports everything it
+        # has consumed again (consumption is not journaled).
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._compact_due = False
         if journal is not None:
             replayed = 0
             for update in journal.replay():
@@ -128,16 +134,30 @@ class MasterService:
         if self.state.job is not None:
             self.bound = bind_schema(DatasetSpec.from_dict(self.state.job.spec), self.state.job.schema)
         self._commit(U.MasterStarted(clock()))
+        self.sync()
 
     def _commit(self, update: U.Update) -> None:
         if self.journal is not None and not update.TRANSIENT:
-            self.journal.append(update)  # on disk before it takes effect
+            self.journal.append(update)  # durable at the next sync, before any reply goes out
+            self._compact_due |= isinstance(update, U.EpochFinished)
         self.state.apply(update)
+
+    def sync(self) -> None:
+        """Make every committed update durable (one fsync for all of them: the server calls
+        this once per pass, before sending that pass's replies), then compact the journal
+        if an epoch ended or it grew past ``journal_compact_bytes``."""
+        if self.journal is None:
+            return
+        self.journal.sync()
+        if self._compact_due or self.journal.size > self.config.journal_compact_bytes:
+            self.journal.compact(U.Snapshot(self.state.snapshot()))
+            self._compact_due = False
 
     # -- the job ---------------------------------------------------------------------
     def submit(self, spec: DatasetSpec) -> None:
         """Bind and plan a job; raises SpecError naming the key or column at fault."""
         self._submit_bound(spec, *_bind_and_plan(spec))
+        self.sync()
 
     def _submit_bound(self, spec: DatasetSpec, bound: BoundDataset, splits: list) -> None:
         files = bound.files or []
@@ -392,7 +412,8 @@ class MasterService:
         self._commit(U.ClientHeartbeat(m["client_id"], self.clock(), m.get("stats", {})))
         self.rates.update("c:" + m["client_id"], self.clock(), m.get("stats", {}))
         workers = [[wid, self.state.workers[wid].addr] for wid in self.state.partitions.get(rank, [])]
-        return "membership", {"workers": workers, "errors": self.state.errors_for(rank, m["epoch"])}
+        return "membership", {"workers": workers, "errors": self.state.errors_for(rank, m["epoch"]),
+                              "master": self.incarnation}
 
     def _on_finish_epoch(self, m: dict) -> Reply:
         rank = self._require_client(m["client_id"])

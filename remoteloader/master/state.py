@@ -92,7 +92,8 @@ class JobState:
         self.partitions: dict[int, list[str]] = {}  # rank -> worker ids it reads from
         self.ranks: dict[int, RankEpoch] = {}
         self.prefetched: dict[int, RankEpoch] = {}  # rank -> its next epoch, started early
-        self.errors: list[dict] = []
+        self.errors: list[dict] = []  # failed splits of epochs some rank is still in, and files left out
+        self.error_counts = {"failed": 0, "skipped": 0}  # every failure of the job, for errors_total
         self._worker_seq = 0
         # Epochs resumed on another world size: base split id -> row ranges consumed before.
         self.resumed: dict[int, dict[int, list[tuple[int, int]]]] = {}
@@ -108,11 +109,70 @@ class JobState:
         for cid in self.client_seen:
             self.client_seen[cid] = u.time
 
+    def _on_Snapshot(self, u: U.Snapshot) -> None:
+        """The state as ``snapshot()`` wrote it (a compacted journal starts with one)."""
+        snap = u.state
+        self.__init__(self.max_workers_per_client)  # type: ignore[misc]
+        job = snap["job"]
+        if job is not None:
+            self._on_JobSubmitted(U.JobSubmitted(job["spec"], job["fingerprint"], job["schema"], job["files"],
+                                                 job["splits"], []))
+            self.job.world_size = job["world_size"]
+        self._worker_seq = snap["worker_seq"]
+        for wid, addr, pid, seq, last_seen, draining, assigned in snap["workers"]:
+            self.workers[wid] = WorkerInfo(wid, addr, pid, seq, last_seen, draining=draining,
+                                           assigned={tuple(a) for a in assigned})
+        for cid, rank, seen in snap["clients"]:
+            self.clients[cid], self.client_seen[cid] = rank, seen
+        self.partitions = {rank: list(members) for rank, members in snap["partitions"]}
+        self.resumed = {epoch: {base: [tuple(r) for r in ranges] for base, ranges in done}
+                        for epoch, done in snap["resumed"]}
+        for key, target in (("ranks", self.ranks), ("prefetched", self.prefetched)):
+            for rank, epoch, finished, pending, progress in snap[key]:
+                rank_epoch = self._new_rank_epoch(rank, epoch)
+                rank_epoch.finished, rank_epoch.pending = finished, deque(pending)
+                for split_id, consumed, worker, assigned_at, produced, failed in progress:
+                    p = rank_epoch.splits[split_id]
+                    p.consumed, p.worker, p.assigned_at, p.produced, p.failed = (consumed, worker, assigned_at,
+                                                                                 produced, failed)
+                target[rank] = rank_epoch
+        self.errors, self.error_counts = snap["errors"], dict(snap["error_counts"])
+
+    def snapshot(self) -> dict:
+        """The whole state but what heartbeats bring back (worker and client statistics),
+        as plain data; ``Snapshot(snapshot())`` applied to a fresh state rebuilds this one."""
+        job = self.job
+
+        def rank_epochs(epochs: dict[int, RankEpoch]) -> list:
+            return [[rank, re.epoch, re.finished, list(re.pending),
+                     [[sid, p.consumed, p.worker, p.assigned_at, p.produced, p.failed]
+                      for sid, p in re.splits.items() if p.consumed or p.worker is not None or p.failed is not None]]
+                    for rank, re in sorted(epochs.items())]
+
+        return {
+            "job": None if job is None else {
+                "spec": job.spec, "fingerprint": job.fingerprint, "schema": job.schema,
+                "files": [f.to_wire() for f in job.files], "splits": [s.to_wire() for s in job.splits],
+                "world_size": job.world_size},
+            "worker_seq": self._worker_seq,
+            "workers": [[w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(list(a) for a in w.assigned)]
+                        for w in self.workers.values()],
+            "clients": [[cid, rank, self.client_seen.get(cid, 0.0)] for cid, rank in self.clients.items()],
+            "partitions": [[rank, members] for rank, members in sorted(self.partitions.items())],
+            "resumed": [[epoch, [[base, [list(r) for r in ranges]] for base, ranges in done.items()]]
+                        for epoch, done in sorted(self.resumed.items())],
+            "ranks": rank_epochs(self.ranks),
+            "prefetched": rank_epochs(self.prefetched),
+            "errors": self.errors,
+            "error_counts": self.error_counts,
+        }
+
     def _on_JobSubmitted(self, u: U.JobSubmitted) -> None:
         splits = [BaseSplit(i, *row) for i, row in enumerate(u.splits)]
         self.job = Job(u.spec, u.fingerprint, u.schema, [DataFile.from_wire(f) for f in u.files], splits, sum(s.rows for s in splits))
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
                            for m in u.skipped)
+        self.error_counts["skipped"] += len(u.skipped)
 
     def _on_WorkerRegistered(self, u: U.WorkerRegistered) -> None:
         self._worker_seq += 1
@@ -201,6 +261,9 @@ class JobState:
         if ahead is not None:
             self._release(ahead)
         self.ranks[u.rank] = self._new_rank_epoch(u.rank, u.epoch)
+        # Errors of epochs no rank is in any more have been reported: keep the list bounded.
+        oldest = min(r.epoch for r in self.ranks.values())
+        self.errors = [e for e in self.errors if e["epoch"] < 0 or e["epoch"] >= oldest]
 
     def _on_EpochResumed(self, u: U.EpochResumed) -> None:
         done: dict[int, list[tuple[int, int]]] = {}
@@ -251,6 +314,7 @@ class JobState:
         self._finish(u.epoch, progress)
         self.errors.append({"epoch": u.epoch, "rank": progress.split.rank, "split_id": u.split_id,
                             "rows": progress.split.rows, "message": u.error, "skipped": u.skipped})
+        self.error_counts["skipped" if u.skipped else "failed"] += 1
 
     def _on_EpochFinished(self, u: U.EpochFinished) -> None:
         rank_epoch = self.ranks.get(u.rank)
@@ -404,6 +468,7 @@ _APPLY: dict[type, Callable[[JobState, Any], None]] = {
     U.ClientJoined: JobState._on_ClientJoined,
     U.ClientHeartbeat: JobState._on_ClientHeartbeat,
     U.ClientLeft: JobState._on_ClientLeft,
+    U.Snapshot: JobState._on_Snapshot,
     U.EpochStarted: JobState._on_EpochStarted,
     U.EpochPrefetched: JobState._on_EpochPrefetched,
     U.EpochResumed: JobState._on_EpochResumed,

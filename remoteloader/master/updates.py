@@ -27,6 +27,13 @@ class MasterStarted(Update):
 
 
 @dataclass(frozen=True)
+class Snapshot(Update):
+    """The whole durable state (``JobState.snapshot()``): the first and only record of a
+    compacted journal."""
+    state: dict
+
+
+@dataclass(frozen=True)
 class JobSubmitted(Update):
     spec: dict
     fingerprint: str
@@ -138,6 +145,9 @@ class SplitProduced(Update):
 
 @dataclass(frozen=True)
 class SplitsConsumed(Update):
+    """Consumption progress. Not journaled: it is most of the traffic, and every client
+    reports all it has consumed again when it sees a new master (``membership.master``)."""
+    TRANSIENT: ClassVar[bool] = True
     rank: int
     epoch: int
     acks: list  # [[split_id, pieces consumed so far], ...]

@@ -74,7 +74,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "no_split": {"retry_ms": (_INT, True), "reason": (_STR, True)},
     "welcome": {"job": (_MAP, True)},
     "epoch": {"epoch": (_INT, True), "splits": (_LIST, True)},
-    "membership": {"workers": (_LIST, True), "errors": (_LIST, True)},
+    "membership": {"workers": (_LIST, True), "errors": (_LIST, True), "master": (_STR, False)},
     "ok": {},
     "error": {"message": (_STR, True), "code": (_STR, False)},
     "status_reply": {"status": (_MAP, True)},

@@ -79,7 +79,9 @@ class Autoscaler:
 
     def snapshot(self, now: float) -> Snapshot:
         st, rates = self.service.state, self.service.rates
-        active = [w for w in st.workers.values() if not w.draining]
+        # Only workers that report count: one that registered and never heartbeated (a
+        # registration flood, or a worker dying at start) must not make the pool look full.
+        active = [w for w in st.workers.values() if not w.draining and w.stats]
         workers = tuple(WorkerSignal(w.worker_id, rates.rate("w:" + w.worker_id, "rows"), w.buffered,
                                      int(w.stats.get("capacity", 1)), float(w.stats.get("cpu", 0.0)))
                         for w in active)
