@@ -1,0 +1,185 @@
+"""The control plane under a large job's load: a real master process, simulated peers.
+
+Simulated workers and clients speak the real protocol (no data, no transforms): W
+workers heartbeat every 0.5 s and R ranks acknowledge every 0.25 s, as the real ones do.
+The same load runs against this tree's master and against a baseline commit's master
+(a git worktree), one after the other in the same run. Reported per master:
+
+* master CPU (cores) and request latency p50 / p99, measured by the load generator;
+* journal bytes written per hour at that load, and the time to replay the journal a
+  24-hour job would leave (the journal of the run, replayed and scaled to 24 hours
+  where it grows with time).
+
+Run: ``.venv/bin/python -m benchmarks.control_plane [--workers 1000 --ranks 256 --seconds 20]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import msgpack
+import numpy as np
+import psutil
+import zmq
+
+from remoteloader.master.journal import Journal
+from remoteloader.protocol import wire
+from remoteloader.spec import DatasetSpec
+from remoteloader.tools.datagen import generate_table
+
+ROOT = Path(__file__).resolve().parent.parent
+SOCKETS = 32  # simulated peers share these DEALER sockets (replies come back in order per socket)
+
+
+def request(t: str, **fields) -> bytes:
+    return msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": t, **fields}, use_bin_type=True)
+
+
+class Load:
+    """Sends each peer's requests on schedule over a few sockets and times every reply."""
+
+    def __init__(self, addr: str) -> None:
+        self.ctx = zmq.Context.instance()
+        self.socks = []
+        for _ in range(SOCKETS):
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            self.socks.append(s)
+        self.sent: list[deque] = [deque() for _ in self.socks]
+        self.poller = zmq.Poller()
+        for s in self.socks:
+            self.poller.register(s, zmq.POLLIN)
+        self.latencies: list[float] = []
+
+    def call(self, i: int, body: bytes) -> dict:
+        sock = self.socks[i % SOCKETS]
+        sock.send(body)
+        if not sock.poll(30_000):
+            raise TimeoutError("the master did not answer in 30 s")
+        return msgpack.unpackb(sock.recv(), raw=False)
+
+    def send(self, i: int, body: bytes) -> None:
+        self.socks[i % SOCKETS].send(body)
+        self.sent[i % SOCKETS].append(time.perf_counter())
+
+    def drain(self, timeout_ms: int) -> None:
+        for sock, _ in self.poller.poll(timeout_ms):
+            k = self.socks.index(sock)
+            while sock.poll(0):
+                sock.recv()
+                self.latencies.append(time.perf_counter() - self.sent[k].popleft())
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+def run_load(src: Path, table: Path, spec_path: Path, workers: int, ranks: int, seconds: float) -> dict:
+    journal = Path(tempfile.mkdtemp(prefix="rl-cp-journal-"))
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
+                               "--spec", str(spec_path), "--journal", str(journal), "--heartbeat-timeout", "30",
+                               "--max-workers-per-client", "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=src)
+    addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
+    load = Load(addr)
+    try:
+        spec = DatasetSpec.from_file(spec_path)
+        ids = [load.call(i, request("register", addr=f"tcp://127.0.0.1:{10000 + i}", pid=1000 + i))["worker_id"]
+               for i in range(workers)]
+        splits = {}
+        for r in range(ranks):
+            load.call(r, request("hello", client_id=f"c{r}", rank=r, world_size=ranks, spec=spec.to_dict(),
+                                 fingerprint=spec.fingerprint()))
+            splits[r] = [s[0] for s in load.call(r, request("start_epoch", client_id=f"c{r}", epoch=0))["splits"]]
+        stats = {"rows": 0, "batches": 0, "splits": 0, "busy_s": 0.0, "cpu": 0.5, "capacity": 16, "ahead": 0,
+                 "mem": 1e8, "time": 0.0}
+        size0 = sum(f.stat().st_size for f in journal.iterdir())
+        proc = psutil.Process(master.pid)
+        cpu0, start = proc.cpu_times(), time.perf_counter()
+        next_worker = np.arange(workers) * 0.5 / workers + start  # spread evenly over the period
+        next_rank = np.arange(ranks) * 0.25 / ranks + start
+        acked = {r: 0 for r in range(ranks)}
+        while (now := time.perf_counter()) - start < seconds:
+            for i in np.flatnonzero(next_worker <= now):
+                stats["rows"] += 1000
+                load.send(i, request("heartbeat", worker_id=ids[i], buffered=4, stats=stats))
+                next_worker[i] += 0.5
+            for r in np.flatnonzero(next_rank <= now):
+                acked[r] += 1  # one more piece of the rank's first split consumed, as a training loop does
+                load.send(r, request("client_heartbeat", client_id=f"c{r}", epoch=0,
+                                     acks=[[splits[r][0], acked[r]]], stats={"batches": acked[r], "wait_s": 0.0}))
+                next_rank[r] += 0.25
+            load.drain(1)
+        load.drain(2000)
+        elapsed = time.perf_counter() - start
+        cpu1 = proc.cpu_times()
+        cpu = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / elapsed
+        lat = np.array(load.latencies) * 1000
+        written = sum(f.stat().st_size for f in journal.iterdir()) - size0
+    finally:
+        load.close()
+        master.terminate()
+        master.wait(30)
+    # Replay: what this run's journal costs, scaled to a 24-hour job where it grows with time.
+    t = time.perf_counter()
+    records = sum(1 for _ in Journal(journal).replay())
+    replay_s = time.perf_counter() - t
+    size = sum(f.stat().st_size for f in journal.iterdir())
+    per_hour = written / elapsed * 3600
+    return {"requests": len(lat), "rate": len(lat) / elapsed, "cpu": cpu, "p50": float(np.percentile(lat, 50)),
+            "p99": float(np.percentile(lat, 99)), "journal_bytes_per_hour": per_hour, "records": records,
+            "journal_24h_bytes": size + per_hour * 24, "replay_24h_s": replay_s * (size + per_hour * 24) / max(size, 1)}
+
+
+def baseline_tree(ref: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="rl-cp-base-")) / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), ref], check=True,
+                   capture_output=True)
+    return path
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=1000)
+    p.add_argument("--ranks", type=int, default=256)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--baseline", default="d6ca469", help="git ref of the master to compare with (today's code)")
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="rl-cp-"))
+    generate_table(str(tmp / "t"), rows=args.ranks * 4 * 64, partitions=1, dense=1, sparse=1, format="orc", seed=3,
+                   progress=False)
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps({"table": {"path": str(tmp / "t")},
+                                     "features": {"label": "label", "dense": ["float_0"],
+                                                  "sparse": [{"name": "s0", "column": "idlist_0"}]},
+                                     "batch_size": 1, "split_rows": 64}))
+    base: Optional[Path] = baseline_tree(args.baseline)
+    try:
+        results = {"baseline " + args.baseline: run_load(base, tmp / "t", spec_path, args.workers, args.ranks,
+                                                         args.seconds),
+                   "this tree": run_load(ROOT, tmp / "t", spec_path, args.workers, args.ranks, args.seconds)}
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True)
+    print(f"{args.workers} workers heartbeating at 2/s, {args.ranks} ranks acknowledging at 4/s, "
+          f"{args.seconds:g} s each\n")
+    print(f"{'master':<18} {'req/s':>7} {'CPU cores':>9} {'p50 ms':>7} {'p99 ms':>7} {'journal MB/h':>12} "
+          f"{'24h journal MB':>14} {'24h replay s':>12}")
+    for name, r in results.items():
+        print(f"{name:<18} {r['rate']:>7.0f} {r['cpu']:>9.2f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
+              f"{r['journal_bytes_per_hour'] / 2**20:>12.1f} {r['journal_24h_bytes'] / 2**20:>14.1f} "
+              f"{r['replay_24h_s']:>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
