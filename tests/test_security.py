@@ -84,6 +84,6 @@ def test_a_worker_refuses_a_job_outside_its_allowlist(tables, cluster, tmp_path)
     assert refused.returncode == 2
     assert "outside this worker's --allow-table" in refused.stderr and str(tables["orc"]) in refused.stderr
     # Launched workers get the master's own tables: the job is served.
-    (worker,) = cluster.workers(master.addr, 1, "--allow-table", str(tables["orc"]))
+    cluster.workers(master.addr, 1, "--allow-table", str(tables["orc"]))
     with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
         assert sum(len(b) for b in loader) == ROWS
