@@ -33,11 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--bind", default="tcp://127.0.0.1:5555", type=address_type(bind=True), metavar="tcp://HOST:PORT",
                    help="address to listen on (port 0: any free port; the address bound is printed)")
-    p.add_argument("--auth", metavar="DIR",
-                   help="key directory (remoteloader keygen DIR): CURVE-authenticate and encrypt every socket, and "
-                        "hand the directory to launched workers (without it: $REMOTELOADER_AUTH, else no auth)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow binding a non-loopback address without --auth (anyone who can reach it is served)")
+    cluster_auth.add_server_options(p, "every socket, and hand the directory to launched workers", "--bind")
     p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
     p.add_argument("--allow-table", action="append", default=[], metavar="PREFIX",
                    help="a table path or URI prefix clients' specs may read (repeatable); without it and without "

@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
 
 
+def _frame(update: Update) -> bytes:
+    """One record as it is stored: its length, then its msgpack map."""
+    blob = msgpack.packb(update.to_record(), use_bin_type=True)
+    return _LEN.pack(len(blob)) + blob
+
+
 class Journal:
     FILE = "journal.bin"
 
@@ -74,9 +80,9 @@ class Journal:
 
     def append(self, update: Update) -> None:
         """Buffer a record; it is durable after the next ``sync``."""
-        blob = msgpack.packb(update.to_record(), use_bin_type=True)
-        self._pending.append(_LEN.pack(len(blob)) + blob)
-        self.size += _LEN.size + len(blob)
+        record = _frame(update)
+        self._pending.append(record)
+        self.size += len(record)
 
     def sync(self) -> None:
         """Write and fsync every record appended since the last sync (one fsync for all)."""
@@ -92,10 +98,10 @@ class Journal:
     def compact(self, snapshot: Update) -> None:
         """Replace the journal by ``snapshot`` alone (after a sync: nothing pending is lost)."""
         self.sync()
-        blob = msgpack.packb(snapshot.to_record(), use_bin_type=True)
+        record = _frame(snapshot)
         tmp = self.dir / (self.FILE + ".tmp")
         with open(tmp, "wb") as f:
-            f.write(_LEN.pack(len(blob)) + blob)
+            f.write(record)
             f.flush()
             os.fsync(f.fileno())
         if self._file is not None:
@@ -107,7 +113,7 @@ class Journal:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        self.size = _LEN.size + len(blob)
+        self.size = len(record)
 
     def close(self) -> None:
         self.sync()

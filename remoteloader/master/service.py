@@ -99,10 +99,15 @@ def _done_of(resumed: Optional[dict]) -> list:
     return sorted([base, lo, hi] for base, ranges in (resumed or {}).items() for lo, hi in ranges)
 
 
+def _check_pairs(items: list, what: str) -> list:
+    """``items`` as ``[[int >= 0, int >= 0], ...]``, else a RequestError saying ``what`` it must be."""
+    if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a) for a in items):
+        raise RequestError(what)
+    return items
+
+
 def _check_acks(acks: list) -> list:
-    if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a) for a in acks):
-        raise RequestError("acks must be [[split_id, pieces], ...]")
-    return acks
+    return _check_pairs(acks, "acks must be [[split_id, pieces], ...]")
 
 
 class MasterService:
@@ -301,10 +306,10 @@ class MasterService:
         its share of the worker's buffer is full while other ranks starve. They are handed
         out again from what the rank consumed, as after a worker failure."""
         self._require_worker(m["worker_id"])
-        released = m["splits"]
-        if len(released) > 1024 or not all(isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s)
-                                           for s in released):
-            raise RequestError("splits must be [[epoch, split_id], ...] (at most 1024)")
+        what = "splits must be [[epoch, split_id], ...] (at most 1024)"
+        if len(m["splits"]) > 1024:
+            raise RequestError(what)
+        released = _check_pairs(m["splits"], what)
         held = self.state.workers[m["worker_id"]].assigned
         for epoch, split_id in released:
             if (epoch, split_id) in held:

@@ -23,6 +23,7 @@ rather than admitting any.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -196,6 +197,17 @@ def is_loopback(host_or_addr: str) -> bool:
     if "://" in host:
         host = host.split("://", 1)[1].rsplit(":", 1)[0]
     return host == "localhost" or host == "[::1]" or host == "::1" or host.startswith("127.")
+
+
+def add_server_options(parser: argparse.ArgumentParser, secured: str, bind_flag: str) -> None:
+    """``--auth`` and ``--insecure`` of a server role (master, worker); ``server_credentials``
+    reads them back. ``secured`` names what the keys protect, ``bind_flag`` the option
+    whose address decides whether ``--insecure`` is needed."""
+    parser.add_argument("--auth", metavar="DIR",
+                        help=f"key directory (remoteloader keygen DIR): CURVE-authenticate and encrypt {secured} "
+                             f"(without it: ${ENV_AUTH}, else no auth)")
+    parser.add_argument("--insecure", action="store_true",
+                        help=f"allow a non-loopback {bind_flag} without --auth (anyone who can reach it is served)")
 
 
 def server_credentials(prog: str, auth: Optional[str], insecure: bool, flag: str, where: str) -> Optional[Credentials]:

@@ -28,11 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the master's address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--bind-host", default="127.0.0.1", type=_host,
                    help="interface the data port binds to (a free port is chosen; 0.0.0.0: every interface)")
-    p.add_argument("--auth", metavar="DIR",
-                   help="key directory (remoteloader keygen DIR): CURVE-authenticate and encrypt the data socket and "
-                        "the master connection (without it: $REMOTELOADER_AUTH, else no auth)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --bind-host without --auth (anyone who can reach it is served)")
+    cluster_auth.add_server_options(p, "the data socket and the master connection", "--bind-host")
     p.add_argument("--buffer-batches", type=int, default=16, help="bounded buffer size in batches")
     p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "

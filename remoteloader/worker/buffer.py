@@ -134,10 +134,6 @@ class BatchBuffer:
         with self._cond:
             return self._count - self._current_count()
 
-    def rank_count(self, rank: int) -> int:
-        with self._cond:
-            return self._rank_current(rank)
-
     def pop(self, key: Key) -> Optional[Piece]:
         with self._cond:
             queue = self._queues.get(key)
