@@ -23,7 +23,6 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Optional
 
 import msgpack
 import numpy as np
@@ -83,7 +82,7 @@ class Load:
             s.close()
 
 
-def run_load(src: Path, table: Path, spec_path: Path, workers: int, ranks: int, seconds: float) -> dict:
+def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: float) -> dict:
     journal = Path(tempfile.mkdtemp(prefix="rl-cp-journal-"))
     env = {**os.environ, "PYTHONPATH": str(src)}
     master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
@@ -163,11 +162,10 @@ def main() -> int:
                                      "features": {"label": "label", "dense": ["float_0"],
                                                   "sparse": [{"name": "s0", "column": "idlist_0"}]},
                                      "batch_size": 1, "split_rows": 64}))
-    base: Optional[Path] = baseline_tree(args.baseline)
+    base = baseline_tree(args.baseline)
     try:
-        results = {"baseline " + args.baseline: run_load(base, tmp / "t", spec_path, args.workers, args.ranks,
-                                                         args.seconds),
-                   "this tree": run_load(ROOT, tmp / "t", spec_path, args.workers, args.ranks, args.seconds)}
+        results = {"baseline " + args.baseline: run_load(base, spec_path, args.workers, args.ranks, args.seconds),
+                   "this tree": run_load(ROOT, spec_path, args.workers, args.ranks, args.seconds)}
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True)
     print(f"{args.workers} workers heartbeating at 2/s, {args.ranks} ranks acknowledging at 4/s, "

@@ -1,6 +1,7 @@
 """Shared fixtures: small generated tables and real master/worker processes on loopback."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,6 +52,13 @@ def spec_dict(table: Path, **overrides) -> dict:
     }
     spec.update(overrides)
     return spec
+
+
+def master_status(addr: str) -> dict:
+    """What ``remoteloader status --json`` prints for the master at ``addr``."""
+    out = subprocess.run([str(BIN / "remoteloader"), "status", "--master", addr, "--json"],
+                         capture_output=True, text=True, check=True, timeout=30)
+    return json.loads(out.stdout)
 
 
 class MasterProcess:

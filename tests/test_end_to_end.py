@@ -17,7 +17,7 @@ import pytest
 
 from remoteloader import LocalDataset, RemoteDataLoader, SpecError
 from remoteloader.protocol.rpc import MasterUnavailable
-from tests.conftest import BIN, ROWS, spec_dict, wait_gone
+from tests.conftest import BIN, ROWS, master_status, spec_dict, wait_gone
 from tests.transforms_reference import sigrid_hash as ref_sigrid_hash
 
 
@@ -186,9 +186,7 @@ def test_console_scripts_work_together(tables, tmp_path, cluster):
     with RemoteDataLoader(spec_path, master=master.addr, timeout=60) as loader:
         got, _ = collect(loader)
     assert len(got) == ROWS
-    status = subprocess.run([str(BIN / "remoteloader"), "status", "--master", master.addr, "--json"],
-                            capture_output=True, text=True, check=True)
-    assert len(json.loads(status.stdout)["workers"]) == 2
+    assert len(master_status(master.addr)["workers"]) == 2
 
 
 def test_spec_mismatch_is_refused(tables, cluster):

@@ -2,9 +2,6 @@
 the master's journal invalid, and afterwards both still serve a full, exact epoch."""
 from __future__ import annotations
 
-import json
-import subprocess
-
 import msgpack
 import numpy as np
 import pytest
@@ -19,7 +16,7 @@ from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol import wire
 from remoteloader.spec import DatasetSpec
 from remoteloader import RemoteDataLoader
-from tests.conftest import BIN, ROWS, spec_dict
+from tests.conftest import ROWS, master_status, spec_dict
 
 # Values a peer might send: the right types with hostile values, and the wrong types.
 # Weighted towards values that reach past the first checks (epoch 0, split 1, a known client).
@@ -166,9 +163,7 @@ def test_generated_messages_neither_crash_nor_starve_a_worker(tables, cluster):
     ctx = zmq.Context.instance()
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         assert sorted(r for b in loader for r in b.passthrough["row_id"].tolist()) == list(range(ROWS))
-        status = json.loads(subprocess.run([str(BIN / "remoteloader"), "status", "--master", master.addr, "--json"],
-                                           capture_output=True, text=True, check=True, timeout=30).stdout)
-        (worker,) = status["workers"]
+        (worker,) = master_status(master.addr)["workers"]
 
         @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
         @given(st.lists(worker_messages(), min_size=1, max_size=50))

@@ -23,15 +23,7 @@ from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol.rpc import RpcClient
 from remoteloader.spec import DatasetSpec
 from remoteloader.tools.datagen import generate_table
-from tests.conftest import BIN, spec_dict
-
-
-def status(addr: str) -> dict:
-    import json
-
-    out = subprocess.run([str(BIN / "remoteloader"), "status", "--master", addr, "--json"],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+from tests.conftest import BIN, master_status, spec_dict
 
 
 def test_local_autoscaler_converges_to_the_needed_count(tmp_path, cluster):
@@ -53,7 +45,7 @@ def test_local_autoscaler_converges_to_the_needed_count(tmp_path, cluster):
             for i, _ in enumerate(loader):
                 time.sleep(0.04)  # the training step: 25 batches/s = 1600 rows/s
                 if i % 25 == 0:
-                    st = status(master.addr)
+                    st = master_status(master.addr)
                     n = len([w for w in st["workers"] if not w["draining"]])
                     stall = max((c["stall"] for c in st["clients"]), default=1.0)
                     same = bool(trace) and trace[-1][0] == n
@@ -63,7 +55,7 @@ def test_local_autoscaler_converges_to_the_needed_count(tmp_path, cluster):
                         converged = n
                 if converged is not None or time.monotonic() >= deadline:
                     break
-    decisions = status(master.addr)["autoscaler"]
+    decisions = master_status(master.addr)["autoscaler"]
     assert decisions and all(d["reason"] for d in decisions)
     assert any(d["action"] == "add" for d in decisions)
     # Nominally 3 workers are needed; on a slower machine the trainer's own steps take
@@ -148,9 +140,9 @@ def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
         launcher = RayLauncher(server.addr, address, auth_token_path=token_file)
         launcher.start(2)
         deadline = time.monotonic() + 120
-        while len(status(server.addr)["workers"]) < 2 and time.monotonic() < deadline:
+        while len(master_status(server.addr)["workers"]) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
-        workers = status(server.addr)["workers"]
+        workers = master_status(server.addr)["workers"]
         assert len(workers) == 2 and all(w["addr"].startswith("tcp://127.0.0.1:") for w in workers)
         with RemoteDataLoader(spec, master=server.addr, timeout=60) as loader:
             assert sum(len(b) for b in loader) == 5000
@@ -162,7 +154,7 @@ def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
             launcher.reap()
             time.sleep(0.2)
         assert launcher.running() == 1
-        assert [w["id"] for w in status(server.addr)["workers"]] == [workers[1]["id"]]
+        assert [w["id"] for w in master_status(server.addr)["workers"]] == [workers[1]["id"]]
     finally:
         if launcher is not None:
             launcher.stop_all()

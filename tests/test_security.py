@@ -12,13 +12,7 @@ import zmq
 
 from remoteloader import RemoteDataLoader
 from remoteloader.protocol.wire import PROTOCOL_VERSION
-from tests.conftest import BIN, ROWS, spec_dict
-
-
-def status(addr: str) -> dict:
-    out = subprocess.run([str(BIN / "remoteloader"), "status", "--master", addr, "--json"],
-                         capture_output=True, text=True, check=True, timeout=30)
-    return json.loads(out.stdout)
+from tests.conftest import BIN, ROWS, master_status, spec_dict
 
 
 def get_batch(rank: int, epoch: int) -> list:
@@ -33,9 +27,9 @@ def test_worker_survives_forged_epochs_and_a_client_that_never_reads(tables, clu
     with RemoteDataLoader(spec, master=master.addr, rank=0, world_size=2, timeout=120) as loader:
         len(loader)                                                      # the job exists, with 2 ranks
         deadline = time.monotonic() + 60
-        while not status(master.addr)["workers"] and time.monotonic() < deadline:
+        while not master_status(master.addr)["workers"] and time.monotonic() < deadline:
             time.sleep(0.2)
-        addr = status(master.addr)["workers"][0]["addr"]
+        addr = master_status(master.addr)["workers"][0]["addr"]
         hostile = ctx.socket(zmq.DEALER)
         hostile.setsockopt(zmq.LINGER, 0)
         hostile.setsockopt(zmq.RCVHWM, 10)
@@ -45,7 +39,7 @@ def test_worker_survives_forged_epochs_and_a_client_that_never_reads(tables, clu
             hostile.send_multipart(get_batch(1, 0))
         rows = [int(r) for b in loader for r in b.passthrough["row_id"].tolist()]
         assert len(rows) == len(set(rows)) == ROWS // 2
-        seen = status(master.addr)["workers"][0]["last_seen_s"]
+        seen = master_status(master.addr)["workers"][0]["last_seen_s"]
         assert seen < 5                                                  # still heartbeating
         hostile.close()
     # SIGTERM drains; rank 1's pieces are never consumed, so it leaves at its drain timeout.
