@@ -150,6 +150,12 @@ def worker_messages(draw) -> list:
     t = "get_batch" if kind in ("get_batch", "frames") else draw(st.sampled_from(sorted(wire.SCHEMAS)))
     fields = {name: draw(hostile_value(types)) for name, (types, required) in wire.SCHEMAS[t].items()
               if required or draw(st.booleans())}
+    if type(fields.get("rank")) is int and fields["rank"] == 0:
+        # Rank 0 is the job's one real rank: a peer that asks for its batches gets them,
+        # and the rank then waits for rows it never receives. Only a key holder can do
+        # that (members are trusted with data, docs/security.md); what is fuzzed here is
+        # whether a message can break the worker, so hostile peers ask for other ranks.
+        fields["rank"] = 1
     message = packed(({"v": wire.PROTOCOL_VERSION, "t": t, **fields},
                       draw(st.one_of(st.none(), st.floats(0, 1))) if draw(st.integers(0, 5)) == 0 else None, []), "")
     if kind == "frames":
