@@ -63,6 +63,31 @@ def test_master_sigkill_with_journal_resumes_the_epoch(tables, tmp_path, cluster
     assert logged["columns"] == ["float_0", "float_1", "idlist_0", "idlist_1", "label", "row_id"]
 
 
+def test_trainer_keeps_receiving_while_the_master_is_frozen(tables, tmp_path, cluster):
+    """Control is off the data path: with the master stopped (SIGSTOP), batches that workers
+    hold or can produce from their splits keep coming; after it resumes, the epoch is exact."""
+    args = ("--journal", str(tmp_path / "journal"), "--heartbeat-timeout", "30")
+    master = cluster.master(*args, workers=0)
+    cluster.workers(master.addr, 2, "--buffer-batches", "32")
+    with RemoteDataLoader(spec_dict(tables["orc"], batch_size=50), master=master.addr, timeout=120) as loader:
+        it = iter(loader)
+        batches = [next(it) for _ in range(5)]
+        time.sleep(1.0)  # the workers fill their buffers
+        os.kill(master.proc.pid, signal.SIGSTOP)
+        try:
+            frozen = []
+            deadline = time.monotonic() + 60  # a generous cap, not a timing claim
+            while len(frozen) < 30 and time.monotonic() < deadline:
+                frozen.append(next(it))
+        finally:
+            os.kill(master.proc.pid, signal.SIGCONT)
+        assert len(frozen) == 30  # the old client blocked on its first heartbeat to a stopped master
+        batches += frozen + list(it)
+        got, _ = collect(batches)
+        assert sorted(got) == list(range(ROWS))
+        assert len(batches) == len(loader)
+
+
 def test_master_restart_without_journal_still_exactly_once(tables, cluster):
     """The client is the source of truth for what it consumed, so even a fresh master can continue."""
     master = cluster.master("--heartbeat-timeout", "3", workers=0)

@@ -28,6 +28,7 @@ import zmq
 from . import resume
 from .assembly import EpochAssembler
 from .batch import Batch
+from .control import ControlChannel
 from .embedded import EmbeddedCluster, discover_master, publish_master, resolve_rank
 from .fetch import WorkerFetcher
 from ..protocol import auth as cluster_auth
@@ -236,15 +237,19 @@ class RemoteDataLoader:
                                 auth=self._auth)
         fetcher.start_epoch(epoch)
         self._current = run
-        last_beat = 0.0
+        # Acks and heartbeats go on the control thread: a slow or restarting master never
+        # holds up batches that workers already have. One synchronous beat first, for the
+        # partition's workers.
+        control: Optional[ControlChannel] = None
         batch_wait = 0.0  # the training loop's wait for the batch it is waiting for now
         try:
+            self._apply_membership(epoch, assembler, fetcher, self._heartbeat(epoch, []))
+            control = ControlChannel(self._ctx, self.master, self.client_id, epoch,
+                                     lambda: self.stats.to_wire(assembler.ready_count), HEARTBEAT_S, auth=self._auth)
             last_progress = time.monotonic()
             while not assembler.exhausted:
                 now = time.monotonic()
-                if now - last_beat >= HEARTBEAT_S or not fetcher.sockets:
-                    self._heartbeat(epoch, assembler, fetcher)
-                    last_beat = now
+                self._take_control_reply(control, epoch, assembler, fetcher)
                 fetcher.top_up()  # keep every worker `inflight` requests ahead, also while batches are ready
                 ready = assembler.next_ready()
                 if ready is None:
@@ -267,6 +272,7 @@ class RemoteDataLoader:
                         last_progress = time.monotonic()
                 if ready is not None:
                     assembler.consume(ready)
+                    control.report(assembler.take_acks())
                     self._batches_yielded += 1
                     self.stats.batches += 1
                     self.stats.wait_buckets[bisect.bisect_left(WAIT_BUCKETS_S, batch_wait)] += 1
@@ -275,39 +281,66 @@ class RemoteDataLoader:
                     last_progress = time.monotonic()
                     yield ready.batch.pin_memory() if self.pin_memory else ready.batch
                 elif time.monotonic() - last_progress > self.timeout:
+                    master = (f"master unreachable for {control.unreachable_s:.0f} s"
+                              if control.unreachable_s > 2 * HEARTBEAT_S + 2.0 else f"master status: {self._status_summary()}")
                     raise TimeoutError(
                         f"rank {self.rank} epoch {epoch}: no batch for {self.timeout:g} s "
-                        f"({assembler.received_rows} of {assembler.expected_rows} rows received); "
-                        f"master status: {self._status_summary()}")
-            self._heartbeat(epoch, assembler, fetcher)
+                        f"({assembler.received_rows} of {assembler.expected_rows} rows received); {master}")
+            # The epoch's last acks go synchronously, before the master is told it is over.
+            leftover, control = control.close(), None
+            self._apply_membership(epoch, assembler, fetcher, self._heartbeat(epoch, leftover + assembler.take_acks()))
             self._call("finish_epoch", client_id=self.client_id, epoch=epoch)
         finally:
+            if control is not None:
+                control.close()
             self._current = None
             self._batches_yielded = 0
             fetcher.close()
 
-    def _heartbeat(self, epoch: int, assembler: EpochAssembler, fetcher: WorkerFetcher) -> None:
+    def _heartbeat(self, epoch: int, acks: list) -> dict:
+        """A synchronous heartbeat from the training thread (epoch start and end)."""
         try:
-            reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=assembler.take_acks(),
-                               stats=self.stats.to_wire(assembler.ready_count))
+            return self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=acks,
+                              stats=self.stats.to_wire(0))
         except RemoteError as e:
             if e.code != "unknown_client":
                 raise
-            # The master restarted without a journal: rejoin and tell it what this rank has
-            # consumed, which is all it needs to continue the epoch exactly where it was.
-            log.warning("master forgot this client (restart?); rejoining epoch %d", epoch)
-            self._job = None
-            self._hello()
-            self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(assembler.consumed_state()),
-                       done=self._current.done if self._current is not None else [])
-            reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=[])
+            return self._rejoin(epoch, acks)
+
+    def _rejoin(self, epoch: int, acks: list) -> dict:
+        # The master restarted without a journal: rejoin and tell it what this rank has
+        # consumed, which is all it needs to continue the epoch exactly where it was.
+        log.warning("master forgot this client (restart?); rejoining epoch %d", epoch)
+        self._job = None
+        self._hello()
+        consumed = self._current.assembler.consumed_state() if self._current is not None else {}
+        self._call("start_epoch", client_id=self.client_id, epoch=epoch, consumed=_acks_of(consumed),
+                   done=self._current.done if self._current is not None else [])
+        return self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=acks)
+
+    def _take_control_reply(self, control: ControlChannel, epoch: int, assembler: EpochAssembler,
+                            fetcher: WorkerFetcher) -> None:
+        try:
+            reply = control.take_reply()
+        except RemoteError as e:
+            if e.code != "unknown_client":
+                raise
+            reply = self._rejoin(epoch, [])
+        if reply is not None:
+            self._apply_membership(epoch, assembler, fetcher, reply, control)
+
+    def _apply_membership(self, epoch: int, assembler: EpochAssembler, fetcher: WorkerFetcher, reply: dict,
+                          control: Optional[ControlChannel] = None) -> None:
         master = reply.get("master")
         if master is not None and self._master_seen not in (None, master):
             # Another master process (a restart on its journal): consumption is not
             # journaled, so it hears everything this rank has consumed again.
             log.info("master restarted; reporting what rank %d consumed in epoch %d", self.rank, epoch)
-            reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch,
-                               acks=_acks_of(assembler.consumed_state()))
+            everything = _acks_of(assembler.consumed_state())
+            if control is not None:
+                control.report(everything, urgent=True)
+            else:
+                reply = self._call("client_heartbeat", client_id=self.client_id, epoch=epoch, acks=everything)
         self._master_seen = master
         fetcher.set_workers(reply["workers"])
         for err in reply["errors"]:

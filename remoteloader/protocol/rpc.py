@@ -6,6 +6,7 @@ be taken for the answer to the next one.
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import Any, Optional
@@ -15,6 +16,15 @@ import zmq
 from . import wire
 from .auth import Credentials, secure_client
 from .address import validate_address
+
+
+BACKOFF_MAX_S = 5.0
+
+
+def backoff_delay(failures: int, base_s: float, rng: random.Random) -> float:
+    """Retry delay after ``failures`` failed calls: exponential, capped, with jitter in
+    [0.5, 1.5) of the step so that clients of a restarting master do not retry in step."""
+    return min(BACKOFF_MAX_S, base_s * 2 ** min(failures, 16)) * (0.5 + rng.random())
 
 
 class MasterUnavailable(ConnectionError):

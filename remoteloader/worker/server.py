@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 import traceback
@@ -28,7 +29,7 @@ from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, ser
 from ..core.allowlist import TableAllowlist
 from ..core.binding import bind_schema
 from ..formats import DEFAULT_COALESCE_GAP
-from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
 from ..spec import DatasetSpec
 from .buffer import RELEASED, STOPPED, STORED, BatchBuffer
 from ..core.processor import SplitError, SplitProcessor, SplitTask
@@ -85,6 +86,7 @@ class Worker:
         self._unreported: list[list[int]] = []  # released (epoch, split id)s the master has not heard of
         self._epochs: dict[int, int] = {}  # rank -> latest epoch the master gave this worker a split of
         self._stats = {"rows": 0, "batches": 0, "splits": 0, "busy_s": 0.0}
+        self._rng = random.Random()  # jitter for heartbeat retries
         self._proc = psutil.Process()
         self._proc.cpu_percent()  # first call primes the counter
 
@@ -138,12 +140,15 @@ class Worker:
         if not joined:
             return
         producer = threading.Thread(target=self._produce, name="producer", daemon=True)
+        heartbeats = threading.Thread(target=self._control, args=(control,), name="control", daemon=True)
         producer.start()
+        heartbeats.start()
         try:
-            self._serve(control)
+            self._serve()
         finally:
             self.stop_event.set()
             producer.join(timeout=5)
+            heartbeats.join(timeout=5)
             # Leaving on purpose: tell the master now rather than after a heartbeat timeout,
             # so whatever this worker still held is re-queued at once.
             if self.worker_id is not None and not self._master_gone:
@@ -238,43 +243,55 @@ class Worker:
         except (MasterUnavailable, RemoteError) as e:
             log.warning("%s: %s", t, e)
 
+    # -- control thread ------------------------------------------------------------------
+    def _control(self, control: RpcClient) -> None:
+        """Heartbeats, drain and released splits, off the serving loop: a slow or restarting
+        master never delays a batch. Also where signal requests take effect."""
+        next_heartbeat = 0.0
+        failures = 0
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if self._requested == "stop":
+                self.stop_event.set()
+                break
+            if self._requested == "drain":
+                self.draining.set()
+            if self.draining.is_set() and not self._drain_reported:
+                self._drain_reported = True
+                self._drain_deadline = now + self.drain_timeout_s
+                try:
+                    control.call("drain", worker_id=self.worker_id, timeout_s=2.0, stop=self.stop_event)
+                except (MasterUnavailable, RemoteError) as e:
+                    # No master to hand splits to (e.g. the whole service is shutting
+                    # down): nothing to wait for.
+                    log.warning("drain: %s; exiting", e)
+                    self._master_gone = True
+                    self.stop_event.set()
+                    break
+            if now >= self._drain_deadline:
+                log.warning("drain timed out after %.0f s; handing splits back", self.drain_timeout_s)
+                self.stop_event.set()
+                break
+            if now >= next_heartbeat:
+                if self._heartbeat(control):
+                    failures = 0
+                    self._release_silent(control)
+                    next_heartbeat = now + self.heartbeat_interval
+                else:
+                    failures += 1
+                    next_heartbeat = now + backoff_delay(failures, self.heartbeat_interval, self._rng)
+            self.stop_event.wait(min(0.05, max(0.0, next_heartbeat - time.monotonic())))
+
     # -- server loop -----------------------------------------------------------------
-    def _serve(self, control: RpcClient) -> None:
+    def _serve(self) -> None:
         wake = self.ctx.socket(zmq.PULL)
         wake.bind("inproc://worker-notify")
         poller = zmq.Poller()
         poller.register(self.data, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        next_heartbeat = 0.0
         try:
             while not self.stop_event.is_set():
-                now = time.monotonic()
-                if self._requested == "stop":
-                    self.stop_event.set()
-                    break
-                if self._requested == "drain":
-                    self.draining.set()
-                if self.draining.is_set() and not self._drain_reported:
-                    self._drain_reported = True
-                    self._drain_deadline = now + self.drain_timeout_s
-                    try:
-                        control.call("drain", worker_id=self.worker_id, timeout_s=2.0, stop=self.stop_event)
-                    except (MasterUnavailable, RemoteError) as e:
-                        # No master to hand splits to (e.g. the whole service is shutting
-                        # down): nothing to wait for.
-                        log.warning("drain: %s; exiting", e)
-                        self._master_gone = True
-                        self.stop_event.set()
-                        break
-                if now >= self._drain_deadline:
-                    log.warning("drain timed out after %.0f s; handing splits back", self.drain_timeout_s)
-                    self.stop_event.set()
-                    break
-                if now >= next_heartbeat:
-                    self._heartbeat(control)
-                    self._release_silent(control)
-                    next_heartbeat = now + self.heartbeat_interval
-                events = dict(poller.poll(max(1, int(1000 * (next_heartbeat - time.monotonic())))))
+                events = dict(poller.poll(100))
                 if wake in events:
                     while wake.poll(0):
                         wake.recv()
@@ -361,7 +378,7 @@ class Worker:
                 return
             del self._unreported[:len(chunk)]
 
-    def _heartbeat(self, control: RpcClient) -> None:
+    def _heartbeat(self, control: RpcClient) -> bool:
         stats = dict(self._stats, cpu=self._proc.cpu_percent() / 100.0, capacity=self.buffer.capacity,
                      ahead=self.buffer.ahead_count(),
                      mem=float(self._proc.memory_info().rss), time=time.time())
@@ -377,7 +394,7 @@ class Worker:
             log.warning("heartbeat: %s", e)
             if self.draining.is_set():
                 self.stop_event.set()  # draining with no master to hand splits to: nothing to wait for
-            return
+            return False
         state = reply.get("state")
         if state == "drain":
             self.draining.set()
@@ -391,6 +408,7 @@ class Worker:
             log.warning("master does not know worker %s; registering again", self.worker_id)
             self.worker_id = None
             self._join(control)
+        return True
 
 
 class TableRefused(Exception):

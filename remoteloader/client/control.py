@@ -1,0 +1,120 @@
+"""The client's control channel: acks and heartbeats to the master on their own thread.
+
+The training thread never waits on the master mid-epoch: it hands its acks to the
+channel (``report``) and picks up the master's newest answer (``take_reply``) between
+batches. The channel's thread owns its own socket and heartbeats every ``interval``;
+while the master is down or slow it keeps the acks (merged, so nothing is lost or
+re-sent twice as a different value) and retries with exponential backoff and jitter,
+so a restarting master is not hit by every client at once. Batches keep flowing from
+the workers meanwhile.
+
+Acks are cumulative (pieces of a split consumed so far), so merging keeps the largest
+count per split and a retry after a lost reply is harmless.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from ..protocol.auth import Credentials
+from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
+
+log = logging.getLogger(__name__)
+class ControlChannel:
+    """Heartbeats with acks for one rank's epoch, on a background thread.
+
+    ``take_reply`` returns the newest ``membership`` reply not yet taken, or an
+    exception the master answered with (``RemoteError``, e.g. ``unknown_client``);
+    ``unreachable_s`` says how long the master has not answered.
+    """
+
+    def __init__(self, ctx: zmq.Context, master: str, client_id: str, epoch: int,
+                 stats: Callable[[], dict], interval_s: float, auth: Optional[Credentials] = None,
+                 call_timeout_s: float = 2.0) -> None:
+        self._rpc = RpcClient(ctx, master, call_timeout_s, auth=auth)
+        self.client_id, self.epoch, self.interval_s = client_id, epoch, interval_s
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._acks: dict[int, int] = {}  # split id -> pieces consumed, not yet delivered
+        self._reply: Optional[dict] = None
+        self._error: Optional[RemoteError] = None
+        self._last_answer = time.monotonic()
+        self._wake = threading.Event()  # report() with urgent=True beats at once
+        self._stop = threading.Event()
+        self._rng = random.Random()
+        self._thread = threading.Thread(target=self._run, name=f"remoteloader-control-{epoch}", daemon=True)
+        self._thread.start()
+
+    # -- training thread -------------------------------------------------------------------
+    def report(self, acks: list[list[int]], urgent: bool = False) -> None:
+        if acks:
+            with self._lock:
+                for sid, pieces in acks:
+                    if pieces > self._acks.get(sid, -1):
+                        self._acks[sid] = pieces
+        if urgent:
+            self._wake.set()
+
+    def take_reply(self) -> Optional[dict]:
+        """The newest reply since the last call; raises the master's error, if it sent one."""
+        with self._lock:
+            error, self._error = self._error, None
+            reply, self._reply = self._reply, None
+        if error is not None:
+            raise error
+        return reply
+
+    @property
+    def unreachable_s(self) -> float:
+        return time.monotonic() - self._last_answer
+
+    def close(self) -> list[list[int]]:
+        """Stop the thread; return the acks it could not deliver (for a final call)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        self._rpc.close()
+        with self._lock:
+            return [[sid, pieces] for sid, pieces in sorted(self._acks.items())]
+
+    # -- control thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            delay = self.interval_s if failures == 0 else backoff_delay(failures, self.interval_s, self._rng)
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            if self._beat():
+                failures = 0
+            else:
+                failures += 1
+
+    def _beat(self) -> bool:
+        with self._lock:
+            sending = dict(self._acks)
+        try:
+            reply = self._rpc.call("client_heartbeat", client_id=self.client_id, epoch=self.epoch,
+                                   acks=[[sid, p] for sid, p in sorted(sending.items())], stats=self._stats(),
+                                   stop=self._stop)
+        except MasterUnavailable as e:
+            log.warning("%s; heartbeats retry with backoff", e)
+            return False
+        except RemoteError as e:
+            with self._lock:
+                self._error = e
+            self._last_answer = time.monotonic()
+            return True
+        with self._lock:
+            for sid, pieces in sending.items():
+                if self._acks.get(sid) == pieces:
+                    del self._acks[sid]
+            self._reply = reply
+        self._last_answer = time.monotonic()
+        return True
