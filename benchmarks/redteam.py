@@ -190,7 +190,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         for creds in (None, t.rogue):
             sock = t.socket(worker_addr, creds)
             for _ in range(40):
-                send(sock, msg("get_batch", rank=0, epoch=0))
+                send(sock, msg("credit", rank=0, epoch=0, batches=1, bytes=1 << 30))
             while sock.poll(500):
                 sock.recv_multipart()
                 rows += 1
@@ -232,16 +232,16 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         sock = t.socket(worker_addr, t.keys)
         sock.setsockopt(zmq.RCVHWM, 10)
         for _ in range(5000):
-            send(sock, msg("get_batch", rank=5, epoch=0))
+            send(sock, msg("credit", rank=5, epoch=0, batches=1, bytes=1 << 30))
         time.sleep(1.0)
         sock.close()
         return Outcome(True)
 
     return {
         "outsider: status / get_spec / register at the master": outsider_master,
-        "outsider: get_batch x40 and drain at a worker": outsider_worker,
-        "insider: get_batch for epoch 2**62": lambda: Outcome(
-            t.ask(worker_addr, msg("get_batch", rank=0, epoch=2**62), t.keys, 0.5) is None),
+        "outsider: credit x40 and drain at a worker": outsider_worker,
+        "insider: credit for epoch 2**62": lambda: Outcome(
+            t.ask(worker_addr, msg("credit", rank=0, epoch=2**62, batches=1, bytes=1 << 30), t.keys, 0.5) is None),
         "insider: heartbeat stats cpu='x'": bad_stats({"cpu": "x"}),
         "insider: heartbeat stats rows='x'": bad_stats({"rows": "x"}),
         "insider: heartbeat stats split of two items": bad_stats({"split": [0, 1]}),
@@ -253,7 +253,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
             "split_failed", worker_id="w-x", epoch=0, split_id=0, error="forged"), t.keys), "unknown_worker")),
         "insider: 1,500 x 1 MiB frames": huge_frames,
         "insider: 150 registers from one peer": register_flood,
-        "insider: 5,000 get_batch, never read": never_reads,
+        "insider: 5,000 credits, never read": never_reads,
     }
 
 

@@ -140,14 +140,14 @@ def test_random_bytes_are_refused(spec):
 @st.composite
 def worker_messages(draw) -> list:
     """What a hostile peer sends a worker's data socket: requests of every type (mostly
-    get_batch, with hostile values), truncated msgpack, random bytes, wrong frame counts,
+    credit, with hostile values), truncated msgpack, random bytes, wrong frame counts,
     frames past the worker's 64 KiB message limit."""
-    kind = draw(st.sampled_from(["get_batch"] * 4 + ["other", "bytes", "frames", "oversize"]))
+    kind = draw(st.sampled_from(["credit"] * 4 + ["other", "bytes", "frames", "oversize"]))
     if kind == "bytes":
         return [draw(st.binary(max_size=200))]
     if kind == "oversize":
-        return [msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_batch", "rank": 1, "epoch": 0}), b"x" * (70 << 10)]
-    t = "get_batch" if kind in ("get_batch", "frames") else draw(st.sampled_from(sorted(wire.SCHEMAS)))
+        return [msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "rank": 1, "epoch": 0, "batches": 1, "bytes": 1}), b"x" * (70 << 10)]
+    t = "credit" if kind in ("credit", "frames") else draw(st.sampled_from(sorted(wire.SCHEMAS)))
     fields = {name: draw(hostile_value(types)) for name, (types, required) in wire.SCHEMAS[t].items()
               if required or draw(st.booleans())}
     if type(fields.get("rank")) is int and fields["rank"] == 0:

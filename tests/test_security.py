@@ -15,8 +15,10 @@ from remoteloader.protocol.wire import PROTOCOL_VERSION
 from tests.conftest import BIN, ROWS, master_status, spec_dict
 
 
-def get_batch(rank: int, epoch: int) -> list:
-    return [msgpack.packb({"v": PROTOCOL_VERSION, "t": "get_batch", "rank": rank, "epoch": epoch})]
+def credit(rank: int, epoch: int) -> list:
+    """One piece of credit for (rank, epoch), as a client grants it."""
+    return [msgpack.packb({"v": PROTOCOL_VERSION, "t": "credit", "rank": rank, "epoch": epoch, "batches": 1,
+                           "bytes": 1 << 30})]
 
 
 def test_worker_survives_forged_epochs_and_a_client_that_never_reads(tables, cluster):
@@ -34,9 +36,9 @@ def test_worker_survives_forged_epochs_and_a_client_that_never_reads(tables, clu
         hostile.setsockopt(zmq.LINGER, 0)
         hostile.setsockopt(zmq.RCVHWM, 10)
         hostile.connect(addr)
-        hostile.send_multipart(get_batch(0, 2**62))                      # would discard rank 0's epoch
+        hostile.send_multipart(credit(0, 2**62))                      # would discard rank 0's epoch
         for _ in range(5000):                                            # takes rank 1's pieces, reads none
-            hostile.send_multipart(get_batch(1, 0))
+            hostile.send_multipart(credit(1, 0))
         rows = [int(r) for b in loader for r in b.passthrough["row_id"].tolist()]
         assert len(rows) == len(set(rows)) == ROWS // 2
         seen = master_status(master.addr)["workers"][0]["last_seen_s"]

@@ -11,7 +11,7 @@ def test_roundtrip_with_frames():
     arrays = {"dense": np.arange(12, dtype=np.float32).reshape(3, 4), "ids": np.array([1, 2], np.int64),
               "empty": np.zeros(0, np.int32)}
     descs, frames = wire.pack_arrays(arrays)
-    parts = wire.encode("batch", frames, rank=0, epoch=1, split_id=2, piece=0, rows=3, tensors=descs)
+    parts = wire.encode("batch", frames, rank=0, epoch=1, split_id=2, piece=0, rows=3, held=0, tensors=descs)
     header, got_frames = wire.decode([bytes(p) for p in parts])
     assert header["t"] == "batch" and header["split_id"] == 2
     got = wire.unpack_arrays(header["tensors"], got_frames)
@@ -27,7 +27,7 @@ def test_roundtrip_with_frames():
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "pickle_me"})], "unknown message type"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split"})], "missing"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split", "worker_id": 5})], "must be str"),
-    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_batch", "rank": True, "epoch": 0})], "got bool"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "rank": True, "epoch": 0})], "got bool"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok", "extra": 1})], "unknown fields"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok"})] + [b""] * 65, "frames"),
 ])

@@ -1,12 +1,15 @@
-"""The client's side of the data plane: requests to its partition of workers.
+"""The client's side of the data plane: credit to its partition of workers, pieces back.
 
-One DEALER socket per worker (so a dead worker's socket can be dropped alone), each
-kept ``inflight`` requests ahead: while the training step runs, ZeroMQ's I/O thread
-is already receiving the next batches. Received frames become tensors without a copy.
+One DEALER socket per worker (so a dead worker's socket can be dropped alone). The
+client grants each worker credit, in pieces and bytes (``credit``), and the worker
+pushes pieces while it holds some: no request per batch, and memory bounded by the
+credit window (``credit.py``). While the training step runs, ZeroMQ's I/O thread is
+already receiving the next pieces. Received frames become tensors without a copy.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import zmq
@@ -14,19 +17,24 @@ import zmq
 from ..protocol import wire
 from ..protocol.auth import Credentials, secure_client
 from .batch import Batch
+from .credit import CreditWindow
 
 log = logging.getLogger(__name__)
+# A worker releases what it holds for a rank silent for its --client-timeout (30 s by
+# default): a client with a wide window may not need to grant credit that often.
+KEEPALIVE_S = 5.0
 
 
 class WorkerFetcher:
-    def __init__(self, ctx: zmq.Context, rank: int, inflight: int, sparse_keys: list[str],
+    def __init__(self, ctx: zmq.Context, rank: int, window: CreditWindow, sparse_keys: list[str],
                  sparse_scored: Optional[list[bool]] = None, auth: Optional[Credentials] = None) -> None:
-        self.ctx, self.rank, self.inflight, self.sparse_keys = ctx, rank, inflight, sparse_keys
+        self.ctx, self.rank, self.window, self.sparse_keys = ctx, rank, window, sparse_keys
         self.sparse_scored = sparse_scored  # which sparse keys carry scores (id-score features)
         self.auth = auth  # CURVE client keys for the workers' data sockets; None: plain sockets
         self.sockets: dict[str, zmq.Socket] = {}
+        self._worker_of: dict[zmq.Socket, str] = {}
         self.addrs: dict[str, str] = {}
-        self.outstanding: dict[str, int] = {}
+        self.streams: dict[str, Stream] = {}
         self.poller = zmq.Poller()
         self.epoch: Optional[int] = None
 
@@ -35,10 +43,11 @@ class WorkerFetcher:
         wanted = {wid: addr for wid, addr in members}
         for wid in [w for w in self.sockets if w not in wanted]:
             log.info("rank %d: worker %s left the partition", self.rank, wid)
-            self.poller.unregister(self.sockets[wid])
-            self.sockets.pop(wid).close(linger=0)
-            self.addrs.pop(wid)
-            self.outstanding.pop(wid)
+            sock = self.sockets.pop(wid)
+            self.poller.unregister(sock)
+            del self._worker_of[sock]
+            sock.close(linger=0)
+            del self.addrs[wid], self.streams[wid]
         for wid, addr in wanted.items():
             if wid not in self.sockets:
                 sock = self.ctx.socket(zmq.DEALER)
@@ -47,34 +56,60 @@ class WorkerFetcher:
                 if self.auth is not None:
                     secure_client(sock, self.auth)
                 sock.connect(addr)
-                self.sockets[wid], self.addrs[wid], self.outstanding[wid] = sock, addr, 0
+                self.sockets[wid], self.addrs[wid], self._worker_of[sock] = sock, addr, wid
+                self.streams[wid] = Stream()
                 self.poller.register(sock, zmq.POLLIN)
+        self.window.fit(len(self.sockets))
 
     def start_epoch(self, epoch: int) -> None:
-        # Requests of the previous epoch die at the worker when it sees this epoch's first.
+        # Credit of the previous epoch dies at the worker when this epoch's first arrives.
         self.epoch = epoch
-        for wid in self.outstanding:
-            self.outstanding[wid] = 0
+        for wid in self.streams:
+            self.streams[wid] = Stream()
 
-    def top_up(self) -> None:
+    def top_up(self, queued: int) -> None:
+        """Grant credit so that ``queued`` (batches the loop has not taken) plus what is in
+        flight fills the window, each worker an even share; in chunks, not piece by piece."""
+        if not self.sockets:
+            return
+        n = len(self.sockets)
+        share, byte_share = max(1, self.window.pieces // n), max(1, self.window.bytes // n)
+        free = self.window.pieces - queued - sum(s.in_flight for s in self.streams.values())
+        now = time.monotonic()
         for wid, sock in self.sockets.items():
-            while self.outstanding[wid] < self.inflight:
-                sock.send_multipart(wire.encode("get_batch", rank=self.rank, epoch=self.epoch))
-                self.outstanding[wid] += 1
+            stream = self.streams[wid]
+            pieces = max(0, min(share - stream.in_flight, free))
+            low_bytes = stream.in_flight_bytes <= byte_share // 2
+            if pieces < max(1, share // 4) and not (low_bytes and stream.in_flight) \
+                    and now - stream.last_grant < KEEPALIVE_S:
+                continue
+            stream.granted += pieces
+            stream.granted_bytes = stream.received_bytes + byte_share
+            stream.last_grant = now
+            free -= pieces
+            sock.send_multipart(wire.encode("credit", rank=self.rank, epoch=self.epoch, batches=stream.granted,
+                                            bytes=stream.granted_bytes))
+
+    def credit_limited(self) -> bool:
+        """A worker holds pieces for us and our credit there is spent: a wait now is the
+        window's fault, not the workers'."""
+        return any(s.held and not s.in_flight for s in self.streams.values())
 
     def poll(self, timeout_ms: int) -> list[tuple[dict, Batch]]:
         """Pieces that arrived within ``timeout_ms``: (header, batch) pairs of the current epoch."""
         out = []
         for sock, _ in self.poller.poll(timeout_ms):
-            wid = next(w for w, s in self.sockets.items() if s is sock)
+            wid = self._worker_of[sock]
             while sock.poll(0):
                 msg = wire.safe_decode(sock.recv_multipart(copy=False), f"worker {wid}")
-                self.outstanding[wid] = max(0, self.outstanding[wid] - 1)
                 if msg is None:
                     continue
                 header, frames = msg
                 if header["t"] != "batch" or header["rank"] != self.rank or header["epoch"] != self.epoch:
                     continue
+                nbytes = sum(len(f) for f in frames)
+                self.streams[wid].arrived(nbytes, header["held"])
+                self.window.arrived(nbytes)
                 try:
                     arrays = wire.unpack_arrays(header["tensors"], frames)
                     batch = Batch.from_numpy(arrays, self.sparse_keys, self.sparse_scored)
@@ -88,3 +123,26 @@ class WorkerFetcher:
         for sock in self.sockets.values():
             sock.close(linger=0)
         self.sockets.clear()
+
+
+class Stream:
+    """Credit to one worker for this epoch: cumulative totals, as the protocol sends them."""
+
+    __slots__ = ("granted", "granted_bytes", "received", "received_bytes", "held", "last_grant")
+
+    def __init__(self) -> None:
+        self.granted = self.granted_bytes = self.received = self.received_bytes = self.held = 0
+        self.last_grant = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return max(0, self.granted - self.received)
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return max(0, self.granted_bytes - self.received_bytes)
+
+    def arrived(self, nbytes: int, held: int) -> None:
+        self.received += 1
+        self.received_bytes += nbytes
+        self.held = held

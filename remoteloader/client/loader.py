@@ -29,6 +29,7 @@ from . import resume
 from .assembly import EpochAssembler
 from .batch import Batch
 from .control import ControlChannel
+from .credit import CreditWindow
 from .embedded import EmbeddedCluster, discover_master, publish_master, resolve_rank
 from .fetch import WorkerFetcher
 from ..protocol import auth as cluster_auth
@@ -84,7 +85,9 @@ class RemoteDataLoader:
         rank, world_size: this trainer's share; default from torch.distributed, then the
             ``RANK``/``WORLD_SIZE`` environment variables, then 0/1.
         pin_memory: return batches in pinned memory (ignored with a warning without an accelerator).
-        inflight: requests kept outstanding per worker (prefetch depth).
+        inflight: pieces of credit per worker to start with; the client grows its credit
+            window while the training loop waits on batches a worker holds but may not send.
+        prefetch_bytes: the most the credit window may hold (batches in flight and queued).
         timeout: seconds without any progress (no batch, no master answer) before an error.
         connect_timeout: seconds to wait for the master's first answer.
         auth: key directory (``remoteloader keygen DIR``) of a cluster started with ``--auth``;
@@ -96,7 +99,8 @@ class RemoteDataLoader:
                  num_workers: Optional[int] = None, batch_size: Optional[int] = None,
                  shuffle: Optional[bool] = None, seed: Optional[int] = None, drop_last: Optional[bool] = None,
                  even_batches: Union[bool, str, None] = None, rank: Optional[int] = None, world_size: Optional[int] = None, pin_memory: bool = False,
-                 inflight: int = 2, timeout: float = 300.0, connect_timeout: float = 60.0,
+                 inflight: int = 2, prefetch_bytes: int = 256 << 20, timeout: float = 300.0,
+                 connect_timeout: float = 60.0,
                  auth: Union[str, os.PathLike, None] = None) -> None:
         spec = load_spec(spec)
         if isinstance(even_batches, bool):
@@ -108,7 +112,7 @@ class RemoteDataLoader:
         self.batch_size = self.spec.batch_size
         self.drop_last = self.spec.drop_last
         self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.inflight = inflight
+        self.credit = CreditWindow(inflight, prefetch_bytes)  # kept across epochs: what it learned holds
         self.pin_memory = pin_memory and self._can_pin()
         self.client_id = f"c-{uuid.uuid4().hex[:10]}"
         self._cluster: Optional[EmbeddedCluster] = None
@@ -233,7 +237,7 @@ class RemoteDataLoader:
         else:
             run = self._start_epoch(epoch, [], {})
         assembler = run.assembler
-        fetcher = WorkerFetcher(self._ctx, self.rank, self.inflight, job["sparse_keys"], job.get("sparse_scored"),
+        fetcher = WorkerFetcher(self._ctx, self.rank, self.credit, job["sparse_keys"], job.get("sparse_scored"),
                                 auth=self._auth)
         fetcher.start_epoch(epoch)
         self._current = run
@@ -242,6 +246,7 @@ class RemoteDataLoader:
         # partition's workers.
         control: Optional[ControlChannel] = None
         batch_wait = 0.0  # the training loop's wait for the batch it is waiting for now
+        window_checked = False
         try:
             self._apply_membership(epoch, assembler, fetcher, self._heartbeat(epoch, []))
             control = ControlChannel(self._ctx, self.master, self.client_id, epoch,
@@ -250,9 +255,13 @@ class RemoteDataLoader:
             while not assembler.exhausted:
                 now = time.monotonic()
                 self._take_control_reply(control, epoch, assembler, fetcher)
-                fetcher.top_up()  # keep every worker `inflight` requests ahead, also while batches are ready
                 ready = assembler.next_ready()
+                fetcher.top_up(assembler.ready_count)  # credit for what the loop will take next
                 if ready is None:
+                    if self._batches_yielded and not window_checked:
+                        window_checked = True  # once per wait: a worker holds our pieces but lacks credit
+                        if fetcher.credit_limited():
+                            self.credit.starved()
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
                     # The training loop is waiting on us: the stall the autoscaler minimizes.
                     # Waiting for the first batch of an iteration is kept apart: the time to
@@ -277,6 +286,7 @@ class RemoteDataLoader:
                     self.stats.batches += 1
                     self.stats.wait_buckets[bisect.bisect_left(WAIT_BUCKETS_S, batch_wait)] += 1
                     batch_wait = 0.0
+                    window_checked = False
                     self.stats.rows += len(ready.batch)
                     last_progress = time.monotonic()
                     yield ready.batch.pin_memory() if self.pin_memory else ready.batch

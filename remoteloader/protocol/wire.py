@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 4  # 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
 MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
@@ -35,7 +35,7 @@ class ProtocolError(ValueError):
 # type -> {field: (accepted python types, required)}
 _STR, _INT, _NUM, _BOOL, _MAP, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
 _LONG_STRINGS = {"error": 1 << 16, "message": 1 << 16}  # error texts name files and causes
-_NONNEGATIVE = {"epoch", "rank", "world_size", "pid", "buffered", "split_id", "piece", "rows", "retry_ms"}
+_NONNEGATIVE = {"batches", "bytes", "held", "epoch", "rank", "world_size", "pid", "buffered", "split_id", "piece", "rows", "retry_ms"}
 
 # Heartbeat statistics: every key typed, numbers finite and >= 0; nothing else accepted.
 _COUNT, _AMOUNT = "count", "amount"
@@ -79,9 +79,9 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "error": {"message": (_STR, True), "code": (_STR, False)},
     "status_reply": {"status": (_MAP, True)},
     # client -> worker and back
-    "get_batch": {"rank": (_INT, True), "epoch": (_INT, True)},
+    "credit": {"rank": (_INT, True), "epoch": (_INT, True), "batches": (_INT, True), "bytes": (_INT, True)},
     "batch": {"rank": (_INT, True), "epoch": (_INT, True), "split_id": (_INT, True), "piece": (_INT, True),
-              "rows": (_INT, True), "tensors": (_LIST, True)},
+              "rows": (_INT, True), "held": (_INT, True), "tensors": (_LIST, True)},
 }
 # What the master answers; MasterService checks at import that it has a handler for each.
 MASTER_REQUESTS = frozenset({"register", "get_spec", "heartbeat", "get_split", "split_produced", "split_failed",

@@ -143,6 +143,11 @@ class BatchBuffer:
             self._cond.notify_all()
             return queue.popleft()
 
+    def held(self, key: Key) -> int:
+        """Pieces queued for (rank, epoch)."""
+        queue = self._queues.get(key)
+        return len(queue) if queue else 0
+
     def put_back(self, key: Key, piece: Piece) -> None:
         """Return a piece that could not be delivered to the front of its queue."""
         with self._cond:

@@ -4,8 +4,9 @@ Two threads, each owning its own sockets (ZeroMQ sockets are not thread-safe):
 
 * the **producer** asks the master for a split, processes it, and puts the pieces into
   the ``BatchBuffer`` (blocking while it is full);
-* the **server loop** answers clients' ``get_batch`` requests from the buffer (holding a
-  request until a piece for that rank arrives) and heartbeats to the master.
+* the **server loop** pushes pieces from the buffer to clients while they hold credit
+  (``credit`` messages grant pieces and bytes per (rank, epoch); see protocol.md);
+* the **control** thread heartbeats to the master, drains, and hands back released splits.
 
 The producer wakes the server loop through an inproc PUSH/PULL pair whenever it adds
 a piece, so a waiting client is answered at once rather than at the next poll.
@@ -18,7 +19,6 @@ import random
 import threading
 import time
 import traceback
-from collections import Counter, deque
 from typing import Optional
 
 import psutil
@@ -35,8 +35,7 @@ from .buffer import RELEASED, STOPPED, STORED, BatchBuffer
 from ..core.processor import SplitError, SplitProcessor, SplitTask
 
 log = logging.getLogger(__name__)
-MAX_WAITING = 1 << 14  # get_batch requests held across all clients
-MAX_WAITING_PER_CLIENT = 64  # a well-behaved client keeps `inflight` (a few) per worker
+MAX_CREDITORS = 1 << 14  # (rank, epoch, client) entries holding credit, across all clients
 
 
 class Worker:
@@ -80,9 +79,8 @@ class Worker:
         self.worker_id: Optional[str] = None
         self.heartbeat_interval = 0.5
         self.processor: Optional[SplitProcessor] = None
-        self._waiting: dict[tuple[int, int], deque] = {}  # (rank, epoch) -> client identities
-        self._waiting_count = 0
-        self._waiting_per_client: Counter = Counter()  # identity -> requests it has waiting
+        self._credit: dict[tuple[int, int], dict[bytes, Credit]] = {}  # (rank, epoch) -> client -> its credit
+        self._creditors = 0
         self._unreported: list[list[int]] = []  # released (epoch, split id)s the master has not heard of
         self._epochs: dict[int, int] = {}  # rank -> latest epoch the master gave this worker a split of
         self._stats = {"rows": 0, "batches": 0, "splits": 0, "busy_s": 0.0}
@@ -299,9 +297,6 @@ class Worker:
                     while self.data.poll(0):
                         self._on_request(self.data.recv_multipart(copy=False))
                 self._serve_waiting()
-                # Ranks asking with nothing buffered: a producer stuck on another rank's
-                # full share hands its split back rather than keep them waiting.
-                self.buffer.set_hungry(frozenset(k[0] for k in self._waiting))
         finally:
             wake.close(linger=0)
 
@@ -311,54 +306,64 @@ class Worker:
         if msg is None:
             return
         header, _ = msg
-        if header["t"] != "get_batch":
-            log.warning("dropped %r from a client: workers only serve get_batch", header["t"])
+        if header["t"] != "credit":
+            log.warning("dropped %r from a client: workers only take credit", header["t"])
             return
         rank, epoch = header["rank"], header["epoch"]
-        if self._waiting_count >= MAX_WAITING or self._waiting_per_client[identity] >= MAX_WAITING_PER_CLIENT:
-            log.warning("dropped get_batch from %s: too many requests outstanding", identity.hex())
-            return
         # Only an epoch the master has opened for this rank (or the next one) retires older
-        # pieces: a request for a far-off epoch waits without discarding anybody's data.
+        # pieces: credit for a far-off epoch waits without discarding anybody's data.
         if epoch <= self._epochs.get(rank, -1) + 1:
             self.buffer.drop_before(rank, epoch)
-            for key in [k for k in self._waiting if k[0] == rank and k[1] < epoch]:
-                for stale in self._waiting.pop(key):
-                    self._forget_request(stale)
+            for key in [k for k in self._credit if k[0] == rank and k[1] < epoch]:
+                self._creditors -= len(self._credit.pop(key))
         self.buffer.heard_from(rank)
-        self._waiting.setdefault((rank, epoch), deque()).append(identity)
-        self._waiting_count += 1
-        self._waiting_per_client[identity] += 1
-
-    def _forget_request(self, identity: bytes) -> None:
-        self._waiting_count -= 1
-        self._waiting_per_client[identity] -= 1
-        if not self._waiting_per_client[identity]:
-            del self._waiting_per_client[identity]
+        creditors = self._credit.setdefault((rank, epoch), {})
+        credit = creditors.get(identity)
+        if credit is None:
+            if self._creditors >= MAX_CREDITORS:
+                log.warning("dropped credit from %s: too many clients hold credit", identity.hex())
+                if not creditors:
+                    del self._credit[(rank, epoch)]
+                return
+            credit = creditors[identity] = Credit()
+            self._creditors += 1
+        credit.grant(header["batches"], header["bytes"])
 
     def _serve_waiting(self) -> None:
-        for key, identities in list(self._waiting.items()):
-            while identities:
-                piece = self.buffer.pop(key)
-                if piece is None:
-                    break
-                descs, frames = wire.pack_arrays(piece.arrays)
-                msg = wire.encode("batch", frames, rank=key[0], epoch=key[1], split_id=piece.split_id,
-                                  piece=piece.index, rows=piece.rows, tensors=descs)
-                try:
-                    # Never block: a client that does not read fills its pipe, and a blocked
-                    # send would stop heartbeats and signal handling for everybody.
-                    self.data.send_multipart([identities[0], *msg], copy=False, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    self.buffer.put_back(key, piece)  # its pipe is full: try again on a later pass
-                    break
-                except zmq.ZMQError:
-                    # That client is gone (ROUTER_MANDATORY tells us instead of dropping the
-                    # message): keep the piece for the next request.
-                    self.buffer.put_back(key, piece)
-                self._forget_request(identities.popleft())
-            if not identities:
-                del self._waiting[key]
+        """Push pieces to clients holding credit for their (rank, epoch)."""
+        hungry = set()
+        for key, creditors in list(self._credit.items()):
+            for identity, credit in list(creditors.items()):
+                while credit.open:
+                    piece = self.buffer.pop(key)
+                    if piece is None:
+                        hungry.add(key[0])
+                        break
+                    descs, frames = wire.pack_arrays(piece.arrays)
+                    # `held`: what is left here for this rank, so its client can tell that
+                    # it waits for want of credit rather than for want of data.
+                    msg = wire.encode("batch", frames, rank=key[0], epoch=key[1], split_id=piece.split_id,
+                                      piece=piece.index, rows=piece.rows, held=self.buffer.held(key), tensors=descs)
+                    try:
+                        # Never block: a client that does not read fills its pipe, and a
+                        # blocked send would stop serving everybody else.
+                        self.data.send_multipart([identity, *msg], copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        self.buffer.put_back(key, piece)  # its pipe is full: try again on a later pass
+                        break
+                    except zmq.ZMQError:
+                        # That client is gone (ROUTER_MANDATORY tells us instead of dropping
+                        # the message): keep the piece for whoever holds credit next.
+                        self.buffer.put_back(key, piece)
+                        del creditors[identity]
+                        self._creditors -= 1
+                        break
+                    credit.spend(sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames))
+            if not creditors:
+                del self._credit[key]
+        # Ranks with credit and nothing buffered: a producer stuck on another rank's full
+        # share hands its split back rather than keep them waiting.
+        self.buffer.set_hungry(frozenset(hungry))
 
     def _release_silent(self, control: RpcClient) -> None:
         """Hand back the splits of ranks silent past the client timeout (their pieces are
@@ -409,6 +414,31 @@ class Worker:
             self.worker_id = None
             self._join(control)
         return True
+
+
+class Credit:
+    """What one client granted for one (rank, epoch), and what it has been sent.
+
+    Grants are cumulative totals (pieces and bytes since the client started the epoch),
+    so a repeated or reordered grant changes nothing: the largest total wins. A piece
+    goes while both totals exceed what was sent (a piece bigger than the byte credit
+    left still goes, so a large piece cannot wedge the stream)."""
+
+    __slots__ = ("pieces", "bytes", "sent_pieces", "sent_bytes")
+
+    def __init__(self) -> None:
+        self.pieces = self.bytes = self.sent_pieces = self.sent_bytes = 0
+
+    def grant(self, pieces: int, nbytes: int) -> None:
+        self.pieces, self.bytes = max(self.pieces, pieces), max(self.bytes, nbytes)
+
+    @property
+    def open(self) -> bool:
+        return self.sent_pieces < self.pieces and self.sent_bytes < self.bytes
+
+    def spend(self, nbytes: int) -> None:
+        self.sent_pieces += 1
+        self.sent_bytes += nbytes
 
 
 class TableRefused(Exception):
