@@ -25,6 +25,7 @@ from ..protocol.auth import Credentials
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
 
 log = logging.getLogger(__name__)
+URGENT_GAP_S = 0.05  # urgent beats (a partition to learn) are still spaced this far apart
 class ControlChannel:
     """Heartbeats with acks for one rank's epoch, on a background thread.
 
@@ -44,9 +45,11 @@ class ControlChannel:
         self._reply: Optional[dict] = None
         self._error: Optional[RemoteError] = None
         self._last_answer = time.monotonic()
-        self._wake = threading.Event()  # report() with urgent=True beats at once
+        self._wake = threading.Event()  # report() with urgent=True beats at once (at most every URGENT_GAP_S)
+        self._replied = threading.Event()
         self._stop = threading.Event()
         self._rng = random.Random()
+        self._last_beat = 0.0
         self._thread = threading.Thread(target=self._run, name=f"remoteloader-control-{epoch}", daemon=True)
         self._thread.start()
 
@@ -60,11 +63,16 @@ class ControlChannel:
         if urgent:
             self._wake.set()
 
+    def wait_reply(self, timeout_s: float) -> None:
+        """Block until the master answers a heartbeat (or ``timeout_s`` passes)."""
+        self._replied.wait(timeout_s)
+
     def take_reply(self) -> Optional[dict]:
         """The newest reply since the last call; raises the master's error, if it sent one."""
         with self._lock:
             error, self._error = self._error, None
             reply, self._reply = self._reply, None
+            self._replied.clear()
         if error is not None:
             raise error
         return reply
@@ -87,10 +95,12 @@ class ControlChannel:
         failures = 0
         while not self._stop.is_set():
             delay = self.interval_s if failures == 0 else backoff_delay(failures, self.interval_s, self._rng)
-            self._wake.wait(delay)
+            if self._wake.wait(delay):
+                self._stop.wait(max(0.0, self._last_beat + URGENT_GAP_S - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return
+            self._last_beat = time.monotonic()
             if self._beat():
                 failures = 0
             else:
@@ -109,6 +119,7 @@ class ControlChannel:
         except RemoteError as e:
             with self._lock:
                 self._error = e
+            self._replied.set()
             self._last_answer = time.monotonic()
             return True
         with self._lock:
@@ -116,5 +127,6 @@ class ControlChannel:
                 if self._acks.get(sid) == pieces:
                     del self._acks[sid]
             self._reply = reply
+        self._replied.set()
         self._last_answer = time.monotonic()
         return True

@@ -68,13 +68,14 @@ class WorkerFetcher:
             self.streams[wid] = Stream()
 
     def top_up(self, queued: int) -> None:
-        """Grant credit so that ``queued`` (batches the loop has not taken) plus what is in
-        flight fills the window, each worker an even share; in chunks, not piece by piece."""
+        """Grant each worker credit up to its even share of the window, less what the loop
+        has queued; in chunks, not piece by piece. Shares are independent: credit held by a
+        worker with nothing left to send must not starve the others."""
         if not self.sockets:
             return
         n = len(self.sockets)
         share, byte_share = max(1, self.window.pieces // n), max(1, self.window.bytes // n)
-        free = self.window.pieces - queued - sum(s.in_flight for s in self.streams.values())
+        free = self.window.pieces - queued
         now = time.monotonic()
         for wid, sock in self.sockets.items():
             stream = self.streams[wid]
@@ -86,14 +87,13 @@ class WorkerFetcher:
             stream.granted += pieces
             stream.granted_bytes = stream.received_bytes + byte_share
             stream.last_grant = now
-            free -= pieces
             sock.send_multipart(wire.encode("credit", rank=self.rank, epoch=self.epoch, batches=stream.granted,
                                             bytes=stream.granted_bytes))
 
     def credit_limited(self) -> bool:
-        """A worker holds pieces for us and our credit there is spent: a wait now is the
-        window's fault, not the workers'."""
-        return any(s.held and not s.in_flight for s in self.streams.values())
+        """Some worker held more pieces for us, when it sent its last one, than the credit
+        we still have out there covers: it has data and no credit to send it."""
+        return any(s.held > s.in_flight for s in self.streams.values())
 
     def poll(self, timeout_ms: int) -> list[tuple[dict, Batch]]:
         """Pieces that arrived within ``timeout_ms``: (header, batch) pairs of the current epoch."""
@@ -108,8 +108,7 @@ class WorkerFetcher:
                 if header["t"] != "batch" or header["rank"] != self.rank or header["epoch"] != self.epoch:
                     continue
                 nbytes = sum(len(f) for f in frames)
-                self.streams[wid].arrived(nbytes, header["held"])
-                self.window.arrived(nbytes)
+                self.streams[wid].arrived(nbytes, header["held"], self.window)
                 try:
                     arrays = wire.unpack_arrays(header["tensors"], frames)
                     batch = Batch.from_numpy(arrays, self.sparse_keys, self.sparse_scored)
@@ -142,7 +141,8 @@ class Stream:
     def in_flight_bytes(self) -> int:
         return max(0, self.granted_bytes - self.received_bytes)
 
-    def arrived(self, nbytes: int, held: int) -> None:
+    def arrived(self, nbytes: int, held: int, window: CreditWindow) -> None:
+        window.arrived(nbytes)
         self.received += 1
         self.received_bytes += nbytes
         self.held = held

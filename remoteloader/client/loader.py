@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import sys
 import time
 import uuid
 import warnings
@@ -151,7 +152,13 @@ class RemoteDataLoader:
         extra = ("--allow-table", self.spec.table.path)  # the embedded master serves this table only
         extra += () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
                                             "--max-workers", str(scaling.get("max_workers", os.cpu_count() or 1)))
-        self._cluster = EmbeddedCluster(num_workers or os.cpu_count() or 1, extra_args=extra, auth_dir=auth_dir)
+        workers = num_workers or os.cpu_count() or 1
+        if not os.environ.get("REMOTELOADER_QUIET"):
+            # One line rather than seconds of silence: a first start compiles the kernels.
+            print(f"remoteloader: starting an embedded master and {workers} local workers for "
+                  f"{self.spec.table.path} (a first start on this machine compiles the transform kernels; "
+                  "later ones load them from the cache)", file=sys.stderr, flush=True)
+        self._cluster = EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir)
         self._finalizer = weakref.finalize(self, self._cluster.close)
         publish_master(self._cluster.addr, fingerprint, self._cluster.auth_dir)
         return self._cluster.addr, self._cluster.auth_dir
@@ -254,14 +261,17 @@ class RemoteDataLoader:
             last_progress = time.monotonic()
             while not assembler.exhausted:
                 now = time.monotonic()
+                if not fetcher.sockets:  # no worker to take from yet: wait for the partition, do not spin
+                    control.report([], urgent=True)
+                    control.wait_reply(HEARTBEAT_S)
                 self._take_control_reply(control, epoch, assembler, fetcher)
                 ready = assembler.next_ready()
+                if ready is None and self._batches_yielded and not window_checked:
+                    window_checked = True  # once per wait, before granting more: was credit the limit?
+                    if fetcher.credit_limited():
+                        self.credit.starved()
                 fetcher.top_up(assembler.ready_count)  # credit for what the loop will take next
                 if ready is None:
-                    if self._batches_yielded and not window_checked:
-                        window_checked = True  # once per wait: a worker holds our pieces but lacks credit
-                        if fetcher.credit_limited():
-                            self.credit.starved()
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
                     # The training loop is waiting on us: the stall the autoscaler minimizes.
                     # Waiting for the first batch of an iteration is kept apart: the time to

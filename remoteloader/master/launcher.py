@@ -27,6 +27,14 @@ def _worker_env(auth_dir: Optional[str]) -> dict[str, str]:
     return {ENV_AUTH: os.path.abspath(auth_dir)} if auth_dir else {}
 
 
+def kernel_cache_dir() -> str:
+    """Where local workers keep compiled kernels: ``$NUMBA_CACHE_DIR`` if set, else a
+    per-user directory, so every worker after the first on this machine loads them
+    instead of compiling (also when the package is installed read-only)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(base, "remoteloader", "numba")
+
+
 class Launcher(Protocol):
     def start(self, n: int) -> None:
         """Launch ``n`` more workers pointed at the master."""
@@ -50,7 +58,7 @@ class LocalLauncher:
         self.procs: list[subprocess.Popen] = []
         # With auth: the key directory's path, in the environment (never key material on a command line).
         # Without: the variable is removed, so a stray $REMOTELOADER_AUTH cannot split the cluster.
-        self.env = dict(os.environ, **_worker_env(auth_dir))
+        self.env = dict(os.environ, **_worker_env(auth_dir), NUMBA_CACHE_DIR=kernel_cache_dir())
         if not auth_dir:
             self.env.pop(ENV_AUTH, None)
 
