@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,9 +39,7 @@ def run_one(src: Path, table: str, batch_size: int, epochs: int) -> dict:
     from remoteloader import RemoteDataLoader
 
     rates = []
-    import os
-    kw = {"inflight": int(os.environ["INFLIGHT"])} if os.environ.get("INFLIGHT") else {}
-    with RemoteDataLoader(light_spec(table, batch_size), num_workers=2, **kw) as loader:
+    with RemoteDataLoader(light_spec(table, batch_size), num_workers=2) as loader:
         for _ in range(epochs):
             it = iter(loader)
             first = next(it)
@@ -83,9 +82,11 @@ def main() -> int:
     try:
         for r in range(args.rounds):
             for name, tree in trees.items():
+                # The embedded master and workers are `python -m remoteloader...`: from the tree's own code.
                 out = subprocess.run([sys.executable, __file__, "--one", str(tree), "--table", str(table),
                                       "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)],
-                                     capture_output=True, text=True, check=True)
+                                     capture_output=True, text=True, check=True, cwd=tree,
+                                     env={**os.environ, "PYTHONPATH": str(tree), "REMOTELOADER_QUIET": "1"})
                 results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"round {r} {name}: {results[name][-1]}", file=sys.stderr)
     finally:

@@ -1,0 +1,85 @@
+"""Credit-based flow control: the client's window and the worker's per-client credit."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from remoteloader.client.credit import CreditWindow
+from remoteloader.client.fetch import Stream
+from remoteloader.protocol.rpc import BACKOFF_MAX_S, backoff_delay
+from remoteloader.worker.server import Credit
+
+
+def test_window_starts_at_inflight_per_worker_and_doubles_when_credit_was_the_limit():
+    window = CreditWindow(initial_per_worker=2, max_bytes=1 << 20)
+    window.fit(3)
+    assert window.pieces == 6
+    window.starved()
+    window.starved()
+    assert window.pieces == 24 and window.grown == 2
+    window.fit(1)  # a smaller partition never shrinks what was learned
+    assert window.pieces == 24
+
+
+def test_window_is_capped_by_prefetch_bytes_at_the_measured_piece_size():
+    window = CreditWindow(initial_per_worker=2, max_bytes=100_000)
+    window.fit(2)
+    for _ in range(10):
+        window.arrived(10_000)
+    for _ in range(20):
+        window.starved()
+    assert window.pieces == 10 == window.cap  # 100 kB of 10 kB pieces
+    for _ in range(64):
+        window.arrived(50_000)  # pieces got bigger: the window shrinks to stay within the bound
+    assert window.pieces == window.cap == 2
+
+
+def test_window_rejects_nonsense():
+    with pytest.raises(ValueError, match="inflight"):
+        CreditWindow(0, 1 << 20)
+    with pytest.raises(ValueError, match="prefetch_bytes"):
+        CreditWindow(2, 0)
+
+
+def test_worker_credit_is_a_running_total_so_repeats_and_reordering_change_nothing():
+    credit = Credit()
+    credit.grant(4, 1000)
+    credit.grant(2, 500)  # a late, older grant
+    credit.grant(4, 1000)  # a repeat
+    sent = 0
+    while credit.open:
+        credit.spend(100)
+        sent += 1
+    assert sent == 4  # pieces ran out first (400 of 1000 bytes sent)
+    credit.grant(20, 1000)  # more pieces, same byte total: bytes now bound it
+    while credit.open:
+        credit.spend(100)
+        sent += 1
+    assert sent == 10 and credit.sent_bytes == 1000
+    credit.grant(20, 1500)
+    assert credit.open
+
+
+def test_a_piece_larger_than_the_byte_credit_left_still_goes():
+    credit = Credit()
+    credit.grant(2, 10)
+    assert credit.open
+    credit.spend(1 << 20)
+    assert not credit.open  # and then the bytes are spent
+
+
+def test_client_stream_counts_what_is_in_flight():
+    window = CreditWindow(2, 1 << 20)
+    stream = Stream()
+    stream.granted, stream.granted_bytes = 5, 5000
+    stream.arrived(1000, held=3, window=window)
+    assert stream.in_flight == 4 and stream.in_flight_bytes == 4000 and stream.held == 3
+
+
+def test_backoff_grows_is_capped_and_jittered():
+    rng = random.Random(1)
+    delays = [backoff_delay(n, 0.25, rng) for n in range(12)]
+    assert all(0 < d <= 1.5 * BACKOFF_MAX_S for d in delays)
+    assert delays[0] < 0.5 and delays[-1] > BACKOFF_MAX_S / 2
+    assert len({round(backoff_delay(3, 0.25, rng), 6) for _ in range(20)}) > 1  # not in step
