@@ -22,7 +22,9 @@ import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import msgpack
 import numpy as np
@@ -140,11 +142,16 @@ def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: floa
             "journal_24h_bytes": size + per_hour * 24, "replay_24h_s": replay_s * (size + per_hour * 24) / max(size, 1)}
 
 
-def baseline_tree(ref: str) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="rl-cp-base-")) / "tree"
+@contextmanager
+def baseline_tree(ref: str) -> Iterator[Path]:
+    """A git worktree of ``ref`` (the code to compare with in the same run), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="rl-base-")) / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), ref], check=True,
                    capture_output=True)
-    return path
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
 
 
 def main() -> int:
@@ -162,12 +169,9 @@ def main() -> int:
                                      "features": {"label": "label", "dense": ["float_0"],
                                                   "sparse": [{"name": "s0", "column": "idlist_0"}]},
                                      "batch_size": 1, "split_rows": 64}))
-    base = baseline_tree(args.baseline)
-    try:
+    with baseline_tree(args.baseline) as base:
         results = {"baseline " + args.baseline: run_load(base, spec_path, args.workers, args.ranks, args.seconds),
                    "this tree": run_load(ROOT, spec_path, args.workers, args.ranks, args.seconds)}
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True)
     print(f"{args.workers} workers heartbeating at 2/s, {args.ranks} ranks acknowledging at 4/s, "
           f"{args.seconds:g} s each\n")
     print(f"{'master':<18} {'req/s':>7} {'CPU cores':>9} {'p50 ms':>7} {'p99 ms':>7} {'journal MB/h':>12} "

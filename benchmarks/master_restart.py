@@ -125,9 +125,8 @@ def main() -> int:
 
     table = Path(tempfile.mkdtemp(prefix="rl-restart-t-")) / "t"
     generate_table(str(table), rows=args.rows, partitions=2, dense=4, sparse=4, format="orc", seed=5, progress=False)
-    base = baseline_tree(args.baseline)
     results = {}
-    try:
+    with baseline_tree(args.baseline) as base:
         for name, tree in ((f"baseline {args.baseline}", base), ("this tree", ROOT)):
             out = subprocess.run([sys.executable, __file__, "--one", str(tree), "--table", str(table),
                                   "--rows", str(args.rows), "--batch-size", str(args.batch_size),
@@ -135,8 +134,6 @@ def main() -> int:
                                   "--down", str(args.down), "--buffer", str(args.buffer)],
                                  capture_output=True, text=True, check=True)
             results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True)
     demand = 1000 / args.step_ms * args.batch_size
     print(f"{args.rows} rows, batch {args.batch_size}, trainer step {args.step_ms:g} ms (~{demand:,.0f} rows/s), "
           f"2 workers x {args.buffer} buffered batches; master SIGKILLed after {args.warmup:g} s, "

@@ -76,10 +76,9 @@ def main() -> int:
 
     table = Path(tempfile.mkdtemp(prefix="rl-tp-")) / "t"
     generate_table(str(table), rows=args.rows, partitions=2, dense=4, sparse=2, format="orc", seed=9, progress=False)
-    base = baseline_tree(args.baseline)
-    trees = {f"baseline {args.baseline}": base, "this tree": ROOT}
-    results: dict[str, list[dict]] = {name: [] for name in trees}
-    try:
+    with baseline_tree(args.baseline) as base:
+        trees = {f"baseline {args.baseline}": base, "this tree": ROOT}
+        results: dict[str, list[dict]] = {name: [] for name in trees}
         for r in range(args.rounds):
             for name, tree in trees.items():
                 # The embedded master and workers are `python -m remoteloader...`: from the tree's own code.
@@ -89,8 +88,6 @@ def main() -> int:
                                      env={**os.environ, "PYTHONPATH": str(tree), "REMOTELOADER_QUIET": "1"})
                 results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"round {r} {name}: {results[name][-1]}", file=sys.stderr)
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True)
     print(f"{args.rows} rows, batch {args.batch_size}, light spec (4 dense, 2 sparse firstx), 2 embedded workers, "
           f"median of {args.rounds} rounds\n")
     print(f"{'tree':<18} {'batches/s':>10} {'rows/s':>10} {'stall':>7} {'window':>7}")

@@ -26,6 +26,8 @@ from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_de
 
 log = logging.getLogger(__name__)
 URGENT_GAP_S = 0.05  # urgent beats (a partition to learn) are still spaced this far apart
+
+
 class ControlChannel:
     """Heartbeats with acks for one rank's epoch, on a background thread.
 

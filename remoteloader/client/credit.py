@@ -23,7 +23,7 @@ class CreditWindow:
         if max_bytes < 1:
             raise ValueError(f"prefetch_bytes must be >= 1, got {max_bytes}")
         self.initial_per_worker = initial_per_worker
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes  # bytes the workers may push beyond what has arrived, over the partition
         self.pieces = initial_per_worker  # the window in pieces
         self.piece_bytes = 0.0  # running mean size of a piece
         self.grown = 0  # times the window doubled (what the benchmarks report)
@@ -49,8 +49,3 @@ class CreditWindow:
         if not self.piece_bytes:
             return 1 << 16
         return max(1, int(self.max_bytes // self.piece_bytes))
-
-    @property
-    def bytes(self) -> int:
-        """Bytes the workers may push beyond what has arrived, over the whole partition."""
-        return self.max_bytes

@@ -26,17 +26,18 @@ KEEPALIVE_S = 5.0
 
 
 class WorkerFetcher:
-    def __init__(self, ctx: zmq.Context, rank: int, window: CreditWindow, sparse_keys: list[str],
+    """The partition's sockets for one epoch of one rank (a new epoch gets a new fetcher, whose
+    first credit retires the previous epoch's at the worker)."""
+
+    def __init__(self, ctx: zmq.Context, rank: int, epoch: int, window: CreditWindow, sparse_keys: list[str],
                  sparse_scored: Optional[list[bool]] = None, auth: Optional[Credentials] = None) -> None:
-        self.ctx, self.rank, self.window, self.sparse_keys = ctx, rank, window, sparse_keys
+        self.ctx, self.rank, self.epoch, self.window, self.sparse_keys = ctx, rank, epoch, window, sparse_keys
         self.sparse_scored = sparse_scored  # which sparse keys carry scores (id-score features)
         self.auth = auth  # CURVE client keys for the workers' data sockets; None: plain sockets
         self.sockets: dict[str, zmq.Socket] = {}
         self._worker_of: dict[zmq.Socket, str] = {}
-        self.addrs: dict[str, str] = {}
         self.streams: dict[str, Stream] = {}
         self.poller = zmq.Poller()
-        self.epoch: Optional[int] = None
 
     def set_workers(self, members: list[list[str]]) -> None:
         """Follow the master's view of this client's partition."""
@@ -47,7 +48,7 @@ class WorkerFetcher:
             self.poller.unregister(sock)
             del self._worker_of[sock]
             sock.close(linger=0)
-            del self.addrs[wid], self.streams[wid]
+            del self.streams[wid]
         for wid, addr in wanted.items():
             if wid not in self.sockets:
                 sock = self.ctx.socket(zmq.DEALER)
@@ -56,16 +57,10 @@ class WorkerFetcher:
                 if self.auth is not None:
                     secure_client(sock, self.auth)
                 sock.connect(addr)
-                self.sockets[wid], self.addrs[wid], self._worker_of[sock] = sock, addr, wid
+                self.sockets[wid], self._worker_of[sock] = sock, wid
                 self.streams[wid] = Stream()
                 self.poller.register(sock, zmq.POLLIN)
         self.window.fit(len(self.sockets))
-
-    def start_epoch(self, epoch: int) -> None:
-        # Credit of the previous epoch dies at the worker when this epoch's first arrives.
-        self.epoch = epoch
-        for wid in self.streams:
-            self.streams[wid] = Stream()
 
     def top_up(self, queued: int) -> None:
         """Grant each worker credit up to its even share of the window, less what the loop
@@ -74,7 +69,7 @@ class WorkerFetcher:
         if not self.sockets:
             return
         n = len(self.sockets)
-        share, byte_share = max(1, self.window.pieces // n), max(1, self.window.bytes // n)
+        share, byte_share = max(1, self.window.pieces // n), max(1, self.window.max_bytes // n)
         free = self.window.pieces - queued
         now = time.monotonic()
         for wid, sock in self.sockets.items():

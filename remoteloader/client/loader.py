@@ -244,9 +244,8 @@ class RemoteDataLoader:
         else:
             run = self._start_epoch(epoch, [], {})
         assembler = run.assembler
-        fetcher = WorkerFetcher(self._ctx, self.rank, self.credit, job["sparse_keys"], job.get("sparse_scored"),
-                                auth=self._auth)
-        fetcher.start_epoch(epoch)
+        fetcher = WorkerFetcher(self._ctx, self.rank, epoch, self.credit, job["sparse_keys"],
+                                job.get("sparse_scored"), auth=self._auth)
         self._current = run
         # Acks and heartbeats go on the control thread: a slow or restarting master never
         # holds up batches that workers already have. One synchronous beat first, for the

@@ -48,7 +48,7 @@ class BatchBuffer:
         self._latest: dict[int, int] = {}  # rank -> newest epoch a client asked for
         self._heard: dict[int, float] = {}  # rank we hold work for -> when it last asked (or its first piece came)
         self._released: set[int] = set()  # silent ranks: nothing is kept for them until they ask again
-        self._hungry: frozenset = frozenset()  # ranks with requests waiting and nothing buffered
+        self._hungry: frozenset = frozenset()  # ranks holding credit with nothing buffered
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
@@ -145,8 +145,9 @@ class BatchBuffer:
 
     def held(self, key: Key) -> int:
         """Pieces queued for (rank, epoch)."""
-        queue = self._queues.get(key)
-        return len(queue) if queue else 0
+        with self._cond:
+            queue = self._queues.get(key)
+            return len(queue) if queue else 0
 
     def put_back(self, key: Key, piece: Piece) -> None:
         """Return a piece that could not be delivered to the front of its queue."""

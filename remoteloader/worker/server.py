@@ -1,6 +1,6 @@
 """A worker process: stateless, it pulls work from the master and serves batches to clients.
 
-Two threads, each owning its own sockets (ZeroMQ sockets are not thread-safe):
+Three threads, each owning its own sockets (ZeroMQ sockets are not thread-safe):
 
 * the **producer** asks the master for a split, processes it, and puts the pieces into
   the ``BatchBuffer`` (blocking while it is full);
@@ -296,7 +296,7 @@ class Worker:
                 if self.data in events:
                     while self.data.poll(0):
                         self._on_request(self.data.recv_multipart(copy=False))
-                self._serve_waiting()
+                self._push_credited()
         finally:
             wake.close(linger=0)
 
@@ -329,7 +329,7 @@ class Worker:
             self._creditors += 1
         credit.grant(header["batches"], header["bytes"])
 
-    def _serve_waiting(self) -> None:
+    def _push_credited(self) -> None:
         """Push pieces to clients holding credit for their (rank, epoch)."""
         hungry = set()
         for key, creditors in list(self._credit.items()):
