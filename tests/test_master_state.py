@@ -103,3 +103,77 @@ def test_damaged_record_is_quarantined_and_the_rest_replayed(tmp_path, caplog):
     replayed = [type(u).__name__ for u in Journal(tmp_path).replay()]
     assert len(replayed) == 4 and replayed[-1] == "WorkerLost"
     assert "quarantined" in caplog.text and (tmp_path / "journal.quarantine").exists()
+
+
+def _choose_by_full_scan(st: JobState, worker_id: str):
+    """Split choice as it was before the per-rank index: every rank, every split."""
+    if st.workers[worker_id].draining:
+        return None
+    for epochs in (st.ranks, st.prefetched):
+        best = None
+        for rank, members in sorted(st.partitions.items()):
+            re = epochs.get(rank)
+            if worker_id not in members or re is None or re.finished or not re.pending:
+                continue
+            in_flight = sum(1 for p in re.splits.values() if p.worker is not None and not p.done)
+            if best is None or in_flight < best[0]:
+                best = (in_flight, re.epoch, re.splits[re.pending[0]])
+        if best is not None:
+            return best[1], best[2]
+    return None
+
+
+def test_indexed_split_choice_matches_a_full_scan_through_random_histories():
+    import random
+    many = [[0, i, i + 1, 20, 20, 20 * i] for i in range(12)]
+    for seed in range(20):
+        rng = random.Random(seed)
+        st = JobState(max_workers_per_client=2)
+        st.apply(U.JobSubmitted(SPEC, "fp", {"x": "float"}, FILES, many, []))
+        for i in range(3):
+            st.apply(U.WorkerRegistered(f"w{i}", "a", i, 0.0))
+        for r in range(4):
+            st.apply(U.ClientJoined(f"c{r}", r, 4, 0.0))
+            st.apply(U.EpochStarted(r, 0))
+        n_workers = 3
+        for _ in range(300):
+            wid = rng.choice(sorted(st.workers))
+            roll = rng.random()
+            if roll < 0.45:
+                chosen = st.choose_split(wid)
+                assert chosen == _choose_by_full_scan(st, wid)
+                if chosen is not None:
+                    st.apply(U.SplitAssigned(chosen[0], chosen[1].split.id, wid, 0.0))
+            elif roll < 0.75:
+                rank = rng.randrange(4)
+                re = st.ranks[rank]
+                sid = rng.choice(sorted(re.splits))
+                st.apply(U.SplitsConsumed(rank, re.epoch, [[sid, rng.randrange(1, 3)]]))
+            elif roll < 0.8 and st.workers[wid].assigned:
+                epoch, sid = sorted(st.workers[wid].assigned)[0]
+                st.apply(U.SplitRevoked(epoch, sid, wid, "test"))
+            elif roll < 0.83 and st.workers[wid].assigned:
+                epoch, sid = sorted(st.workers[wid].assigned)[0]
+                st.apply(U.SplitFailed(epoch, sid, wid, "bad", True))
+            elif roll < 0.86 and len(st.workers) > 1:
+                st.apply(U.WorkerLost(wid, "test"))
+            elif roll < 0.89:
+                st.apply(U.WorkerRegistered(f"w{n_workers}", "a", n_workers, 0.0))
+                n_workers += 1
+            elif roll < 0.92:
+                rank = rng.randrange(4)
+                st.apply(U.ClientJoined(f"c{rank}-{rng.random()}", rank, 4, 0.0))
+            elif roll < 0.95:
+                rank = rng.randrange(4)
+                st.apply(U.EpochPrefetched(rank, st.ranks[rank].epoch + 1))
+            else:
+                rank = rng.randrange(4)
+                st.apply(U.EpochStarted(rank, st.ranks[rank].epoch + 1))
+            for re in [*st.ranks.values(), *st.prefetched.values()]:
+                assert re.in_flight == {s for s, p in re.splits.items() if p.worker is not None and not p.done}
+        rebuilt = JobState(max_workers_per_client=2)
+        rebuilt.apply(U.Snapshot(st.snapshot()))
+        for wid in st.workers:
+            assert rebuilt.choose_split(wid) == st.choose_split(wid)
+        for rank, re in st.ranks.items():
+            assert rebuilt.ranks[rank].in_flight == re.in_flight

@@ -61,6 +61,19 @@ class RankEpoch:
     splits: dict[int, SplitProgress]
     pending: deque  # split ids waiting for a worker, in plan order
     finished: bool = False
+    # Split ids assigned to a worker and not done: split choice balances ranks on its size
+    # without scanning their splits.
+    in_flight: set = field(default_factory=set)
+
+
+class EpochPlan:
+    """One epoch's splits (a split's id is its index), and each rank's of them."""
+
+    def __init__(self, splits: list[EpochSplit]) -> None:
+        self.splits = splits
+        self.by_rank: dict[int, list[EpochSplit]] = {}
+        for s in splits:
+            self.by_rank.setdefault(s.rank, []).append(s)
 
 
 @dataclass
@@ -90,6 +103,7 @@ class JobState:
         self.client_stats: dict[str, dict] = {}
         self.client_seen: dict[str, float] = {}  # client id -> its last hello or heartbeat
         self.partitions: dict[int, list[str]] = {}  # rank -> worker ids it reads from
+        self._served: Optional[dict[str, list[int]]] = None  # worker id -> its ranks; None: rebuild
         self.ranks: dict[int, RankEpoch] = {}
         self.prefetched: dict[int, RankEpoch] = {}  # rank -> its next epoch, started early
         self.errors: list[dict] = []  # failed splits of epochs some rank is still in, and files left out
@@ -97,7 +111,7 @@ class JobState:
         self._worker_seq = 0
         # Epochs resumed on another world size: base split id -> row ranges consumed before.
         self.resumed: dict[int, dict[int, list[tuple[int, int]]]] = {}
-        self._plans: dict[int, list[EpochSplit]] = {}  # memo of the pure epoch plan
+        self._plans: dict[int, EpochPlan] = {}  # memo of the pure epoch plan
 
     # -- the one mutator --------------------------------------------------------------
     def apply(self, update: U.Update) -> None:
@@ -125,6 +139,7 @@ class JobState:
         for cid, rank, seen in snap["clients"]:
             self.clients[cid], self.client_seen[cid] = rank, seen
         self.partitions = {rank: list(members) for rank, members in snap["partitions"]}
+        self._served = None
         self.resumed = {epoch: {base: [tuple(r) for r in ranges] for base, ranges in done}
                         for epoch, done in snap["resumed"]}
         for key, target in (("ranks", self.ranks), ("prefetched", self.prefetched)):
@@ -135,6 +150,8 @@ class JobState:
                     p = rank_epoch.splits[split_id]
                     p.consumed, p.worker, p.assigned_at, p.produced, p.failed = (consumed, worker, assigned_at,
                                                                                  produced, failed)
+                    if worker is not None and not p.done:
+                        rank_epoch.in_flight.add(split_id)
                 target[rank] = rank_epoch
         self.errors, self.error_counts = snap["errors"], dict(snap["error_counts"])
 
@@ -202,7 +219,7 @@ class JobState:
             if w.producing is not None and tuple(w.producing[:2]) == (u.epoch, u.split_id):
                 w.producing = None
         if progress is not None and progress.worker == u.worker_id:
-            self._requeue(lambda p: p is progress)
+            self._requeue(lambda p: p is progress, [self._owner(u.epoch, u.split_id)[0]])
 
     def _on_WorkerLost(self, u: U.WorkerLost) -> None:
         w = self.workers.pop(u.worker_id, None)
@@ -214,6 +231,7 @@ class JobState:
         for members in self.partitions.values():
             if u.worker_id in members:
                 members.remove(u.worker_id)
+        self._served = None
         self._rebalance()
 
     def _on_ClientJoined(self, u: U.ClientJoined) -> None:
@@ -227,10 +245,12 @@ class JobState:
             # A rank back in a new process (resume): pieces already sent to the old client
             # may be lost with it, so every split it had not consumed is produced again
             # (from what was consumed, which the new client reports at start_epoch).
-            self._requeue(lambda p: p.split.rank == u.rank)
+            self._requeue(lambda p: True, [e for e in (self.ranks.get(u.rank), self.prefetched.get(u.rank)) if e])
         self.clients[u.client_id] = u.rank
         self.client_seen[u.client_id] = u.time
-        self.partitions.setdefault(u.rank, [])
+        if u.rank not in self.partitions:
+            self.partitions[u.rank] = []
+            self._served = None
         self._rebalance()
 
     def _on_ClientHeartbeat(self, u: U.ClientHeartbeat) -> None:
@@ -279,13 +299,14 @@ class JobState:
     def _new_rank_epoch(self, rank: int, epoch: int) -> RankEpoch:
         assert self.job is not None and self.job.world_size is not None
         batch_size = self.job.spec["batch_size"]
-        mine = [s for s in self._plan(epoch) if s.rank == rank]
+        mine = self._plan(epoch).by_rank.get(rank, [])
         return RankEpoch(epoch, {s.id: SplitProgress(s, pieces_of(s.rows, batch_size)) for s in mine},
                          deque(s.id for s in mine))
 
     def _on_SplitAssigned(self, u: U.SplitAssigned) -> None:
         rank_epoch, progress = self._owner(u.epoch, u.split_id)
         rank_epoch.pending.remove(u.split_id)
+        rank_epoch.in_flight.add(u.split_id)
         progress.worker, progress.produced, progress.assigned_at = u.worker_id, False, u.time
         self.workers[u.worker_id].assigned.add((u.epoch, u.split_id))
 
@@ -326,29 +347,37 @@ class JobState:
     def _rank_epochs(self) -> list[RankEpoch]:
         return [*self.ranks.values(), *self.prefetched.values()]
 
-    def _requeue(self, which) -> None:
-        """Assigned, unfinished splits matching ``which`` go back to the front of their queues."""
-        for rank_epoch in self._rank_epochs():
-            hit = [p for p in rank_epoch.splits.values() if p.worker is not None and not p.done and which(p)]
+    def _requeue(self, which: Callable[[SplitProgress], bool], rank_epochs: Optional[list[RankEpoch]] = None) -> None:
+        """Assigned, unfinished splits matching ``which`` (of ``rank_epochs``, default all)
+        go back to the front of their queues."""
+        for rank_epoch in self._rank_epochs() if rank_epochs is None else rank_epochs:
+            hit = [p for p in map(rank_epoch.splits.__getitem__, rank_epoch.in_flight) if which(p)]
             for p in sorted(hit, key=lambda p: p.split.id, reverse=True):
                 if p.worker in self.workers:
                     self.workers[p.worker].assigned.discard((rank_epoch.epoch, p.split.id))
                 p.worker, p.produced = None, False
+                rank_epoch.in_flight.discard(p.split.id)
                 rank_epoch.pending.appendleft(p.split.id)
 
-    def _plan(self, epoch: int) -> list[EpochSplit]:
+    def _plan(self, epoch: int) -> EpochPlan:
         if epoch not in self._plans:
             spec = self.job.spec
-            self._plans[epoch] = plan_epoch(self.job.splits, epoch, spec["seed"], spec["shuffle"], self.job.world_size,
-                                            spec["batch_size"], spec["drop_last"], spec.get("even_batches", "pad"),
-                                            self.resumed.get(epoch))
+            self._plans[epoch] = EpochPlan(plan_epoch(
+                self.job.splits, epoch, spec["seed"], spec["shuffle"], self.job.world_size, spec["batch_size"],
+                spec["drop_last"], spec.get("even_batches", "pad"), self.resumed.get(epoch)))
             oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
             self._plans = {e: p for e, p in self._plans.items() if e >= min(oldest, epoch)}
             self.resumed = {e: d for e, d in self.resumed.items() if e >= min(oldest, epoch)}
         return self._plans[epoch]
 
     def _owner(self, epoch: int, split_id: int) -> tuple[Optional[RankEpoch], Optional[SplitProgress]]:
-        for rank_epoch in self._rank_epochs():
+        plan = self._plans.get(epoch)
+        if plan is not None and 0 <= split_id < len(plan.splits):
+            rank = plan.splits[split_id].rank  # a split's id is its place in the epoch's plan
+            for rank_epoch in (self.ranks.get(rank), self.prefetched.get(rank)):
+                if rank_epoch is not None and rank_epoch.epoch == epoch and split_id in rank_epoch.splits:
+                    return rank_epoch, rank_epoch.splits[split_id]
+        for rank_epoch in self._rank_epochs():  # not indexed (a stale report of an epoch gone): rare
             if rank_epoch.epoch == epoch and split_id in rank_epoch.splits:
                 return rank_epoch, rank_epoch.splits[split_id]
         return None, None
@@ -360,8 +389,10 @@ class JobState:
         if progress.worker in self.workers:
             self.workers[progress.worker].assigned.discard((epoch, progress.split.id))
         rank_epoch, _ = self._owner(epoch, progress.split.id)
-        if progress.worker is None and rank_epoch is not None and progress.split.id in rank_epoch.pending:
-            rank_epoch.pending.remove(progress.split.id)
+        if rank_epoch is not None:
+            rank_epoch.in_flight.discard(progress.split.id)
+            if progress.worker is None and progress.split.id in rank_epoch.pending:
+                rank_epoch.pending.remove(progress.split.id)
 
     def _release(self, rank_epoch: RankEpoch) -> None:
         rank_epoch.pending.clear()
@@ -386,6 +417,17 @@ class JobState:
                           key=lambda i: (load[i], self.workers[i].seq))
                 members.append(wid)
                 load[wid] += 1
+                self._served = None
+
+    def _served_ranks(self, worker_id: str) -> list[int]:
+        """The ranks whose partition holds this worker, from an index rebuilt only after
+        partitions change (rarely: membership), so split choice never scans every rank."""
+        if self._served is None:
+            self._served = {}
+            for rank, members in sorted(self.partitions.items()):
+                for wid in members:
+                    self._served.setdefault(wid, []).append(rank)
+        return self._served.get(worker_id, [])
 
     # -- queries ---------------------------------------------------------------------------
     def choose_split(self, worker_id: str, avoid: frozenset = frozenset()) -> Optional[tuple[int, SplitProgress]]:
@@ -395,16 +437,15 @@ class JobState:
         only when no current epoch has work for it."""
         if self.workers[worker_id].draining:
             return None
+        served = self._served_ranks(worker_id)
         for epochs in (self.ranks, self.prefetched):
             best = None
-            for rank, members in sorted(self.partitions.items()):
+            for rank in served:
                 rank_epoch = epochs.get(rank)
-                if (worker_id not in members or rank in avoid or rank_epoch is None or rank_epoch.finished
-                        or not rank_epoch.pending):
+                if rank in avoid or rank_epoch is None or rank_epoch.finished or not rank_epoch.pending:
                     continue
-                in_flight = sum(1 for p in rank_epoch.splits.values() if p.worker is not None and not p.done)
-                if best is None or in_flight < best[0]:
-                    best = (in_flight, rank_epoch.epoch, rank_epoch.splits[rank_epoch.pending[0]])
+                if best is None or len(rank_epoch.in_flight) < best[0]:
+                    best = (len(rank_epoch.in_flight), rank_epoch.epoch, rank_epoch.splits[rank_epoch.pending[0]])
             if best is not None:
                 return best[1], best[2]
         return None
