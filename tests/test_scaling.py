@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -24,6 +26,7 @@ from remoteloader.protocol.rpc import RpcClient
 from remoteloader.spec import DatasetSpec
 from remoteloader.tools.datagen import generate_table
 from tests.conftest import BIN, master_status, spec_dict
+from tests.test_end_to_end import assert_same, collect, read_reference
 
 
 def test_local_autoscaler_converges_to_the_needed_count(tmp_path, cluster):
@@ -63,9 +66,10 @@ def test_local_autoscaler_converges_to_the_needed_count(tmp_path, cluster):
     assert converged is not None and 2 <= converged <= 4, (trace, decisions)
 
 
-@pytest.fixture
-def ray_cluster(monkeypatch):
-    """A Ray head on 127.0.0.1 only, with token authentication on; its processes stopped afterwards.
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A Ray head on 127.0.0.1 only, with token authentication on, shared by this module's
+    tests (a head takes seconds to start); its processes stopped afterwards.
 
     Ray >= 2.59 turns token authentication on by default, so the head and every driver
     must share a token. The head gets it through its environment; the test's driver
@@ -75,26 +79,27 @@ def ray_cluster(monkeypatch):
     ray_bin = BIN / "ray"
     if not ray_bin.exists():
         pytest.skip("ray is not installed")
-    # Ray refuses a loopback node address unless told this is a single-machine
-    # "cluster"; with it, GCS and raylet bind to 127.0.0.1 instead of every interface.
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(name, raising=False)
     temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # Ray's socket paths must stay short
     token_file = Path(temp_dir) / "auth_token"
     token_file.write_text(secrets.token_hex(32))
     token_file.chmod(0o600)
-    head_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
-    port = str(free_port())
-    try:
-        subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
-                        "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
-                        "--temp-dir", temp_dir], check=True, capture_output=True, timeout=120, env=head_env)
-        yield f"127.0.0.1:{port}", str(token_file)
-    finally:
-        stop_processes_of(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with pytest.MonkeyPatch.context() as env:
+        # Ray refuses a loopback node address unless told this is a single-machine
+        # "cluster"; with it, GCS and raylet bind to 127.0.0.1 instead of every interface.
+        env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            env.delenv(name, raising=False)
+        head_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+        port = str(free_port())
+        try:
+            subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
+                            "--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats",
+                            "--temp-dir", temp_dir], check=True, capture_output=True, timeout=120, env=head_env)
+            yield f"127.0.0.1:{port}", str(token_file)
+        finally:
+            stop_processes_of(temp_dir)
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def free_port() -> int:
@@ -160,3 +165,47 @@ def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
             launcher.stop_all()
         server.stop_event.set()
         thread.join(5)
+
+
+def test_master_as_a_ray_actor_is_restarted_by_ray_and_the_epoch_stays_exact(tables, tmp_path, ray_cluster):
+    """SIGKILL the master process: Ray restarts its actor, which replays the journal on the
+    same address; the detached workers outlive it, and the trainer's epoch is exact."""
+    address, token_file = ray_cluster
+    journal = tmp_path / "journal"
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec_dict(tables["orc"], batch_size=100)))
+    bin_master = str(BIN / "remoteloader-master")
+    ray_args = ["--ray-actor", "rl-test-master", "--ray-address", address, "--ray-auth-token-file", token_file]
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    out = subprocess.run([bin_master, *ray_args, "--bind", bind, "--spec", str(spec_path), "--journal", str(journal),
+                          "--heartbeat-timeout", "3", "--launcher", "ray", "--workers", "2",
+                          "--allow-table", str(tables["orc"])],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith(bind)
+    try:
+        def master_pid() -> int:  # the master process the actor runs (its journal is on its command line)
+            found = [p.pid for p in psutil.process_iter(["cmdline"])
+                     if str(journal) in " ".join(p.info["cmdline"] or []) and "--die-with-parent" in p.info["cmdline"]]
+            assert len(found) == 1, found
+            return found[0]
+
+        first = master_pid()
+        with RemoteDataLoader(spec_path, master=bind, timeout=120) as loader:
+            batches = []
+            for i, b in enumerate(loader):
+                batches.append(b)
+                if i == 10:
+                    os.kill(first, signal.SIGKILL)
+            got, _ = collect(batches)
+            assert_same(got, read_reference(tables["orc"]))
+            assert len(batches) == len(loader)
+        assert master_pid() != first  # Ray restarted it, on the same address (the loader found it)
+        assert len(master_status(bind)["workers"]) == 2  # the same pool, adopted, not a second one
+        workers = [p for p in psutil.process_iter(["cmdline"])
+                   if "remoteloader.worker" in (p.info["cmdline"] or []) and bind in p.info["cmdline"]]
+        assert len(workers) == 2
+    finally:
+        stopped = subprocess.run([bin_master, *ray_args, "--bind", bind, "--ray-stop"], capture_output=True,
+                                 text=True, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr

@@ -10,6 +10,14 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
+def kernel_cache_dir() -> str:
+    """Where a worker keeps compiled kernels: ``$NUMBA_CACHE_DIR`` if set, else a
+    per-user directory, so every worker after the first on a machine loads them instead
+    of compiling (also when the package is installed read-only)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(base, "remoteloader", "numba")
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):

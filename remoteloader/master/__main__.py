@@ -54,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-auth-token-file", metavar="FILE",
                    help="file holding the Ray cluster's auth token (without it: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
                         "or ~/.ray/auth_token)")
+    p.add_argument("--ray-detached-workers", metavar="PREFIX",
+                   help="with --launcher ray: start workers as detached actors named PREFIX-worker-N that outlive "
+                        "this master and are adopted when a master with the same PREFIX starts (without it: workers "
+                        "end with the master)")
+    p.add_argument("--ray-actor", metavar="NAME",
+                   help="run this master as a detached Ray actor NAME (on the node of --bind, which needs a fixed "
+                        "port) that Ray restarts if it dies; needs --ray-address and, to survive, --journal on "
+                        "storage the node keeps; prints the address and returns")
+    p.add_argument("--ray-max-restarts", type=int, default=-1,
+                   help="with --ray-actor: how often Ray restarts a master that died (-1: always)")
+    p.add_argument("--ray-stop", action="store_true",
+                   help="with --ray-actor: stop that master actor and its workers for good")
     p.add_argument("--worker-buffer", type=int, default=16, help="batches each launched worker may buffer")
     p.add_argument("--worker-args", default="", help="extra arguments for launched local workers (one string)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
@@ -74,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s master %(levelname)s %(message)s")
+    if args.ray_actor:
+        return _as_ray_actor(p, args, argv)
     if args.die_with_parent:
         die_with_parent()
     try:
@@ -120,6 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         launcher = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
                                  ray_auth_token_path=args.ray_auth_token_file,
+                                 ray_detached_prefix=args.ray_detached_workers,
                                  worker_args=worker_args, buffer_batches=args.worker_buffer,
                                  auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
     except (ValueError, ImportError, ConnectionError) as e:
@@ -141,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         autoscaler.start()
         server.periodic.append(autoscaler.tick)
     elif args.workers:
-        launcher.start(args.workers)
+        launcher.start(max(0, args.workers - launcher.running()))  # a restarted master may have adopted some
 
         def keep_workers() -> None:  # DPP's master restarts failed workers; so does this one
             if launcher.reap():
@@ -162,6 +178,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if service.journal is not None:
             service.journal.close()
     return 0
+
+
+def _as_ray_actor(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+    """``--ray-actor NAME``: hand this master to Ray as a restartable actor, or stop it."""
+    from . import ray_actor
+
+    if not args.ray_address:
+        p.error("--ray-actor needs --ray-address")
+    host, port = args.bind.rsplit(":", 1)
+    if port == "0":
+        p.error("--ray-actor needs a fixed --bind port: a restarted master must be found at the same address")
+    try:
+        if args.ray_stop:
+            found = ray_actor.stop_actor(args.ray_actor, args.ray_address, args.ray_auth_token_file)
+            print(f"remoteloader-master {args.ray_actor}: {'stopped' if found else 'not running'}")
+            return 0 if found else 1
+        child = _without(argv, {"--ray-actor": 1, "--ray-max-restarts": 1, "--ray-stop": 0})
+        child += ["--ray-detached-workers", args.ray_detached_workers or args.ray_actor]
+        addr = ray_actor.submit(args.ray_actor, host.split("//", 1)[1].strip("[]"), child, args.ray_address,
+                                args.ray_auth_token_file, args.ray_max_restarts)
+    except Exception as e:  # Ray's errors share no base with ours; any of them is one line here
+        print(f"remoteloader-master: --ray-actor {args.ray_actor}: {e}", file=sys.stderr)
+        return 2
+    print(f"remoteloader-master {args.ray_actor} (Ray actor) listening on {addr}", flush=True)
+    return 0
+
+
+def _without(argv: list[str], options: dict[str, int]) -> list[str]:
+    """``argv`` less ``options`` (name -> how many values follow it; ``--name=value`` too)."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+        elif arg.split("=", 1)[0] in options:
+            skip = 0 if "=" in arg else options[arg]
+        else:
+            out.append(arg)
+    return out
 
 
 def _autoscale_config(args: argparse.Namespace, service: MasterService) -> Optional[AutoscaleConfig]:

@@ -19,20 +19,13 @@ import sys
 from typing import Optional, Protocol, Sequence
 
 log = logging.getLogger(__name__)
+RAY_NAMESPACE = "remoteloader"
 ENV_AUTH = "REMOTELOADER_AUTH"  # protocol.auth.ENV_AUTH: the key directory, never keys, on no command line
 
 
 def _worker_env(auth_dir: Optional[str]) -> dict[str, str]:
     """The variables a launched worker needs beyond the master's own environment."""
     return {ENV_AUTH: os.path.abspath(auth_dir)} if auth_dir else {}
-
-
-def kernel_cache_dir() -> str:
-    """Where local workers keep compiled kernels: ``$NUMBA_CACHE_DIR`` if set, else a
-    per-user directory, so every worker after the first on this machine loads them
-    instead of compiling (also when the package is installed read-only)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(base, "remoteloader", "numba")
 
 
 class Launcher(Protocol):
@@ -58,7 +51,7 @@ class LocalLauncher:
         self.procs: list[subprocess.Popen] = []
         # With auth: the key directory's path, in the environment (never key material on a command line).
         # Without: the variable is removed, so a stray $REMOTELOADER_AUTH cannot split the cluster.
-        self.env = dict(os.environ, **_worker_env(auth_dir), NUMBA_CACHE_DIR=kernel_cache_dir())
+        self.env = dict(os.environ, **_worker_env(auth_dir))
         if not auth_dir:
             self.env.pop(ENV_AUTH, None)
 
@@ -97,13 +90,28 @@ class WorkerProcessActor:
     the actor (Linux parent-death signal), so ``ray.kill`` or a lost node ends it.
     """
 
-    def run(self, master_addr: str, worker_args: list[str]) -> int:
-        """Serve until the worker exits; returns its exit code (0: drained or stopped)."""
+    def __init__(self, master_addr: str, worker_args: list[str]) -> None:
         import ray
 
-        cmd = [sys.executable, "-m", "remoteloader.worker", "--master", master_addr,
-               "--bind-host", ray.util.get_node_ip_address(), "--die-with-parent", *worker_args]
-        return subprocess.Popen(cmd).wait()
+        self.proc = subprocess.Popen([sys.executable, "-m", "remoteloader.worker", "--master", master_addr,
+                                      "--bind-host", ray.util.get_node_ip_address(), "--die-with-parent",
+                                      *worker_args])
+
+    def wait(self) -> int:
+        """Block until the worker exits; its exit code (0: drained or stopped). A master
+        that adopts a running actor calls this again: the actor runs calls concurrently."""
+        return self.proc.wait()
+
+
+def connect_ray(address: str, auth_token_path: Optional[str] = None):
+    """The ``ray`` module, connected to the cluster at ``address`` in remoteloader's namespace."""
+    if auth_token_path is not None:
+        _use_ray_token_file(auth_token_path)
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    return ray
 
 
 class RayLauncher:
@@ -116,35 +124,59 @@ class RayLauncher:
     Ray clusters authenticate by token (on by default since Ray 2.59): the master
     connects with ``auth_token_path`` if given, else with what the environment says
     (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``).
+
+    With ``detached_prefix`` the actors are detached and named ``PREFIX-worker-N``: they
+    outlive this master, and a master started again with the same prefix (a restart, see
+    ``ray_actor``) adopts those still running instead of starting a second pool.
     """
 
     def __init__(self, master_addr: str, address: str, num_cpus: float = 1.0,
                  worker_args: Sequence[str] = (), auth_token_path: Optional[str] = None,
-                 auth_dir: Optional[str] = None) -> None:
-        if auth_token_path is not None:
-            _use_ray_token_file(auth_token_path)
-        import ray
-
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(address=address, namespace="remoteloader", log_to_driver=False)
-        self._ray = ray
+                 auth_dir: Optional[str] = None, detached_prefix: Optional[str] = None) -> None:
+        already = sys.modules.get("ray")  # not imported here: the token must be set first
+        self._owns_ray = already is None or not already.is_initialized()
+        self._ray = ray = connect_ray(address, auth_token_path)
         # remoteloader's own CURVE keys (not Ray's token): the key directory's path goes to each actor
         # in its runtime environment, so the directory must be readable at the same path on every
         # node (shared storage, or copied there with mode 0700/0600). Its contents never travel
         # through Ray (its GCS and dashboard show runtime environments).
-        options: dict = {"num_cpus": num_cpus}
+        options: dict = {"num_cpus": num_cpus, "max_concurrency": 2}
         if auth_dir:
             options["runtime_env"] = {"env_vars": _worker_env(auth_dir)}
         self._actor_cls = ray.remote(**options)(WorkerProcessActor)
         self.master_addr = master_addr
         self.worker_args = list(worker_args)
-        self.actors: list[tuple] = []  # (actor handle, ObjectRef of its run())
+        self.detached_prefix = detached_prefix
+        self.actors: list[tuple] = []  # (actor handle, ObjectRef of its wait())
+        if detached_prefix:
+            self._adopt()
+
+    def _worker_names(self) -> list[str]:
+        prefix = f"{self.detached_prefix}-worker-"
+        return sorted(a["name"] for a in self._ray.util.list_named_actors(all_namespaces=True)
+                      if a.get("namespace") == RAY_NAMESPACE and a["name"].startswith(prefix))
+
+    def _adopt(self) -> None:
+        for name in self._worker_names():
+            try:
+                actor = self._ray.get_actor(name)
+            except ValueError:  # ended meanwhile
+                continue
+            self.actors.append((actor, actor.wait.remote()))
+        if self.actors:
+            log.warning("adopted %d running ray workers of %s", len(self.actors), self.detached_prefix)
 
     def start(self, n: int) -> None:
+        taken = set(self._worker_names()) if self.detached_prefix else set()
         for _ in range(n):
-            actor = self._actor_cls.remote()
-            self.actors.append((actor, actor.run.remote(self.master_addr, self.worker_args)))
+            cls = self._actor_cls
+            if self.detached_prefix:
+                name = next(f"{self.detached_prefix}-worker-{i}" for i in range(len(taken) + 1)
+                            if f"{self.detached_prefix}-worker-{i}" not in taken)
+                taken.add(name)
+                cls = cls.options(name=name, lifetime="detached")
+            actor = cls.remote(self.master_addr, self.worker_args)
+            self.actors.append((actor, actor.wait.remote()))
 
     def running(self) -> int:
         return len(self.actors)
@@ -193,8 +225,9 @@ def _use_ray_token_file(path: str) -> None:
 
 
 def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = None,
-                  ray_auth_token_path: Optional[str] = None, worker_args: Sequence[str] = (),
-                  buffer_batches: int = 16, auth_dir: Optional[str] = None, insecure: bool = False) -> Launcher:
+                  ray_auth_token_path: Optional[str] = None, ray_detached_prefix: Optional[str] = None,
+                  worker_args: Sequence[str] = (), buffer_batches: int = 16, auth_dir: Optional[str] = None,
+                  insecure: bool = False) -> Launcher:
     if kind == "local":
         return LocalLauncher(master_addr, ["--buffer-batches", str(buffer_batches), *worker_args], auth_dir=auth_dir)
     if kind == "ray":
@@ -205,5 +238,6 @@ def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = N
         insecure_args = ["--insecure"] if insecure and not auth_dir else []
         return RayLauncher(master_addr, ray_address,
                            worker_args=["--buffer-batches", str(buffer_batches), *insecure_args, *worker_args],
-                           auth_token_path=ray_auth_token_path, auth_dir=auth_dir)
+                           auth_token_path=ray_auth_token_path, auth_dir=auth_dir,
+                           detached_prefix=ray_detached_prefix)
     raise ValueError(f"unknown launcher {kind!r} (local, ray)")
