@@ -172,3 +172,20 @@ def test_master_console_script_serves_metrics(tmp_path):
     assert names["remoteloader_workers"] == "gauge"
     assert names["remoteloader_master_request_seconds"] == "histogram"
     assert names["process_cpu_seconds"] == "counter"
+
+
+def test_ray_actor_forwards_every_argument_but_its_own():
+    from remoteloader.master.__main__ import _without
+    argv = ["--ray-actor", "m", "--bind", "tcp://127.0.0.1:5555", "--ray-max-restarts=3", "--ray-stop",
+            "--journal", "/j", "--ray-address", "127.0.0.1:6379"]
+    assert _without(argv, {"--ray-actor": 1, "--ray-max-restarts": 1, "--ray-stop": 0}) == [
+        "--bind", "tcp://127.0.0.1:5555", "--journal", "/j", "--ray-address", "127.0.0.1:6379"]
+
+
+@pytest.mark.parametrize("args, why", [
+    (("--ray-actor", "m", "--bind", "tcp://127.0.0.1:5555"), "--ray-actor needs --ray-address"),
+    (("--ray-actor", "m", "--ray-address", "127.0.0.1:1", "--bind", "tcp://127.0.0.1:0"), "needs a fixed --bind port"),
+])
+def test_ray_actor_needs_an_address_and_a_fixed_port(args, why):
+    out = run("remoteloader-master", *args)
+    assert out.returncode == 2 and why in out.stderr
