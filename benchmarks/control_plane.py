@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -32,7 +34,6 @@ import psutil
 import zmq
 
 from remoteloader.master.journal import Journal
-from remoteloader.protocol import wire
 from remoteloader.spec import DatasetSpec
 from remoteloader.tools.datagen import generate_table
 
@@ -40,8 +41,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SOCKETS = 32  # simulated peers share these DEALER sockets (replies come back in order per socket)
 
 
-def request(t: str, **fields) -> bytes:
-    return msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": t, **fields}, use_bin_type=True)
+def encode_request(version: int, t: str, **fields) -> bytes:
+    return msgpack.packb({"v": version, "t": t, **fields}, use_bin_type=True)
+
+
+def protocol_version(src: Path) -> int:
+    """The protocol version the master under ``src`` speaks (the baseline may be older)."""
+    text = (src / "remoteloader" / "protocol" / "wire.py").read_text()
+    return int(re.search(r"^PROTOCOL_VERSION = (\d+)", text, re.M).group(1))
 
 
 class Load:
@@ -85,6 +92,7 @@ class Load:
 
 
 def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: float) -> dict:
+    request = partial(encode_request, protocol_version(src))
     journal = Path(tempfile.mkdtemp(prefix="rl-cp-journal-"))
     env = {**os.environ, "PYTHONPATH": str(src)}
     master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
@@ -121,9 +129,9 @@ def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: floa
                                      acks=[[splits[r][0], acked[r]]], stats={"batches": acked[r], "wait_s": 0.0}))
                 next_rank[r] += 0.25
             load.drain(1)
-        load.drain(2000)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start  # the load's period: the last replies are collected after it
         cpu1 = proc.cpu_times()
+        load.drain(2000)
         cpu = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / elapsed
         lat = np.array(load.latencies) * 1000
         written = sum(f.stat().st_size for f in journal.iterdir()) - size0
