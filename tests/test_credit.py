@@ -26,12 +26,12 @@ def test_window_is_capped_by_prefetch_bytes_at_the_measured_piece_size():
     window = CreditWindow(initial_per_worker=2, max_bytes=100_000)
     window.fit(2)
     for _ in range(10):
-        window.arrived(10_000)
+        window.arrived(1, 10_000)
     for _ in range(20):
         window.starved()
     assert window.pieces == 10 == window.cap  # 100 kB of 10 kB pieces
     for _ in range(64):
-        window.arrived(50_000)  # pieces got bigger: the window shrinks to stay within the bound
+        window.arrived(1, 50_000)  # pieces got bigger: the window shrinks to stay within the bound
     assert window.pieces == window.cap == 2
 
 
@@ -49,12 +49,12 @@ def test_worker_credit_is_a_running_total_so_repeats_and_reordering_change_nothi
     credit.grant(4, 1000)  # a repeat
     sent = 0
     while credit.open:
-        credit.spend(100)
+        credit.spend(1, 100)
         sent += 1
     assert sent == 4  # pieces ran out first (400 of 1000 bytes sent)
     credit.grant(20, 1000)  # more pieces, same byte total: bytes now bound it
     while credit.open:
-        credit.spend(100)
+        credit.spend(1, 100)
         sent += 1
     assert sent == 10 and credit.sent_bytes == 1000
     credit.grant(20, 1500)
@@ -65,7 +65,7 @@ def test_a_piece_larger_than_the_byte_credit_left_still_goes():
     credit = Credit()
     credit.grant(2, 10)
     assert credit.open
-    credit.spend(1 << 20)
+    credit.spend(1, 1 << 20)
     assert not credit.open  # and then the bytes are spent
 
 
@@ -73,8 +73,18 @@ def test_client_stream_counts_what_is_in_flight():
     window = CreditWindow(2, 1 << 20)
     stream = Stream()
     stream.granted, stream.granted_bytes = 5, 5000
-    stream.arrived(1000, held=3, window=window)
+    stream.arrived(1, 1000, held=3, window=window)
     assert stream.in_flight == 4 and stream.in_flight_bytes == 4000 and stream.held == 3
+    stream.arrived(3, 3000, held=0, window=window)  # one message of three pieces
+    assert stream.in_flight == 1 and stream.in_flight_bytes == 1000 and window.piece_bytes == 1000
+
+
+def test_credit_open_after_counts_what_one_message_would_take():
+    credit = Credit()
+    credit.grant(3, 10_000)
+    assert credit.open_after(2, 200) and not credit.open_after(3, 300) and not credit.open_after(1, 10_000)
+    credit.spend(3, 300)
+    assert not credit.open
 
 
 def test_backoff_grows_is_capped_and_jittered():

@@ -7,16 +7,43 @@ import pytest
 from remoteloader.protocol import wire
 
 
-def test_roundtrip_with_frames():
-    arrays = {"dense": np.arange(12, dtype=np.float32).reshape(3, 4), "ids": np.array([1, 2], np.int64),
-              "empty": np.zeros(0, np.int32)}
-    descs, frames = wire.pack_arrays(arrays)
-    parts = wire.encode("batch", frames, rank=0, epoch=1, split_id=2, piece=0, rows=3, held=0, tensors=descs)
+def _piece(rows: int, first: int) -> dict:
+    return {"dense": np.arange(first, first + 4 * rows, dtype=np.float32).reshape(rows, 4),
+            "labels": np.full(rows, first, np.float32), "ids": np.array([1, 2], np.int64),
+            "empty": np.zeros(0, np.int32)}
+
+
+def test_roundtrip_of_several_pieces_in_one_message():
+    pieces = [(7, 0, _piece(3, 0)), (7, 1, _piece(3, 100)), (9, 4, _piece(1, 200))]
+    descs, frames = [], []
+    for _, _, arrays in pieces:
+        d, f = wire.pack_arrays(arrays)
+        descs.append(d)
+        frames.extend(f)
+    parts = wire.encode("batch", frames, rank=0, epoch=1, pieces=[[s, i, len(a["labels"])] for s, i, a in pieces],
+                        held=0, tensors=descs)
     header, got_frames = wire.decode([bytes(p) for p in parts])
-    assert header["t"] == "batch" and header["split_id"] == 2
-    got = wire.unpack_arrays(header["tensors"], got_frames)
-    for k, a in arrays.items():
-        assert np.array_equal(got[k], a) and got[k].dtype == a.dtype
+    got = wire.unpack_pieces(header["pieces"], header["tensors"], got_frames)
+    assert [(s, i) for s, i, _ in got] == [(7, 0), (7, 1), (9, 4)]
+    for (_, _, want), (_, _, have) in zip(pieces, got):
+        for k, a in want.items():
+            assert np.array_equal(have[k], a) and have[k].dtype == a.dtype
+
+
+@pytest.mark.parametrize("pieces,descs,nframes,match", [
+    ([], [], 0, "pieces"),
+    ([[1, 0, 3]] * 17, [[]] * 17, 0, "pieces"),
+    ([[1, 0, 3], [1, 1, 3]], [[["labels", "float32", [3]]]], 1, "descriptor lists"),
+    ([[1, 0]], [[["labels", "float32", [3]]]], 1, "bad piece"),
+    ([[1, -1, 3]], [[["labels", "float32", [3]]]], 1, "bad piece"),
+    ([[1, 0, 4]], [[["labels", "float32", [3]]]], 1, "says 4 rows"),
+    ([[1, 0, 3]], [[["dense", "float32", [3]]]], 1, "labels"),
+    ([[1, 0, 3]], [[["labels", "float32", [3]]]], 2, "frames"),
+])
+def test_bad_piece_lists_are_refused(pieces, descs, nframes, match):
+    frames = [np.zeros(3, np.float32).tobytes()] * nframes
+    with pytest.raises(wire.ProtocolError, match=match):
+        wire.unpack_pieces(pieces, descs, frames)
 
 
 @pytest.mark.parametrize("parts,match", [

@@ -211,6 +211,9 @@ class KeyedJaggedTensor(_Jagged):
         return f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, values={self._values.numel()})"
 
 
+_readonly_warning_due = True  # until torch has been handed a read-only array once (it warns only once)
+
+
 @dataclass
 class Batch:
     dense_features: torch.Tensor
@@ -286,8 +289,15 @@ class Batch:
                    sparse_scored: Optional[Sequence[bool]] = None) -> "Batch":
         """Tensors viewing the arrays' memory (no copy): received frames, or Arrow buffers
         in local mode. They may be read-only; remoteloader never writes them."""
-        with warnings.catch_warnings():  # torch warns that it cannot protect a read-only buffer
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        global _readonly_warning_due
+        if _readonly_warning_due and not all(a.flags.writeable for a in arrays.values()):
+            # torch warns (once per process) that it cannot protect a read-only buffer; entering
+            # catch_warnings for every batch would cost more than the batch's own conversion.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}
+            _readonly_warning_due = False
+        else:
             tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}
         return cls.from_tensors(tensors, sparse_keys, sparse_scored)
 

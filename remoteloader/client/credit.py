@@ -33,9 +33,10 @@ class CreditWindow:
         """At least ``initial`` per worker of the partition (it may have grown past that)."""
         self.pieces = min(self.cap, max(self.pieces, self.initial_per_worker * max(1, workers)))
 
-    def arrived(self, nbytes: int) -> None:
-        self._arrived += 1
-        self.piece_bytes += (nbytes - self.piece_bytes) / min(self._arrived, 64)
+    def arrived(self, pieces: int, nbytes: int) -> None:
+        """``pieces`` arrived in one message of ``nbytes``."""
+        self._arrived += pieces
+        self.piece_bytes += (nbytes / pieces - self.piece_bytes) * min(1.0, pieces / min(self._arrived, 64))
         self.pieces = min(self.pieces, self.cap)
 
     def starved(self) -> None:

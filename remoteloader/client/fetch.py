@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # A worker releases what it holds for a rank silent for its --client-timeout (30 s by
 # default): a client with a wide window may not need to grant credit that often.
 KEEPALIVE_S = 5.0
+_POLLIN = int(zmq.POLLIN)  # a plain int: IntFlag arithmetic runs in Python, once per piece here
 
 
 class WorkerFetcher:
@@ -90,27 +91,27 @@ class WorkerFetcher:
         we still have out there covers: it has data and no credit to send it."""
         return any(s.held > s.in_flight for s in self.streams.values())
 
-    def poll(self, timeout_ms: int) -> list[tuple[dict, Batch]]:
-        """Pieces that arrived within ``timeout_ms``: (header, batch) pairs of the current epoch."""
+    def poll(self, timeout_ms: int) -> list[tuple[int, int, Batch]]:
+        """Pieces that arrived within ``timeout_ms``: (split id, piece, batch) of the current epoch."""
         out = []
         for sock, _ in self.poller.poll(timeout_ms):
             wid = self._worker_of[sock]
-            while sock.poll(0):
+            while sock.get(zmq.EVENTS) & _POLLIN:  # not poll(0): pyzmq builds a Poller per call
                 msg = wire.safe_decode(sock.recv_multipart(copy=False), f"worker {wid}")
                 if msg is None:
                     continue
                 header, frames = msg
                 if header["t"] != "batch" or header["rank"] != self.rank or header["epoch"] != self.epoch:
                     continue
-                nbytes = sum(len(f) for f in frames)
-                self.streams[wid].arrived(nbytes, header["held"], self.window)
                 try:
-                    arrays = wire.unpack_arrays(header["tensors"], frames)
-                    batch = Batch.from_numpy(arrays, self.sparse_keys, self.sparse_scored)
+                    pieces = wire.unpack_pieces(header["pieces"], header["tensors"], frames)
+                    batches = [(split_id, piece, Batch.from_numpy(arrays, self.sparse_keys, self.sparse_scored))
+                               for split_id, piece, arrays in pieces]
                 except (wire.ProtocolError, KeyError) as e:
-                    log.warning("dropped a malformed batch from worker %s: %s", wid, e)
+                    log.warning("dropped a malformed batch message from worker %s: %s", wid, e)
                     continue
-                out.append((header, batch))
+                self.streams[wid].arrived(len(batches), sum(len(f) for f in frames), header["held"], self.window)
+                out.extend(batches)
         return out
 
     def close(self) -> None:
@@ -136,8 +137,8 @@ class Stream:
     def in_flight_bytes(self) -> int:
         return max(0, self.granted_bytes - self.received_bytes)
 
-    def arrived(self, nbytes: int, held: int, window: CreditWindow) -> None:
-        window.arrived(nbytes)
-        self.received += 1
+    def arrived(self, pieces: int, nbytes: int, held: int, window: CreditWindow) -> None:
+        window.arrived(pieces, nbytes)
+        self.received += pieces
         self.received_bytes += nbytes
         self.held = held

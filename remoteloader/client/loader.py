@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.25
 # Upper bounds of the per-batch wait histogram (seconds) reported to the master's metrics.
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+# While this many batches wait for the training loop, it takes the next without polling its
+# sockets or granting credit (pieces arrive several to a message: a poll per batch is waste).
+QUEUED_ENOUGH = 4
 
 
 @dataclass
@@ -269,7 +272,8 @@ class RemoteDataLoader:
                     window_checked = True  # once per wait, before granting more: was credit the limit?
                     if fetcher.credit_limited():
                         self.credit.starved()
-                fetcher.top_up(assembler.ready_count)  # credit for what the loop will take next
+                if ready is None or assembler.ready_count < QUEUED_ENOUGH:
+                    fetcher.top_up(assembler.ready_count)  # credit for what the loop will take next
                 if ready is None:
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
                     # The training loop is waiting on us: the stall the autoscaler minimizes.
@@ -280,13 +284,15 @@ class RemoteDataLoader:
                         batch_wait += time.monotonic() - now
                     else:
                         self.stats.epoch_start_s += time.monotonic() - now
-                else:
+                elif assembler.ready_count < QUEUED_ENOUGH:
                     arrivals = fetcher.poll(0)
-                for header, batch in arrivals:
-                    if assembler.wants(header["split_id"], header["piece"]):
-                        if run.splits[header["split_id"]][3]:
+                else:  # batches queued here already: receive (and grant) on a later batch
+                    arrivals = []
+                for split_id, piece, batch in arrivals:
+                    if assembler.wants(split_id, piece):
+                        if run.splits[split_id][3]:
                             batch = batch.as_padding()
-                        assembler.add(header["split_id"], header["piece"], batch)
+                        assembler.add(split_id, piece, batch)
                         last_progress = time.monotonic()
                 if ready is not None:
                     assembler.consume(ready)

@@ -15,15 +15,18 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import msgpack
 import numpy as np
+import zmq
 
-PROTOCOL_VERSION = 4  # 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 5  # 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
+MAX_PIECES = 16  # pieces in one batch message (their frames also count against MAX_FRAMES)
 MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
 MAX_STRING = 4096  # ids, addresses, reasons; longer only where SCHEMAS says so
 MAX_LIST = 1 << 20  # items of any list field (a rank's splits, acks)
 MAX_INT = (1 << 63) - 1
 DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64, "uint8": np.uint8}
+_NP_DTYPES = {name: np.dtype(t) for name, t in DTYPES.items()}
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +83,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "status_reply": {"status": (_MAP, True)},
     # client -> worker and back
     "credit": {"rank": (_INT, True), "epoch": (_INT, True), "batches": (_INT, True), "bytes": (_INT, True)},
-    "batch": {"rank": (_INT, True), "epoch": (_INT, True), "split_id": (_INT, True), "piece": (_INT, True),
-              "rows": (_INT, True), "held": (_INT, True), "tensors": (_LIST, True)},
+    "batch": {"rank": (_INT, True), "epoch": (_INT, True), "pieces": (_LIST, True), "held": (_INT, True),
+              "tensors": (_LIST, True)},
 }
 # What the master answers; MasterService checks at import that it has a handler for each.
 MASTER_REQUESTS = frozenset({"register", "get_spec", "heartbeat", "get_split", "split_produced", "split_failed",
@@ -195,15 +198,43 @@ def unpack_arrays(descs: Iterable, frames: Sequence[Any]) -> dict[str, np.ndarra
     for desc, frame in zip(descs, frames):
         if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], str)
                 and desc[1] in DTYPES and isinstance(desc[2], list) and len(desc[2]) <= 2
-                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_FRAME_BYTES for d in desc[2])):
+                and all(type(d) is int and 0 <= d <= MAX_FRAME_BYTES for d in desc[2])):
             raise ProtocolError(f"bad tensor descriptor {desc!r}")
         name, dtype, shape = desc
-        buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-        dt = np.dtype(DTYPES[dtype])
-        expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+        dt = _NP_DTYPES[dtype]
+        elements = 1
+        for d in shape:  # each d is bounded above: the product is exact in Python ints
+            elements *= d
+        expected = elements * dt.itemsize
         if buf.nbytes != expected:
             raise ProtocolError(f"tensor {name!r}: frame has {buf.nbytes} bytes, shape {shape} {dtype} needs {expected}")
         out[name] = np.frombuffer(buf, dtype=dt).reshape(shape) if expected else np.zeros(shape, dtype=dt)
+    return out
+
+
+def unpack_pieces(pieces: Any, descs: Any, frames: Sequence[Any]) -> list[tuple[int, int, dict[str, np.ndarray]]]:
+    """(split id, piece, arrays) of each piece of a ``batch`` message: ``pieces`` is
+    ``[[split_id, piece, rows], ...]``, ``descs`` one descriptor list per piece, and the
+    frames are the pieces' frames one piece after the other."""
+    if not (isinstance(pieces, list) and isinstance(descs, list) and 0 < len(pieces) == len(descs) <= MAX_PIECES):
+        raise ProtocolError(f"batch of {len(pieces) if isinstance(pieces, list) else '?'} pieces and "
+                            f"{len(descs) if isinstance(descs, list) else '?'} descriptor lists (1 to {MAX_PIECES}, "
+                            f"one list per piece)")
+    out, at = [], 0
+    for item, piece_descs in zip(pieces, descs):
+        if not (isinstance(item, list) and len(item) == 3 and all(type(x) is int and 0 <= x <= MAX_INT for x in item)
+                and isinstance(piece_descs, list)):
+            raise ProtocolError(f"bad piece {str(item)[:80]!r}")
+        arrays = unpack_arrays(piece_descs, frames[at:at + len(piece_descs)])
+        labels = arrays.get("labels")
+        if labels is None or len(labels) != item[2]:
+            raise ProtocolError(f"piece {item[:2]}: says {item[2]} rows, its labels have "
+                                f"{'none' if labels is None else len(labels)}")
+        at += len(piece_descs)
+        out.append((item[0], item[1], arrays))
+    if at != len(frames):
+        raise ProtocolError(f"{len(frames)} frames, the descriptors name {at}")
     return out
 
 

@@ -330,40 +330,58 @@ class Worker:
         credit.grant(header["batches"], header["bytes"])
 
     def _push_credited(self) -> None:
-        """Push pieces to clients holding credit for their (rank, epoch)."""
+        """Push pieces to clients holding credit for their (rank, epoch): as many as the
+        credit allows and the buffer holds, several to a message (fewer messages, each
+        costing both sides a header and a wake-up; ``wire.MAX_FRAMES`` bounds them)."""
         hungry = set()
         for key, creditors in list(self._credit.items()):
             for identity, credit in list(creditors.items()):
                 while credit.open:
-                    piece = self.buffer.pop(key)
-                    if piece is None:
+                    pieces, frames, descs, nbytes = [], [], [], 0
+                    while credit.open_after(len(pieces), nbytes) and len(pieces) < wire.MAX_PIECES:
+                        piece = self.buffer.pop(key)
+                        if piece is None:
+                            break
+                        piece_descs, piece_frames = wire.pack_arrays(piece.arrays)
+                        if pieces and len(frames) + len(piece_frames) > wire.MAX_FRAMES:
+                            self.buffer.put_back(key, piece)
+                            break
+                        pieces.append(piece)
+                        descs.append(piece_descs)
+                        frames.extend(piece_frames)
+                        nbytes += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in piece_frames)
+                    if not pieces:
                         hungry.add(key[0])
                         break
-                    descs, frames = wire.pack_arrays(piece.arrays)
                     # `held`: what is left here for this rank, so its client can tell that
                     # it waits for want of credit rather than for want of data.
-                    msg = wire.encode("batch", frames, rank=key[0], epoch=key[1], split_id=piece.split_id,
-                                      piece=piece.index, rows=piece.rows, held=self.buffer.held(key), tensors=descs)
+                    msg = wire.encode("batch", frames, rank=key[0], epoch=key[1],
+                                      pieces=[[p.split_id, p.index, p.rows] for p in pieces],
+                                      held=self.buffer.held(key), tensors=descs)
                     try:
                         # Never block: a client that does not read fills its pipe, and a
                         # blocked send would stop serving everybody else.
                         self.data.send_multipart([identity, *msg], copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
-                        self.buffer.put_back(key, piece)  # its pipe is full: try again on a later pass
+                        self._put_back(key, pieces)  # its pipe is full: try again on a later pass
                         break
                     except zmq.ZMQError:
                         # That client is gone (ROUTER_MANDATORY tells us instead of dropping
-                        # the message): keep the piece for whoever holds credit next.
-                        self.buffer.put_back(key, piece)
+                        # the message): keep the pieces for whoever holds credit next.
+                        self._put_back(key, pieces)
                         del creditors[identity]
                         self._creditors -= 1
                         break
-                    credit.spend(sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames))
+                    credit.spend(len(pieces), nbytes)
             if not creditors:
                 del self._credit[key]
         # Ranks with credit and nothing buffered: a producer stuck on another rank's full
         # share hands its split back rather than keep them waiting.
         self.buffer.set_hungry(frozenset(hungry))
+
+    def _put_back(self, key: tuple[int, int], pieces: list) -> None:
+        for piece in reversed(pieces):  # put_back puts at the front: the first piece ends up first again
+            self.buffer.put_back(key, piece)
 
     def _release_silent(self, control: RpcClient) -> None:
         """Hand back the splits of ranks silent past the client timeout (their pieces are
@@ -434,10 +452,14 @@ class Credit:
 
     @property
     def open(self) -> bool:
-        return self.sent_pieces < self.pieces and self.sent_bytes < self.bytes
+        return self.open_after(0, 0)
 
-    def spend(self, nbytes: int) -> None:
-        self.sent_pieces += 1
+    def open_after(self, pieces: int, nbytes: int) -> bool:
+        """Whether one more piece may go once ``pieces`` / ``nbytes`` more have been sent."""
+        return self.sent_pieces + pieces < self.pieces and self.sent_bytes + nbytes < self.bytes
+
+    def spend(self, pieces: int, nbytes: int) -> None:
+        self.sent_pieces += pieces
         self.sent_bytes += nbytes
 
 
