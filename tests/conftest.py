@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -54,10 +55,10 @@ def spec_dict(table: Path, **overrides) -> dict:
     return spec
 
 
-def master_status(addr: str) -> dict:
-    """What ``remoteloader status --json`` prints for the master at ``addr``."""
-    out = subprocess.run([str(BIN / "remoteloader"), "status", "--master", addr, "--json"],
-                         capture_output=True, text=True, check=True, timeout=30)
+def master_status(addr: str, auth: Optional[str] = None) -> dict:
+    """What ``remoteloader status --json`` prints for the master at ``addr`` (with keys from ``auth``)."""
+    out = subprocess.run([str(BIN / "remoteloader"), "status", "--master", addr, "--json",
+                          *(["--auth", auth] if auth else [])], capture_output=True, text=True, check=True, timeout=30)
     return json.loads(out.stdout)
 
 

@@ -21,6 +21,7 @@ import zmq
 from remoteloader import RemoteDataLoader
 from remoteloader.master.launcher import RayLauncher
 from remoteloader.master.server import MasterServer
+from remoteloader.protocol import auth as cluster_auth
 from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol.rpc import RpcClient
 from remoteloader.spec import DatasetSpec
@@ -169,8 +170,10 @@ def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
 
 def test_master_as_a_ray_actor_is_restarted_by_ray_and_the_epoch_stays_exact(tables, tmp_path, ray_cluster):
     """SIGKILL the master process: Ray restarts its actor, which replays the journal on the
-    same address; the detached workers outlive it, and the trainer's epoch is exact."""
+    same address; the detached workers outlive it, and the trainer's epoch is exact. With
+    CURVE keys: the master, its Ray workers and the client all authenticate."""
     address, token_file = ray_cluster
+    keys = str(cluster_auth.keygen(tmp_path / "keys"))
     journal = tmp_path / "journal"
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec_dict(tables["orc"], batch_size=100)))
@@ -179,7 +182,7 @@ def test_master_as_a_ray_actor_is_restarted_by_ray_and_the_epoch_stays_exact(tab
     bind = f"tcp://127.0.0.1:{free_port()}"
     out = subprocess.run([bin_master, *ray_args, "--bind", bind, "--spec", str(spec_path), "--journal", str(journal),
                           "--heartbeat-timeout", "3", "--launcher", "ray", "--workers", "2",
-                          "--allow-table", str(tables["orc"])],
+                          "--allow-table", str(tables["orc"]), "--auth", keys],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith(bind)
@@ -191,7 +194,17 @@ def test_master_as_a_ray_actor_is_restarted_by_ray_and_the_epoch_stays_exact(tab
             return found[0]
 
         first = master_pid()
-        with RemoteDataLoader(spec_path, master=bind, timeout=120) as loader:
+        with pytest.raises(zmq.Again):  # without the key: no answer at all
+            plain = zmq.Context.instance().socket(zmq.REQ)
+            plain.setsockopt(zmq.LINGER, 0)
+            plain.setsockopt(zmq.RCVTIMEO, 1000)
+            plain.connect(bind)
+            try:
+                plain.send(b"status")
+                plain.recv()
+            finally:
+                plain.close()
+        with RemoteDataLoader(spec_path, master=bind, timeout=120, auth=keys) as loader:
             batches = []
             for i, b in enumerate(loader):
                 batches.append(b)
@@ -201,7 +214,7 @@ def test_master_as_a_ray_actor_is_restarted_by_ray_and_the_epoch_stays_exact(tab
             assert_same(got, read_reference(tables["orc"]))
             assert len(batches) == len(loader)
         assert master_pid() != first  # Ray restarted it, on the same address (the loader found it)
-        assert len(master_status(bind)["workers"]) == 2  # the same pool, adopted, not a second one
+        assert len(master_status(bind, keys)["workers"]) == 2  # the same pool, adopted, not a second one
         workers = [p for p in psutil.process_iter(["cmdline"])
                    if "remoteloader.worker" in (p.info["cmdline"] or []) and bind in p.info["cmdline"]]
         assert len(workers) == 2
