@@ -8,7 +8,11 @@ span), the credit window the client ended with, and the autoscaler's view. The
 baseline commit (a git worktree: request/reply, 2 requests in flight per worker) and
 this tree run one after the other in the same invocation, alternating rounds.
 
-Run: ``.venv/bin/python -m benchmarks.throughput [--rows 400000 --rounds 3]``.
+``--autoscale``: instead, this tree only, the same trainer against a master with
+``--autoscale`` (1 to 4 local workers) for ``--seconds``: the worker count over time
+and the autoscaler's decisions (what it chose, and why).
+
+Run: ``.venv/bin/python -m benchmarks.throughput [--rows 400000 --rounds 3] [--autoscale]``.
 """
 from __future__ import annotations
 
@@ -56,6 +60,39 @@ def run_one(src: Path, table: str, batch_size: int, epochs: int) -> dict:
     return {**best, "window": window}
 
 
+def autoscale_choice(table: str, batch_size: int, seconds: float) -> dict:
+    """The trainer flat out against an autoscaling master: its worker counts and decisions."""
+    from remoteloader import RemoteDataLoader
+
+    master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
+                               "--allow-table", table, "--autoscale", "--min-workers", "1", "--max-workers", "4"],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
+    trace, start = [], time.perf_counter()
+    try:
+        with RemoteDataLoader(light_spec(table, batch_size), master=addr, timeout=120) as loader:
+            wait0, n, last = loader.stats.wait_s, 0, start
+            while time.perf_counter() - start < seconds:
+                for _ in loader:
+                    n += 1
+                    if time.perf_counter() - last >= 5:
+                        last = time.perf_counter()
+                        st = json.loads(subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "status",
+                                                        "--master", addr, "--json"], capture_output=True, text=True,
+                                                       check=True, cwd=ROOT).stdout)
+                        trace.append({"t": round(last - start), "workers": len(st["workers"]),
+                                      "stall": round(loader.stats.wait_s - wait0, 2)})
+                    if time.perf_counter() - start >= seconds:
+                        break
+            elapsed = time.perf_counter() - start
+            decisions = st["autoscaler"]
+            return {"batches_per_s": n / elapsed, "stall": (loader.stats.wait_s - wait0) / elapsed, "trace": trace,
+                    "decisions": [{k: d[k] for k in ("action", "workers", "reason") if k in d} for d in decisions]}
+    finally:
+        master.terminate()
+        master.wait(30)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=400_000)
@@ -63,6 +100,8 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=2, help="epochs per round (the best is kept)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--baseline", default="19ba756", help="git ref to compare with (request/reply transport)")
+    p.add_argument("--autoscale", action="store_true", help="the autoscaler's choice for this trainer (this tree)")
+    p.add_argument("--seconds", type=float, default=60.0, help="with --autoscale: how long the trainer runs")
     p.add_argument("--one", metavar="TREE", help=argparse.SUPPRESS)
     p.add_argument("--table", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -76,6 +115,9 @@ def main() -> int:
 
     table = Path(tempfile.mkdtemp(prefix="rl-tp-")) / "t"
     generate_table(str(table), rows=args.rows, partitions=2, dense=4, sparse=2, format="orc", seed=9, progress=False)
+    if args.autoscale:
+        print(json.dumps(autoscale_choice(str(table), args.batch_size, args.seconds), indent=1))
+        return 0
     with baseline_tree(args.baseline) as base:
         trees = {f"baseline {args.baseline}": base, "this tree": ROOT}
         results: dict[str, list[dict]] = {name: [] for name in trees}

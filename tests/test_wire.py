@@ -30,18 +30,21 @@ def test_roundtrip_of_several_pieces_in_one_message():
             assert np.array_equal(have[k], a) and have[k].dtype == a.dtype
 
 
-@pytest.mark.parametrize("pieces,descs,nframes,match", [
-    ([], [], 0, "pieces"),
-    ([[1, 0, 3]] * 17, [[]] * 17, 0, "pieces"),
-    ([[1, 0, 3], [1, 1, 3]], [[["labels", "float32", [3]]]], 1, "descriptor lists"),
-    ([[1, 0]], [[["labels", "float32", [3]]]], 1, "bad piece"),
-    ([[1, -1, 3]], [[["labels", "float32", [3]]]], 1, "bad piece"),
-    ([[1, 0, 4]], [[["labels", "float32", [3]]]], 1, "says 4 rows"),
-    ([[1, 0, 3]], [[["dense", "float32", [3]]]], 1, "labels"),
-    ([[1, 0, 3]], [[["labels", "float32", [3]]]], 2, "frames"),
+THREE = np.zeros(3, np.float32).tobytes()  # a frame of three float32
+
+
+@pytest.mark.parametrize("pieces,descs,frames,match", [
+    ([], [], [], "pieces"),
+    ([[1, 0, 3]] * 17, [[]] * 17, [], "pieces"),
+    ([[1, 0, 3], [1, 1, 3]], [[["labels", "float32", [3]]]], [THREE], "descriptor lists"),
+    ([[1, 0]], [[["labels", "float32", [3]]]], [THREE], "bad piece"),
+    ([[1, -1, 3]], [[["labels", "float32", [3]]]], [THREE], "bad piece"),
+    ([[1, 0, 4]], [[["labels", "float32", [3]]]], [THREE], "says 4 rows"),
+    ([[1, 0, 3]], [[["dense", "float32", [3]]]], [THREE], "labels"),
+    ([[1, 0, 3]], [[["labels", "float32", [3]]]], [THREE, THREE], "frames"),
+    ([[1, 0, 1]], [[["labels", "float32", []]]], [THREE[:4]], "shape"),
 ])
-def test_bad_piece_lists_are_refused(pieces, descs, nframes, match):
-    frames = [np.zeros(3, np.float32).tobytes()] * nframes
+def test_bad_piece_lists_are_refused(pieces, descs, frames, match):
     with pytest.raises(wire.ProtocolError, match=match):
         wire.unpack_pieces(pieces, descs, frames)
 

@@ -103,14 +103,16 @@ class WorkerFetcher:
                 header, frames = msg
                 if header["t"] != "batch" or header["rank"] != self.rank or header["epoch"] != self.epoch:
                     continue
+                # Counted as received before it is checked: the worker has charged it to our credit.
+                count = len(header["pieces"]) or 1
+                self.streams[wid].arrived(count, sum(len(f) for f in frames), header["held"], self.window)
                 try:
                     pieces = wire.unpack_pieces(header["pieces"], header["tensors"], frames)
                     batches = [(split_id, piece, Batch.from_numpy(arrays, self.sparse_keys, self.sparse_scored))
                                for split_id, piece, arrays in pieces]
-                except (wire.ProtocolError, KeyError) as e:
+                except (wire.ProtocolError, KeyError, ValueError, TypeError, IndexError) as e:
                     log.warning("dropped a malformed batch message from worker %s: %s", wid, e)
                     continue
-                self.streams[wid].arrived(len(batches), sum(len(f) for f in frames), header["held"], self.window)
                 out.extend(batches)
         return out
 

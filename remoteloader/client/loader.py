@@ -42,7 +42,7 @@ HEARTBEAT_S = 0.25
 # Upper bounds of the per-batch wait histogram (seconds) reported to the master's metrics.
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 # While this many batches wait for the training loop, it takes the next without polling its
-# sockets or granting credit (pieces arrive several to a message: a poll per batch is waste).
+# sockets (pieces arrive several to a message: a poll per batch is waste).
 QUEUED_ENOUGH = 4
 
 
@@ -272,8 +272,9 @@ class RemoteDataLoader:
                     window_checked = True  # once per wait, before granting more: was credit the limit?
                     if fetcher.credit_limited():
                         self.credit.starved()
-                if ready is None or assembler.ready_count < QUEUED_ENOUGH:
-                    fetcher.top_up(assembler.ready_count)  # credit for what the loop will take next
+                # Credit for what the loop will take next; also the keepalive that tells workers
+                # this rank is alive while it works through a deep queue.
+                fetcher.top_up(assembler.ready_count)
                 if ready is None:
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
                     # The training loop is waiting on us: the stall the autoscaler minimizes.
@@ -286,7 +287,7 @@ class RemoteDataLoader:
                         self.stats.epoch_start_s += time.monotonic() - now
                 elif assembler.ready_count < QUEUED_ENOUGH:
                     arrivals = fetcher.poll(0)
-                else:  # batches queued here already: receive (and grant) on a later batch
+                else:  # batches queued here already: receive on a later batch
                     arrivals = []
                 for split_id, piece, batch in arrivals:
                     if assembler.wants(split_id, piece):

@@ -28,8 +28,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviations: --ray-actor re-runs the master with its own options removed by name.
     p = argparse.ArgumentParser(prog="remoteloader-master", description="The remoteloader master (control plane).",
-                                formatter_class=DefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--bind", default="tcp://127.0.0.1:5555", type=address_type(bind=True), metavar="tcp://HOST:PORT",
                    help="address to listen on (port 0: any free port; the address bound is printed)")
@@ -194,8 +195,10 @@ def _as_ray_actor(p: argparse.ArgumentParser, args: argparse.Namespace, argv: li
             found = ray_actor.stop_actor(args.ray_actor, args.ray_address, args.ray_auth_token_file)
             print(f"remoteloader-master {args.ray_actor}: {'stopped' if found else 'not running'}")
             return 0 if found else 1
-        child = _without(argv, {"--ray-actor": 1, "--ray-max-restarts": 1, "--ray-stop": 0})
+        child = _absolute_paths(_without(argv, {"--ray-actor": 1, "--ray-max-restarts": 1, "--ray-stop": 0}))
         child += ["--ray-detached-workers", args.ray_detached_workers or args.ray_actor]
+        if not args.auth and os.environ.get(cluster_auth.ENV_AUTH):  # this shell's environment stays here
+            child += ["--auth", os.path.abspath(os.environ[cluster_auth.ENV_AUTH])]
         addr = ray_actor.submit(args.ray_actor, host.split("//", 1)[1].strip("[]"), child, args.ray_address,
                                 args.ray_auth_token_file, args.ray_max_restarts)
     except Exception as e:  # Ray's errors share no base with ours; any of them is one line here
@@ -203,6 +206,22 @@ def _as_ray_actor(p: argparse.ArgumentParser, args: argparse.Namespace, argv: li
         return 2
     print(f"remoteloader-master {args.ray_actor} (Ray actor) listening on {addr}", flush=True)
     return 0
+
+
+# Options naming files: the actor's master runs in a Ray worker's directory, so relative
+# paths are made absolute here (the files must exist at those paths on the --bind node).
+PATH_OPTIONS = ("--spec", "--journal", "--auth", "--popularity-log", "--ray-auth-token-file")
+
+
+def _absolute_paths(argv: list[str]) -> list[str]:
+    out = list(argv)
+    for i, arg in enumerate(out):
+        name, eq, value = arg.partition("=")
+        if name in PATH_OPTIONS and eq:
+            out[i] = f"{name}={os.path.abspath(value)}"
+        elif arg in PATH_OPTIONS and i + 1 < len(out):
+            out[i + 1] = os.path.abspath(out[i + 1])
+    return out
 
 
 def _without(argv: list[str], options: dict[str, int]) -> list[str]:

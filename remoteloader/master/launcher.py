@@ -93,6 +93,7 @@ class WorkerProcessActor:
     def __init__(self, master_addr: str, worker_args: list[str]) -> None:
         import ray
 
+        self.master_addr = master_addr
         self.proc = subprocess.Popen([sys.executable, "-m", "remoteloader.worker", "--master", master_addr,
                                       "--bind-host", ray.util.get_node_ip_address(), "--die-with-parent",
                                       *worker_args])
@@ -101,6 +102,10 @@ class WorkerProcessActor:
         """Block until the worker exits; its exit code (0: drained or stopped). A master
         that adopts a running actor calls this again: the actor runs calls concurrently."""
         return self.proc.wait()
+
+    def master(self) -> str:
+        """The master address this worker serves (a master adopts only its own)."""
+        return self.master_addr
 
 
 def connect_ray(address: str, auth_token_path: Optional[str] = None):
@@ -140,7 +145,9 @@ class RayLauncher:
         # in its runtime environment, so the directory must be readable at the same path on every
         # node (shared storage, or copied there with mode 0700/0600). Its contents never travel
         # through Ray (its GCS and dashboard show runtime environments).
-        options: dict = {"num_cpus": num_cpus, "max_concurrency": 2}
+        # Concurrent calls: wait() of every master that adopted the actor (a dead master's
+        # call runs on until the worker exits), and master().
+        options: dict = {"num_cpus": num_cpus, "max_concurrency": 64}
         if auth_dir:
             options["runtime_env"] = {"env_vars": _worker_env(auth_dir)}
         self._actor_cls = ray.remote(**options)(WorkerProcessActor)
@@ -160,7 +167,13 @@ class RayLauncher:
         for name in self._worker_names():
             try:
                 actor = self._ray.get_actor(name)
-            except ValueError:  # ended meanwhile
+                serves = self._ray.get(actor.master.remote(), timeout=30)
+            except Exception as e:  # ended meanwhile (Ray raises its own error types)
+                log.warning("could not adopt ray worker %s: %s", name, e)
+                continue
+            if serves != self.master_addr:  # started for a master elsewhere: it would never register here
+                log.warning("ray worker %s serves %s, not %s: stopped", name, serves, self.master_addr)
+                self._ray.kill(actor)
                 continue
             self.actors.append((actor, actor.wait.remote()))
         if self.actors:

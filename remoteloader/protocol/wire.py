@@ -228,9 +228,9 @@ def unpack_pieces(pieces: Any, descs: Any, frames: Sequence[Any]) -> list[tuple[
             raise ProtocolError(f"bad piece {str(item)[:80]!r}")
         arrays = unpack_arrays(piece_descs, frames[at:at + len(piece_descs)])
         labels = arrays.get("labels")
-        if labels is None or len(labels) != item[2]:
-            raise ProtocolError(f"piece {item[:2]}: says {item[2]} rows, its labels have "
-                                f"{'none' if labels is None else len(labels)}")
+        if labels is None or labels.ndim != 1 or len(labels) != item[2]:
+            raise ProtocolError(f"piece {item[:2]}: says {item[2]} rows, its labels have shape "
+                                f"{'none' if labels is None else list(labels.shape)}")
         at += len(piece_descs)
         out.append((item[0], item[1], arrays))
     if at != len(frames):

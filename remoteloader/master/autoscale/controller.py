@@ -51,8 +51,9 @@ class Autoscaler:
             self._load_state()
 
     def start(self) -> None:
-        """Begin at ``min_workers``."""
-        self.launcher.start(self.config.min_workers)
+        """Begin at ``min_workers``, counting workers the launcher already has (a restarted
+        master adopts its detached Ray workers)."""
+        self.launcher.start(max(0, self.config.min_workers - self.launcher.running()))
 
     def stop(self) -> None:
         """Master shutdown: save the policy's state if it changed since the last save."""
