@@ -177,3 +177,21 @@ def test_indexed_split_choice_matches_a_full_scan_through_random_histories():
             assert rebuilt.choose_split(wid) == st.choose_split(wid)
         for rank, re in st.ranks.items():
             assert rebuilt.ranks[rank].in_flight == re.in_flight
+
+
+def test_snapshot_keeps_a_resumed_epoch_of_a_rank_behind_the_others():
+    """Restoring rank 0 (already in the next epoch) must not forget rank 1's resume."""
+    many = [[0, i, i + 1, 20, 20, 20 * i] for i in range(6)]
+    st = JobState()
+    st.apply(U.JobSubmitted(SPEC, "fp", {"x": "float"}, FILES, many, []))
+    st.apply(U.WorkerRegistered("w1", "a", 1, 0.0))
+    for r in range(2):
+        st.apply(U.ClientJoined(f"c{r}", r, 2, 0.0))
+    st.apply(U.EpochResumed(3, [[0, 0, 20], [1, 0, 10]]))  # rows consumed before an elastic resume
+    for r in range(2):
+        st.apply(U.EpochStarted(r, 3))
+    st.apply(U.EpochStarted(0, 4))  # rank 0 moves on; rank 1 is still in the resumed epoch
+    rebuilt = JobState()
+    rebuilt.apply(U.Snapshot(st.snapshot()))
+    assert {s: p.split for s, p in rebuilt.ranks[1].splits.items()} == \
+        {s: p.split for s, p in st.ranks[1].splits.items()}

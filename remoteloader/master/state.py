@@ -112,6 +112,7 @@ class JobState:
         # Epochs resumed on another world size: base split id -> row ranges consumed before.
         self.resumed: dict[int, dict[int, list[tuple[int, int]]]] = {}
         self._plans: dict[int, EpochPlan] = {}  # memo of the pure epoch plan
+        self._plan_floor: Optional[int] = None  # while a snapshot is restored: keep plans from this epoch on
 
     # -- the one mutator --------------------------------------------------------------
     def apply(self, update: U.Update) -> None:
@@ -142,6 +143,9 @@ class JobState:
         self._served = None
         self.resumed = {epoch: {base: [tuple(r) for r in ranges] for base, ranges in done}
                         for epoch, done in snap["resumed"]}
+        # Rank epochs are rebuilt one by one: until all are, none of their plans (nor the
+        # resumes they were planned with) may be pruned as older than the ranks restored so far.
+        self._plan_floor = min((row[1] for key in ("ranks", "prefetched") for row in snap[key]), default=None)
         for key, target in (("ranks", self.ranks), ("prefetched", self.prefetched)):
             for rank, epoch, finished, pending, progress in snap[key]:
                 rank_epoch = self._new_rank_epoch(rank, epoch)
@@ -153,6 +157,7 @@ class JobState:
                     if worker is not None and not p.done:
                         rank_epoch.in_flight.add(split_id)
                 target[rank] = rank_epoch
+        self._plan_floor = None
         self.errors, self.error_counts = snap["errors"], dict(snap["error_counts"])
 
     def snapshot(self) -> dict:
@@ -366,6 +371,8 @@ class JobState:
                 self.job.splits, epoch, spec["seed"], spec["shuffle"], self.job.world_size, spec["batch_size"],
                 spec["drop_last"], spec.get("even_batches", "pad"), self.resumed.get(epoch)))
             oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
+            if self._plan_floor is not None:
+                oldest = min(oldest, self._plan_floor)
             self._plans = {e: p for e, p in self._plans.items() if e >= min(oldest, epoch)}
             self.resumed = {e: d for e, d in self.resumed.items() if e >= min(oldest, epoch)}
         return self._plans[epoch]
