@@ -86,7 +86,8 @@ def autoscale_choice(table: str, batch_size: int, seconds: float) -> dict:
                         break
             elapsed = time.perf_counter() - start
             decisions = st["autoscaler"]
-            return {"batches_per_s": n / elapsed, "stall": (loader.stats.wait_s - wait0) / elapsed, "trace": trace,
+            return {"batches_per_s": n / elapsed, "stall": (loader.stats.wait_s - wait0) / elapsed,
+                    "window": loader.credit.pieces, "trace": trace,
                     "decisions": [{k: d[k] for k in ("action", "workers", "reason") if k in d} for d in decisions]}
     finally:
         master.terminate()
