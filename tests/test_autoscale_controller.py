@@ -201,3 +201,13 @@ def test_adds_through_the_launcher_and_drains_removed_workers(tmp_path: Path) ->
     assert service.state.workers[victim].draining and not service.state.workers[fleet.ids[1]].draining
     run(clock, scaler, fleet, 1)
     assert [w.worker_id for w in policy.snapshots[-1].workers] == [fleet.ids[1]], "draining workers are left out"
+
+
+def test_start_counts_the_workers_the_launcher_already_has() -> None:
+    """A restarted master that adopted running workers tops up to min_workers, no more."""
+    clock = Clock()
+    service = MasterService(MasterConfig(), clock=clock)
+    launcher = FakeLauncher()
+    launcher.count = 2  # adopted
+    Autoscaler(service, launcher, AutoscaleConfig(min_workers=3, max_workers=4), clock=clock).start()
+    assert launcher.started == [1] and launcher.running() == 3

@@ -189,3 +189,11 @@ def test_ray_actor_forwards_every_argument_but_its_own():
 def test_ray_actor_needs_an_address_and_a_fixed_port(args, why):
     out = run("remoteloader-master", *args)
     assert out.returncode == 2 and why in out.stderr
+
+
+def test_ray_actor_hands_the_master_absolute_paths(tmp_path, monkeypatch):
+    from remoteloader.master.__main__ import _absolute_paths
+    monkeypatch.chdir(tmp_path)
+    assert _absolute_paths(["--spec", "s.yaml", "--journal=j", "--bind", "tcp://127.0.0.1:5555", "--auth", "/k"]) == [
+        "--spec", str(tmp_path / "s.yaml"), f"--journal={tmp_path / 'j'}", "--bind", "tcp://127.0.0.1:5555",
+        "--auth", "/k"]
