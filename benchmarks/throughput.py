@@ -68,6 +68,11 @@ def autoscale_choice(table: str, batch_size: int, seconds: float) -> dict:
                                "--allow-table", table, "--autoscale", "--min-workers", "1", "--max-workers", "4"],
                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
     addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
+
+    def status() -> dict:
+        return json.loads(subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "status", "--master", addr,
+                                          "--json"], capture_output=True, text=True, check=True, cwd=ROOT).stdout)
+
     trace, start = [], time.perf_counter()
     try:
         with RemoteDataLoader(light_spec(table, batch_size), master=addr, timeout=120) as loader:
@@ -77,15 +82,13 @@ def autoscale_choice(table: str, batch_size: int, seconds: float) -> dict:
                     n += 1
                     if time.perf_counter() - last >= 5:
                         last = time.perf_counter()
-                        st = json.loads(subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "status",
-                                                        "--master", addr, "--json"], capture_output=True, text=True,
-                                                       check=True, cwd=ROOT).stdout)
+                        st = status()
                         trace.append({"t": round(last - start), "workers": len(st["workers"]),
                                       "stall": round(loader.stats.wait_s - wait0, 2)})
                     if time.perf_counter() - start >= seconds:
                         break
             elapsed = time.perf_counter() - start
-            decisions = st["autoscaler"]
+            decisions = status()["autoscaler"]
             return {"batches_per_s": n / elapsed, "stall": (loader.stats.wait_s - wait0) / elapsed,
                     "window": loader.credit.pieces, "trace": trace,
                     "decisions": [{k: d[k] for k in ("action", "workers", "reason") if k in d} for d in decisions]}

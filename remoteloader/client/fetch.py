@@ -16,6 +16,7 @@ import zmq
 
 from ..protocol import wire
 from ..protocol.auth import Credentials, secure_client
+from ..protocol.rpc import has_message
 from .batch import Batch
 from .credit import CreditWindow
 
@@ -23,7 +24,6 @@ log = logging.getLogger(__name__)
 # A worker releases what it holds for a rank silent for its --client-timeout (30 s by
 # default): a client with a wide window may not need to grant credit that often.
 KEEPALIVE_S = 5.0
-_POLLIN = int(zmq.POLLIN)  # a plain int: IntFlag arithmetic runs in Python, once per piece here
 
 
 class WorkerFetcher:
@@ -96,7 +96,7 @@ class WorkerFetcher:
         out = []
         for sock, _ in self.poller.poll(timeout_ms):
             wid = self._worker_of[sock]
-            while sock.get(zmq.EVENTS) & _POLLIN:  # not poll(0): pyzmq builds a Poller per call
+            while has_message(sock):
                 msg = wire.safe_decode(sock.recv_multipart(copy=False), f"worker {wid}")
                 if msg is None:
                     continue

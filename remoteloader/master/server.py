@@ -20,11 +20,11 @@ import zmq
 
 from ..protocol import wire
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
+from ..protocol.rpc import has_message
 from .service import MasterService
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25  # liveness is judged on seconds-long timeouts; a finer tick costs O(workers) each time
-_POLLIN = int(zmq.POLLIN)  # a plain int: IntFlag arithmetic runs in Python, once per message here
 MAX_PER_PASS = 256
 COALESCE_S = 0.001  # at most this much latency added, and only while requests arrive back to back
 
@@ -101,8 +101,7 @@ class MasterServer:
                         # a pass (wake-up, poll, fsync) costs more than a request (benchmarks/control_plane).
                         time.sleep(COALESCE_S)
                     replies = []
-                    # EVENTS, not poll(0): pyzmq builds a Poller per poll call, a cost per message here.
-                    while len(replies) < MAX_PER_PASS and self.sock.get(zmq.EVENTS) & _POLLIN:
+                    while len(replies) < MAX_PER_PASS and has_message(self.sock):
                         replies.append(self._handle(self.sock.recv_multipart()))  # small: copying is cheaper
                     self.service.sync()
                     for reply in replies:

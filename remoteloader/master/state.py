@@ -140,7 +140,6 @@ class JobState:
         for cid, rank, seen in snap["clients"]:
             self.clients[cid], self.client_seen[cid] = rank, seen
         self.partitions = {rank: list(members) for rank, members in snap["partitions"]}
-        self._served = None
         self.resumed = {epoch: {base: [tuple(r) for r in ranges] for base, ranges in done}
                         for epoch, done in snap["resumed"]}
         # Rank epochs are rebuilt one by one: until all are, none of their plans (nor the
@@ -217,14 +216,14 @@ class JobState:
             self.workers[u.worker_id].draining = True
 
     def _on_SplitRevoked(self, u: U.SplitRevoked) -> None:
-        progress = self._progress(u.epoch, u.split_id)
+        rank_epoch, progress = self._owner(u.epoch, u.split_id)
         w = self.workers.get(u.worker_id)
         if w is not None:
             w.assigned.discard((u.epoch, u.split_id))
             if w.producing is not None and tuple(w.producing[:2]) == (u.epoch, u.split_id):
                 w.producing = None
         if progress is not None and progress.worker == u.worker_id:
-            self._requeue(lambda p: p is progress, [self._owner(u.epoch, u.split_id)[0]])
+            self._requeue(lambda p: p is progress, [rank_epoch])
 
     def _on_WorkerLost(self, u: U.WorkerLost) -> None:
         w = self.workers.pop(u.worker_id, None)
@@ -236,7 +235,6 @@ class JobState:
         for members in self.partitions.values():
             if u.worker_id in members:
                 members.remove(u.worker_id)
-        self._served = None
         self._rebalance()
 
     def _on_ClientJoined(self, u: U.ClientJoined) -> None:
@@ -253,9 +251,7 @@ class JobState:
             self._requeue(lambda p: True, [e for e in (self.ranks.get(u.rank), self.prefetched.get(u.rank)) if e])
         self.clients[u.client_id] = u.rank
         self.client_seen[u.client_id] = u.time
-        if u.rank not in self.partitions:
-            self.partitions[u.rank] = []
-            self._served = None
+        self.partitions.setdefault(u.rank, [])
         self._rebalance()
 
     def _on_ClientHeartbeat(self, u: U.ClientHeartbeat) -> None:
@@ -410,7 +406,9 @@ class JobState:
     def _rebalance(self) -> None:
         """Partitioned round robin: each rank reads from at most ``max_workers_per_client``
         workers. Live members stay put (a client never loses a worker that holds its data);
-        free slots are filled from the workers serving the fewest ranks."""
+        free slots are filled from the workers serving the fewest ranks. Every change of
+        membership comes through here, so this is where the served-ranks index is dropped."""
+        self._served = None
         live = sorted((w for w in self.workers.values() if not w.draining), key=lambda w: w.seq)
         target = min(self.max_workers_per_client, len(live))
         load = {w.worker_id: 0 for w in self.workers.values()}
@@ -424,7 +422,6 @@ class JobState:
                           key=lambda i: (load[i], self.workers[i].seq))
                 members.append(wid)
                 load[wid] += 1
-                self._served = None
 
     def _served_ranks(self, worker_id: str) -> list[int]:
         """The ranks whose partition holds this worker, from an index rebuilt only after

@@ -19,6 +19,13 @@ from .address import validate_address
 
 
 BACKOFF_MAX_S = 5.0
+_POLLIN = int(zmq.POLLIN)  # a plain int: IntFlag arithmetic runs in Python
+
+
+def has_message(sock: zmq.Socket) -> bool:
+    """Whether a message waits on ``sock``, for loops that drain a socket message by
+    message: ``sock.poll(0)`` would build a pyzmq Poller on every call."""
+    return bool(sock.get(zmq.EVENTS) & _POLLIN)
 
 
 def backoff_delay(failures: int, base_s: float, rng: random.Random) -> float:

@@ -29,7 +29,7 @@ from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, ser
 from ..core.allowlist import TableAllowlist
 from ..core.binding import bind_schema
 from ..formats import DEFAULT_COALESCE_GAP
-from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
+from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay, has_message
 from ..spec import DatasetSpec
 from .buffer import RELEASED, STOPPED, STORED, BatchBuffer
 from ..core.processor import SplitError, SplitProcessor, SplitTask
@@ -291,10 +291,10 @@ class Worker:
             while not self.stop_event.is_set():
                 events = dict(poller.poll(100))
                 if wake in events:
-                    while wake.poll(0):
+                    while has_message(wake):
                         wake.recv()
                 if self.data in events:
-                    while self.data.poll(0):
+                    while has_message(self.data):
                         self._on_request(self.data.recv_multipart(copy=False))
                 self._push_credited()
         finally:
@@ -342,14 +342,14 @@ class Worker:
                         piece = self.buffer.pop(key)
                         if piece is None:
                             break
-                        piece_descs, piece_frames = wire.pack_arrays(piece.arrays)
-                        if pieces and len(frames) + len(piece_frames) > wire.MAX_FRAMES:
+                        if pieces and len(frames) + len(piece.arrays) > wire.MAX_FRAMES:  # a frame per array
                             self.buffer.put_back(key, piece)
                             break
+                        piece_descs, piece_frames = wire.pack_arrays(piece.arrays)
                         pieces.append(piece)
                         descs.append(piece_descs)
                         frames.extend(piece_frames)
-                        nbytes += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in piece_frames)
+                        nbytes += sum(len(f) for f in piece_frames)  # bytes: frames are byte views
                     if not pieces:
                         hungry.add(key[0])
                         break
