@@ -200,7 +200,10 @@ def _signals(cls: type, *columns: list) -> tuple:
     slots = [cls.__dict__.get(f.name) for f in fields(cls)]
     if not all(hasattr(s, "__set__") for s in slots):
         return tuple(map(cls, *columns))
-    objs = [_NEW(cls) for _ in range(len(columns[0]))]
+    n = len(columns[0])
+    objs = [_NEW(cls) for _ in range(n)]
+    # Fields past the given columns take their defaults.
+    columns = (*columns, *([f.default] * n for f in fields(cls)[len(columns):]))
     for slot, values in zip(slots, columns):
         deque(map(slot.__set__, objs, values), maxlen=0)
     return tuple(objs)

@@ -76,7 +76,7 @@ def autoscale_choice(table: str, batch_size: int, seconds: float) -> dict:
     trace, start = [], time.perf_counter()
     try:
         with RemoteDataLoader(light_spec(table, batch_size), master=addr, timeout=120) as loader:
-            wait0, n, last = loader.stats.wait_s, 0, start
+            wait0, starved0, n, last = loader.stats.wait_s, loader.stats.starved_s, 0, start
             while time.perf_counter() - start < seconds:
                 for _ in loader:
                     n += 1
@@ -84,13 +84,14 @@ def autoscale_choice(table: str, batch_size: int, seconds: float) -> dict:
                         last = time.perf_counter()
                         st = status()
                         trace.append({"t": round(last - start), "workers": len(st["workers"]),
-                                      "stall": round(loader.stats.wait_s - wait0, 2)})
+                                      "stall": round(loader.stats.wait_s - wait0, 2),
+                                      "starved": round(loader.stats.starved_s - starved0, 2)})
                     if time.perf_counter() - start >= seconds:
                         break
             elapsed = time.perf_counter() - start
             decisions = status()["autoscaler"]
             return {"batches_per_s": n / elapsed, "stall": (loader.stats.wait_s - wait0) / elapsed,
-                    "window": loader.credit.pieces, "trace": trace,
+                    "starved": (loader.stats.starved_s - starved0) / elapsed, "window": loader.credit.pieces, "trace": trace,
                     "decisions": [{k: d[k] for k in ("action", "workers", "reason") if k in d} for d in decisions]}
     finally:
         master.terminate()

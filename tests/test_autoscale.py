@@ -149,6 +149,33 @@ def _snap(t: float, n: int, stall: float, buffered: int, rate: float = 9_000.0, 
     return Snapshot(t, workers, clients, pending)
 
 
+def _run(policy: AutoscalePolicy, stall: float, fill: int, starved, seconds: int = 30) -> list:
+    """A worker with its buffer `fill` of 8 batches and one client, for `seconds` ticks."""
+    out = []
+    for t in range(seconds):
+        workers = (WorkerSignal("w0", 9_000.0, fill, 8, 0.9),)
+        clients = (ClientSignal("c0", stall, 9_000.0 * (1 - stall) / 1024, starved),)
+        d = policy.observe(Snapshot(float(t), workers, clients))
+        out += [d] if d is not None else []
+    return out
+
+
+def test_a_client_that_waits_with_nothing_held_brings_a_worker_despite_half_full_buffers() -> None:
+    """The batch-64 case: a worker filling its buffer in bursts looks half full while its
+    trainer waits on it; the client knows no batch was held for it."""
+    assert [d.action for d in _run(auto(), 0.55, 4, None)] == ["hold"]  # by the fill alone: "past the workers"
+    decisions = _run(auto(), 0.55, 4, 0.5)
+    assert decisions[0].action == "add" and "nothing held" in decisions[0].reason
+
+
+def test_a_client_that_waits_while_batches_are_held_for_it_adds_no_worker() -> None:
+    """Drained-looking buffers, but the client's waits were with batches held (on their way):
+    more producers would not help."""
+    assert _run(auto(), 0.55, 0, None)[0].action == "add"              # by the fill alone
+    decisions = _run(auto(), 0.55, 0, 0.0)
+    assert [d.action for d in decisions] == ["hold"] and "past the workers" in decisions[0].reason
+
+
 def test_waits_for_pending_workers_and_cooldown() -> None:
     p = AutoscalePolicy(AutoscaleConfig(cooldown_s=30.0))
     first = None

@@ -7,8 +7,8 @@ from remoteloader.worker.buffer import BatchBuffer
 from remoteloader.core.processor import Piece
 
 
-def piece(i: int) -> Piece:
-    return Piece(0, i, 1, {})
+def piece(i: int, split_id: int = 0) -> Piece:
+    return Piece(split_id, i, 1, None, i, i + 1)
 
 
 def test_current_epoch_blocks_when_full_prefetched_epoch_does_not():
@@ -84,7 +84,7 @@ def test_a_silent_rank_is_released_and_taken_back_when_it_asks():
     buf = BatchBuffer(8, silent_after_s=30, clock=clock)
     buf.drop_before(0, 0), buf.drop_before(1, 0)
     for i in range(3):
-        buf.put((1, 0), Piece(7 + i % 2, i, 1, {}), stop)
+        buf.put((1, 0), piece(i, 7 + i % 2), stop)
     buf.put((0, 0), piece(0), stop)
     clock.now = 20
     buf.heard_from(0)  # rank 0 reads; rank 1 says nothing

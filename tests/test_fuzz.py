@@ -97,6 +97,8 @@ def full_epoch(service: MasterService, spec: DatasetSpec, epoch: int) -> list[in
     processor, rows = SplitProcessor(service.bound), []
     while (reply := service.handle({"t": "get_split", "worker_id": w}))[0] == "split":
         task = SplitTask.from_wire(reply[1]["split"])
+        if task.epoch != epoch:  # the worker reads ahead into the next epoch: this one is all out
+            break
         pieces = list(processor.pieces(task))
         rows += [int(r) for p in pieces for r in p.arrays["pt.row_id"]]
         service.handle({"t": "split_produced", "worker_id": w, "epoch": epoch, "split_id": task.split_id})

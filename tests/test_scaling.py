@@ -61,7 +61,8 @@ def test_local_autoscaler_converges_to_the_needed_count(tmp_path, cluster):
                     break
     decisions = master_status(master.addr)["autoscaler"]
     assert decisions and all(d["reason"] for d in decisions)
-    assert any(d["action"] == "add" for d in decisions)
+    # The slow workers hold nothing for the trainer when it waits, and its client says so.
+    assert any(d["action"] == "add" and "nothing held" in d["reason"] for d in decisions), decisions
     # Nominally 3 workers are needed; on a slower machine the trainer's own steps take
     # longer and 2 may suffice. Either way: stall-free, and at most one worker to spare.
     assert converged is not None and 2 <= converged <= 4, (trace, decisions)

@@ -7,46 +7,72 @@ import pytest
 from remoteloader.protocol import wire
 
 
-def _piece(rows: int, first: int) -> dict:
-    return {"dense": np.arange(first, first + 4 * rows, dtype=np.float32).reshape(rows, 4),
-            "labels": np.full(rows, first, np.float32), "ids": np.array([1, 2], np.int64),
-            "empty": np.zeros(0, np.int32)}
+def _run(rows: list[int], keys: int = 2, seed: int = 0):
+    """A run of consecutive pieces as a worker sends it, and each piece on its own."""
+    from remoteloader.columns import SparseColumn
+    from remoteloader.core.processor import SplitBatch
+
+    rng, total = np.random.default_rng(seed), sum(rows)
+    sparse = []
+    for _ in range(keys):
+        offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 4, total))])
+        sparse.append(SparseColumn(rng.integers(0, 99, int(offsets[-1])), offsets))
+    split = SplitBatch.build(rng.random((total, 3)).astype(np.float32), rng.random(total).astype(np.float32),
+                             sparse, {"row_id": np.arange(total)}, None, rows[0])
+    bounds = np.concatenate([[0], np.cumsum(rows)])
+    return split.arrays(0, total), [split.arrays(int(a), int(b)) for a, b in zip(bounds, bounds[1:])]
 
 
-def test_roundtrip_of_several_pieces_in_one_message():
-    pieces = [(7, 0, _piece(3, 0)), (7, 1, _piece(3, 100)), (9, 4, _piece(1, 200))]
-    descs, frames = [], []
-    for _, _, arrays in pieces:
-        d, f = wire.pack_arrays(arrays)
-        descs.append(d)
-        frames.extend(f)
-    parts = wire.encode("batch", frames, rank=0, epoch=1, pieces=[[s, i, len(a["labels"])] for s, i, a in pieces],
-                        held=0, tensors=descs)
-    header, got_frames = wire.decode([bytes(p) for p in parts])
-    got = wire.unpack_pieces(header["pieces"], header["tensors"], got_frames)
-    assert [(s, i) for s, i, _ in got] == [(7, 0), (7, 1), (9, 4)]
-    for (_, _, want), (_, _, have) in zip(pieces, got):
+def _message(arrays: dict, rows: list[int], **fields) -> dict:
+    descs, frames = wire.pack_arrays(arrays)
+    header = {"rank": 0, "epoch": 1, "split_id": 7, "piece": 3, "rows": rows, "held": 0, "tensors": descs, **fields}
+    parts = wire.encode("batch", frames, **header)
+    return wire.decode([bytes(p) for p in parts])
+
+
+@pytest.mark.parametrize("rows,keys", [([4, 4, 4, 2], 2), ([5], 3), ([3, 3], 0)])
+def test_a_run_of_pieces_arrives_as_the_pieces(rows, keys):
+    whole, pieces = _run(rows, keys)
+    header, frames = _message(whole, rows)
+    got = wire.unpack_pieces(header, frames, keys)
+    assert [(s, i) for s, i, _ in got] == [(7, 3 + i) for i in range(len(rows))]
+    for want, (_, _, have) in zip(pieces, got):
+        assert set(have) == set(want)
         for k, a in want.items():
-            assert np.array_equal(have[k], a) and have[k].dtype == a.dtype
+            assert np.array_equal(have[k], a) and have[k].dtype == a.dtype, k
 
 
-THREE = np.zeros(3, np.float32).tobytes()  # a frame of three float32
+def _broken(change) -> tuple[dict, list]:
+    whole, _ = _run([4, 4], 2)
+    whole = dict(whole)
+    fields = change(whole)
+    fields = fields if isinstance(fields, dict) else {}
+    return _message(whole, fields.pop("rows", [4, 4]), **fields)
 
 
-@pytest.mark.parametrize("pieces,descs,frames,match", [
-    ([], [], [], "pieces"),
-    ([[1, 0, 3]] * 17, [[]] * 17, [], "pieces"),
-    ([[1, 0, 3], [1, 1, 3]], [[["labels", "float32", [3]]]], [THREE], "descriptor lists"),
-    ([[1, 0]], [[["labels", "float32", [3]]]], [THREE], "bad piece"),
-    ([[1, -1, 3]], [[["labels", "float32", [3]]]], [THREE], "bad piece"),
-    ([[1, 0, 4]], [[["labels", "float32", [3]]]], [THREE], "says 4 rows"),
-    ([[1, 0, 3]], [[["dense", "float32", [3]]]], [THREE], "labels"),
-    ([[1, 0, 3]], [[["labels", "float32", [3]]]], [THREE, THREE], "frames"),
-    ([[1, 0, 1]], [[["labels", "float32", []]]], [THREE[:4]], "shape"),
+@pytest.mark.parametrize("change,match", [
+    (lambda a: {"rows": []}, "pieces"),
+    (lambda a: {"rows": [1] * 65}, "pieces"),
+    (lambda a: {"rows": [4, 0, 4]}, "at least one row"),
+    (lambda a: {"rows": [4, 5]}, "lengths"),
+    (lambda a: a.__delitem__("sparse.lengths"), "sparse"),
+    (lambda a: a.update({"sparse.lengths": -a["sparse.lengths"]}), "lengths"),
+    (lambda a: a.update({"sparse.values": a["sparse.values"][1:]}), "add up"),
+    (lambda a: a.update({"dense": a["dense"][1:]}), "dense"),
+    (lambda a: a.update({"labels": a["labels"].reshape(2, 4)}), "labels"),
+    (lambda a: a.__delitem__("labels"), "labels"),
 ])
-def test_bad_piece_lists_are_refused(pieces, descs, frames, match):
+def test_bad_runs_are_refused(change, match):
+    header, frames = _broken(change)
     with pytest.raises(wire.ProtocolError, match=match):
-        wire.unpack_pieces(pieces, descs, frames)
+        wire.unpack_pieces(header, frames, 2)
+
+
+def test_descriptors_and_frames_must_match():
+    whole, _ = _run([4, 4], 2)
+    header, frames = _message(whole, [4, 4])
+    with pytest.raises(wire.ProtocolError, match="frames"):
+        wire.unpack_pieces(header, frames[:-1], 2)
 
 
 @pytest.mark.parametrize("parts,match", [

@@ -91,6 +91,10 @@ class WorkerFetcher:
         we still have out there covers: it has data and no credit to send it."""
         return any(s.held > s.in_flight for s in self.streams.values())
 
+    def holding(self) -> bool:
+        """Some worker held pieces for us when it sent its last message."""
+        return any(s.held for s in self.streams.values())
+
     def poll(self, timeout_ms: int) -> list[tuple[int, int, Batch]]:
         """Pieces that arrived within ``timeout_ms``: (split id, piece, batch) of the current epoch."""
         out = []
@@ -104,10 +108,10 @@ class WorkerFetcher:
                 if header["t"] != "batch" or header["rank"] != self.rank or header["epoch"] != self.epoch:
                     continue
                 # Counted as received before it is checked: the worker has charged it to our credit.
-                count = len(header["pieces"]) or 1
+                count = len(header["rows"]) or 1
                 self.streams[wid].arrived(count, sum(len(f) for f in frames), header["held"], self.window)
                 try:
-                    pieces = wire.unpack_pieces(header["pieces"], header["tensors"], frames)
+                    pieces = wire.unpack_pieces(header, frames, len(self.sparse_keys))
                     batches = [(split_id, piece, Batch.from_numpy(arrays, self.sparse_keys, self.sparse_scored))
                                for split_id, piece, arrays in pieces]
                 except (wire.ProtocolError, KeyError, ValueError, TypeError, IndexError) as e:

@@ -51,13 +51,17 @@ class ClientStats:
     """Cumulative counters; the master turns deltas between heartbeats into rates."""
 
     wait_s: float = 0.0  # time the training loop spent blocked waiting for a batch (mid-epoch)
+    # The part of wait_s during which no worker of the partition held a piece for this rank
+    # (by the ``held`` of its last message): waits more producers would shorten. The rest
+    # is data held at a worker or on its way (credit, transport, a busy worker thread).
+    starved_s: float = 0.0
     epoch_start_s: float = 0.0  # time spent waiting for the first batch of an epoch
     batches: int = 0
     rows: int = 0
     wait_buckets: list = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS_S) + 1))  # per-batch waits
 
     def to_wire(self, queued: int) -> dict:
-        return {"wait_s": self.wait_s, "epoch_start_s": self.epoch_start_s, "batches": self.batches,
+        return {"wait_s": self.wait_s, "starved_s": self.starved_s, "epoch_start_s": self.epoch_start_s, "batches": self.batches,
                 "rows": self.rows, "queued": queued, "time": time.monotonic(),
                 "wait_le": list(WAIT_BUCKETS_S), "wait_buckets": list(self.wait_buckets)}
 
@@ -276,13 +280,16 @@ class RemoteDataLoader:
                 # this rank is alive while it works through a deep queue.
                 fetcher.top_up(assembler.ready_count)
                 if ready is None:
+                    starved = not fetcher.holding()
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
                     # The training loop is waiting on us: the stall the autoscaler minimizes.
                     # Waiting for the first batch of an iteration is kept apart: the time to
                     # produce one split, which no number of workers shortens.
                     if self._batches_yielded:
-                        self.stats.wait_s += time.monotonic() - now
-                        batch_wait += time.monotonic() - now
+                        waited = time.monotonic() - now
+                        self.stats.wait_s += waited
+                        self.stats.starved_s += waited if starved else 0.0
+                        batch_wait += waited
                     else:
                         self.stats.epoch_start_s += time.monotonic() - now
                 elif assembler.ready_count < QUEUED_ENOUGH:

@@ -9,6 +9,7 @@ if rows remain, one short tail piece that the client merges with other tails.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -26,10 +27,27 @@ class SplitError(RuntimeError):
 
 @dataclass
 class Piece:
+    """Rows ``[lo, hi)`` of a transformed split: piece ``index`` of ``split_id``."""
+
     split_id: int
     index: int
     rows: int
-    arrays: dict[str, np.ndarray]
+    source: "SplitBatch"
+    lo: int
+    hi: int
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        return self.source.arrays(self.lo, self.hi)
+
+    @cached_property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def follows(self, other: "Piece") -> bool:
+        """Whether this piece starts where ``other`` ends, in the same split: the two are
+        one contiguous range of its arrays (one set of frames on the wire)."""
+        return self.source is other.source and self.lo == other.hi
 
 
 class SplitProcessor:
@@ -45,7 +63,7 @@ class SplitProcessor:
         size = self.spec.batch_size
         for i in range(task.skip, pieces_of(task.row_hi - task.row_lo, size)):
             lo, hi = i * size, min((i + 1) * size, batch.rows)
-            yield Piece(task.split_id, i, hi - lo, batch.arrays(lo, hi))
+            yield Piece(task.split_id, i, hi - lo, batch, lo, hi)
 
     def transform(self, task: SplitTask) -> "SplitBatch":
         columns = self._read(task.file, task.first_unit, task.stop_unit, self.bound.read_columns, task.raw_rows,
@@ -74,7 +92,7 @@ class SplitProcessor:
         n = task.row_hi - task.row_lo
         labels = _float_rows(columns[self.spec.label]) if self.spec.label else np.zeros(n, np.float32)
         passthrough = {name: columns[name].values for name in self.spec.passthrough}
-        return SplitBatch(features.dense, labels, features.sparse, passthrough, weights)
+        return SplitBatch.build(features.dense, labels, features.sparse, passthrough, weights, self.spec.batch_size)
 
     def warm_up(self) -> None:
         """Run the pipeline once on a few synthetic rows so that its kernels are compiled
@@ -141,34 +159,75 @@ def _float_rows(column: Column) -> np.ndarray:
 
 @dataclass
 class SplitBatch:
-    """A whole split after transforms, in wire layout; ``arrays(lo, hi)`` cuts one piece."""
+    """A whole split after transforms, in wire layout: the arrays of any run of
+    consecutive pieces are views (``arrays(lo, hi)``), so a message of many pieces is
+    one frame per tensor, with no copy.
+
+    Sparse features are **piece-major**: piece 0's rows of feature 0, its rows of
+    feature 1, ..., then piece 1's. Within a piece that is torchrec's key-major
+    KeyedJaggedTensor layout; across pieces it keeps each piece contiguous."""
 
     dense: np.ndarray  # float32 [rows, D]
     labels: np.ndarray  # float32 [rows]
-    sparse: list[SparseColumn]
+    values: np.ndarray  # int64, piece-major
+    lengths: np.ndarray  # int32 [keys * rows], piece-major
+    value_offsets: np.ndarray  # int64 [keys * rows + 1]: where each length's values start
+    keys: int
     passthrough: dict[str, np.ndarray]
     weights: Optional[np.ndarray] = None  # per-row sampling weights (sampling.weight: true)
+    value_weights: Optional[np.ndarray] = None  # float32, like values (id-score features)
+
+    @classmethod
+    def build(cls, dense: np.ndarray, labels: np.ndarray, sparse: list[SparseColumn],
+              passthrough: dict[str, np.ndarray], weights: Optional[np.ndarray], batch_size: int) -> "SplitBatch":
+        rows = int(labels.shape[0])
+        values, lengths, value_weights = _piece_major(sparse, rows, batch_size)
+        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(dense, labels, values, lengths, offsets, len(sparse), passthrough, weights, value_weights)
 
     @property
     def rows(self) -> int:
         return int(self.labels.shape[0])
 
     def arrays(self, lo: int, hi: int) -> dict[str, np.ndarray]:
-        out = {"dense": self.dense[lo:hi], "labels": self.labels[lo:hi]}
-        # Key-major like torchrec's KeyedJaggedTensor: all rows of feature 0, then feature 1...
-        bounds = [(int(c.offsets[lo]), int(c.offsets[hi])) for c in self.sparse]
-        out["sparse.values"] = _concat([c.values[a:b] for c, (a, b) in zip(self.sparse, bounds)], np.int64)
-        out["sparse.lengths"] = _concat([np.diff(c.offsets[lo : hi + 1]) for c in self.sparse], np.int32)
-        if any(c.weights is not None for c in self.sparse):
-            out["sparse.weights"] = _concat(
-                [c.weights[a:b] if c.weights is not None else np.ones(b - a, np.float32)
-                 for c, (a, b) in zip(self.sparse, bounds)], np.float32)
-        for name, values in self.passthrough.items():
-            out["pt." + name] = values[lo:hi]
+        """Rows ``[lo, hi)``, which must start and end on piece boundaries."""
+        a, b = self.keys * lo, self.keys * hi
+        va, vb = int(self.value_offsets[a]), int(self.value_offsets[b])
+        out = {"dense": self.dense[lo:hi], "labels": self.labels[lo:hi],
+               "sparse.values": self.values[va:vb], "sparse.lengths": self.lengths[a:b]}
+        if self.value_weights is not None:
+            out["sparse.weights"] = self.value_weights[va:vb]
+        for name, column in self.passthrough.items():
+            out["pt." + name] = column[lo:hi]
         if self.weights is not None:
             out["weights"] = self.weights[lo:hi]
         return out
 
 
-def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+def _piece_major(sparse: list[SparseColumn], rows: int, batch_size: int
+                 ) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """Values, lengths and (if any feature has them) weights of the sparse features in
+    piece-major order: one segment gather over all features, no loop over rows."""
+    keys = len(sparse)
+    if keys == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), None
+    lengths = np.stack([np.diff(c.offsets) for c in sparse])  # [keys, rows]
+    base = np.cumsum([0] + [c.values.shape[0] for c in sparse[:-1]])
+    starts = np.stack([c.offsets[:-1] for c in sparse]) + base[:, None]  # into the features' values, concatenated
+    full = rows // batch_size * batch_size
+
+    def order(m: np.ndarray) -> np.ndarray:  # [keys, rows] -> piece, key, row
+        head = m[:, :full].reshape(keys, -1, batch_size).transpose(1, 0, 2).ravel()
+        return np.concatenate([head, m[:, full:].ravel()])
+
+    lengths, starts = order(lengths), order(starts)
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    index = np.repeat(starts - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
+    values = np.concatenate([c.values for c in sparse]).astype(np.int64, copy=False)[index]
+    value_weights = None
+    if any(c.weights is not None for c in sparse):
+        value_weights = np.concatenate([c.weights if c.weights is not None else np.ones(c.values.shape[0], np.float32)
+                                        for c in sparse]).astype(np.float32, copy=False)[index]
+    return values, lengths.astype(np.int32), value_weights

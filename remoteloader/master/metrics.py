@@ -39,7 +39,7 @@ from ..protocol.wire import MASTER_REQUESTS
 # Cumulative counters in worker and client heartbeat stats (nested dicts are flattened
 # with dots: ``io.requests``). ``wait_buckets.N``: per-bucket counts of per-batch waits,
 # if a client reports them (with the bucket bounds in ``wait_le``).
-CUMULATIVE = frozenset({"rows", "batches", "splits", "busy_s", "wait_s", "epoch_start_s",
+CUMULATIVE = frozenset({"rows", "batches", "splits", "busy_s", "wait_s", "starved_s", "epoch_start_s",
                         "io.requests", "io.bytes_requested", "io.bytes_needed", "io.splits"})
 REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0)
@@ -222,6 +222,8 @@ def families(snap: dict) -> list[Metric]:
     for name, doc, field in [
         ("remoteloader_client_wait_seconds", "Seconds the rank's training loop waited for a batch "
          "mid-epoch.", "wait_s"),
+        ("remoteloader_client_starved_seconds", "Of that wait, seconds while no worker of the rank's "
+         "partition held a batch for it (more workers would shorten these).", "starved_s"),
         ("remoteloader_client_epoch_start_wait_seconds", "Seconds the rank waited for the first batch "
          "of an epoch.", "epoch_start_s"),
         ("remoteloader_client_batches", "Batches the rank consumed.", "batches"),

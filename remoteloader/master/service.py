@@ -269,9 +269,12 @@ class MasterService:
         if len(avoid) > self.config.max_world_size or not all(type(r) is int for r in avoid):
             raise RequestError("avoid_ranks must be a list of ranks")
         avoid = frozenset(avoid)
-        choice = self.state.choose_split(m["worker_id"], avoid) if self.state.job else None
+        choice = self.state.choose_split(m["worker_id"], avoid, ahead=False) if self.state.job else None
+        # A worker with no current work reads ahead into the next epoch, one split at a
+        # time: those pieces wait in its buffer, outside the trainers' credit, until the
+        # trainer gets there.
         if (choice is None and self.config.prefetch_next_epoch and self.state.job is not None
-                and self._room_to_prefetch(m["worker_id"])):
+                and not self.state.holds_ahead(m["worker_id"])):
             for rank, epoch in self.state.prefetch_candidates(m["worker_id"]):
                 self._commit(U.EpochPrefetched(rank, epoch))
             choice = self.state.choose_split(m["worker_id"], avoid)
@@ -283,11 +286,6 @@ class MasterService:
         job = self.state.job
         task = make_task(job.files, job.splits[s.base], s, epoch, skip=progress.consumed)
         return "split", {"split": task.to_wire()}
-
-    def _room_to_prefetch(self, worker_id: str) -> bool:
-        """A worker starts a next epoch only while it holds nothing ahead: those pieces wait
-        in its buffer until the trainer gets there (about one split per worker)."""
-        return self.state.workers[worker_id].stats.get("ahead", 1) == 0
 
     def _on_split_produced(self, m: dict) -> Reply:
         if self._holds(m):
@@ -443,6 +441,13 @@ class MasterService:
         """Share of the window the client's training loop spent waiting for batches."""
         return min(1.0, self.rates.rate("c:" + client_id, "wait_s"))
 
+    def client_starved(self, client_id: str) -> Optional[float]:
+        """Share of the window the client waited while no worker held a batch for it; None
+        for a client that does not report it (older clients)."""
+        if "starved_s" not in self.state.client_stats.get(client_id, {}):
+            return None
+        return min(1.0, self.rates.rate("c:" + client_id, "starved_s"))
+
     def status(self) -> dict:
         st, now = self.state, self.clock()
         job = st.job
@@ -462,6 +467,7 @@ class MasterService:
                         for w in sorted(st.workers.values(), key=lambda w: w.seq)],
             "clients": [{"id": cid, "rank": rank, **st.client_stats.get(cid, {}),
                          "stall": round(self.client_stall(cid), 4),
+                         "starved": round(self.client_starved(cid) or 0.0, 4),
                          "batches_per_s": round(self.rates.rate("c:" + cid, "batches"), 2)}
                         for cid, rank in st.clients.items()],
             "autoscaler": self.decision_log(),

@@ -434,15 +434,16 @@ class JobState:
         return self._served.get(worker_id, [])
 
     # -- queries ---------------------------------------------------------------------------
-    def choose_split(self, worker_id: str, avoid: frozenset = frozenset()) -> Optional[tuple[int, SplitProgress]]:
+    def choose_split(self, worker_id: str, avoid: frozenset = frozenset(),
+                     ahead: bool = True) -> Optional[tuple[int, SplitProgress]]:
         """(epoch, split) next for this worker: from the ranks it serves (but those in
         ``avoid``, whose share of the worker's buffer is full), the one with the fewest
-        splits in flight, so every trainer's queue fills evenly; a prefetched next epoch
-        only when no current epoch has work for it."""
+        splits in flight, so every trainer's queue fills evenly; with ``ahead``, a
+        prefetched next epoch when no current epoch has work for it."""
         if self.workers[worker_id].draining:
             return None
         served = self._served_ranks(worker_id)
-        for epochs in (self.ranks, self.prefetched):
+        for epochs in (self.ranks, self.prefetched) if ahead else (self.ranks,):
             best = None
             for rank in served:
                 rank_epoch = epochs.get(rank)
@@ -453,6 +454,12 @@ class JobState:
             if best is not None:
                 return best[1], best[2]
         return None
+
+    def holds_ahead(self, worker_id: str) -> bool:
+        """Whether the worker holds a split of an epoch started early (its pieces wait in
+        the worker's buffer until the trainer gets there)."""
+        return any(rank_epoch.splits[split_id].worker == worker_id
+                   for rank_epoch in self.prefetched.values() for split_id in rank_epoch.in_flight)
 
     def prefetch_candidates(self, worker_id: str) -> list[tuple[int, int]]:
         """(rank, next epoch) for ranks this worker serves whose current epoch has nothing

@@ -17,10 +17,10 @@ import msgpack
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = 5  # 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 6  # 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
-MAX_PIECES = 16  # pieces in one batch message (their frames also count against MAX_FRAMES)
+MAX_PIECES = 64  # pieces in one batch message
 MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
 MAX_STRING = 4096  # ids, addresses, reasons; longer only where SCHEMAS says so
 MAX_LIST = 1 << 20  # items of any list field (a rank's splits, acks)
@@ -44,7 +44,7 @@ _NONNEGATIVE = {"batches", "bytes", "held", "epoch", "rank", "world_size", "pid"
 _COUNT, _AMOUNT = "count", "amount"
 WORKER_STATS = {"rows": _COUNT, "batches": _COUNT, "splits": _COUNT, "busy_s": _AMOUNT, "cpu": _AMOUNT,
                 "mem": _AMOUNT, "time": _AMOUNT, "capacity": _COUNT, "ahead": _COUNT, "split": "split", "io": "io"}
-CLIENT_STATS = {"wait_s": _AMOUNT, "epoch_start_s": _AMOUNT, "batches": _COUNT, "rows": _COUNT, "queued": _COUNT,
+CLIENT_STATS = {"wait_s": _AMOUNT, "starved_s": _AMOUNT, "epoch_start_s": _AMOUNT, "batches": _COUNT, "rows": _COUNT, "queued": _COUNT,
                 "time": _AMOUNT, "wait_le": "amounts", "wait_buckets": "counts"}  # a wait histogram
 MAX_BUCKETS = 32
 IO_STATS = ("requests", "bytes_requested", "bytes_needed", "splits")
@@ -83,8 +83,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "status_reply": {"status": (_MAP, True)},
     # client -> worker and back
     "credit": {"rank": (_INT, True), "epoch": (_INT, True), "batches": (_INT, True), "bytes": (_INT, True)},
-    "batch": {"rank": (_INT, True), "epoch": (_INT, True), "pieces": (_LIST, True), "held": (_INT, True),
-              "tensors": (_LIST, True)},
+    "batch": {"rank": (_INT, True), "epoch": (_INT, True), "split_id": (_INT, True), "piece": (_INT, True),
+              "rows": (_LIST, True), "held": (_INT, True), "tensors": (_LIST, True)},
 }
 # What the master answers; MasterService checks at import that it has a handler for each.
 MASTER_REQUESTS = frozenset({"register", "get_spec", "heartbeat", "get_split", "split_produced", "split_failed",
@@ -213,28 +213,46 @@ def unpack_arrays(descs: Iterable, frames: Sequence[Any]) -> dict[str, np.ndarra
     return out
 
 
-def unpack_pieces(pieces: Any, descs: Any, frames: Sequence[Any]) -> list[tuple[int, int, dict[str, np.ndarray]]]:
-    """(split id, piece, arrays) of each piece of a ``batch`` message: ``pieces`` is
-    ``[[split_id, piece, rows], ...]``, ``descs`` one descriptor list per piece, and the
-    frames are the pieces' frames one piece after the other."""
-    if not (isinstance(pieces, list) and isinstance(descs, list) and 0 < len(pieces) == len(descs) <= MAX_PIECES):
-        raise ProtocolError(f"batch of {len(pieces) if isinstance(pieces, list) else '?'} pieces and "
-                            f"{len(descs) if isinstance(descs, list) else '?'} descriptor lists (1 to {MAX_PIECES}, "
-                            f"one list per piece)")
-    out, at = [], 0
-    for item, piece_descs in zip(pieces, descs):
-        if not (isinstance(item, list) and len(item) == 3 and all(type(x) is int and 0 <= x <= MAX_INT for x in item)
-                and isinstance(piece_descs, list)):
-            raise ProtocolError(f"bad piece {str(item)[:80]!r}")
-        arrays = unpack_arrays(piece_descs, frames[at:at + len(piece_descs)])
-        labels = arrays.get("labels")
-        if labels is None or labels.ndim != 1 or len(labels) != item[2]:
-            raise ProtocolError(f"piece {item[:2]}: says {item[2]} rows, its labels have shape "
-                                f"{'none' if labels is None else list(labels.shape)}")
-        at += len(piece_descs)
-        out.append((item[0], item[1], arrays))
-    if at != len(frames):
-        raise ProtocolError(f"{len(frames)} frames, the descriptors name {at}")
+_PER_VALUE = ("sparse.values", "sparse.weights")  # one entry per sparse value; the rest per row (lengths: per row and feature)
+
+
+def unpack_pieces(header: Mapping, frames: Sequence[Any], keys: int) -> list[tuple[int, int, dict[str, np.ndarray]]]:
+    """(split id, piece, arrays) of each piece of a ``batch`` message: pieces ``piece``,
+    ``piece + 1``, ... of ``split_id`` with ``rows`` rows each, their tensors one after
+    the other in one frame per tensor (sparse ones piece-major: each piece key-major over
+    ``keys`` features). Every size is checked before a piece is cut out (as views)."""
+    rows = header["rows"]
+    if not (0 < len(rows) <= MAX_PIECES and all(type(r) is int and 0 < r <= MAX_FRAME_BYTES for r in rows)):
+        raise ProtocolError(f"batch rows {str(rows)[:80]}: 1 to {MAX_PIECES} pieces of at least one row")
+    arrays = unpack_arrays(header["tensors"], frames)
+    total = sum(rows)
+    lengths, values = arrays.get("sparse.lengths"), arrays.get("sparse.values")
+    if lengths is None or values is None or lengths.ndim != 1 or values.ndim != 1:
+        raise ProtocolError("batch without 1-d sparse.lengths and sparse.values")
+    if lengths.shape[0] != keys * total or lengths.dtype.kind != "i" or (total and keys and lengths.min() < 0):
+        raise ProtocolError(f"sparse.lengths: {lengths.shape[0]} {lengths.dtype} for {keys} features x {total} rows")
+    offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    for name, a in arrays.items():
+        if name in _PER_VALUE:
+            if a.shape != (offsets[-1],):
+                raise ProtocolError(f"{name}: shape {list(a.shape)}, the lengths add up to {offsets[-1]}")
+        elif name != "sparse.lengths" and (a.ndim == 0 or a.shape[0] != total):
+            raise ProtocolError(f"{name}: shape {list(a.shape)}, the pieces hold {total} rows")
+    if "labels" not in arrays or arrays["labels"].ndim != 1:
+        raise ProtocolError("batch without 1-d labels")
+    split_id, first = header["split_id"], header["piece"]
+    if len(rows) == 1:
+        return [(split_id, first, arrays)]
+    out, lo = [], 0
+    for i, r in enumerate(rows):
+        hi = lo + r
+        a, b = keys * lo, keys * hi
+        va, vb = int(offsets[a]), int(offsets[b])
+        out.append((split_id, first + i, {
+            name: arr[va:vb] if name in _PER_VALUE else arr[a:b] if name == "sparse.lengths" else arr[lo:hi]
+            for name, arr in arrays.items()}))
+        lo = hi
     return out
 
 

@@ -216,7 +216,11 @@ class Worker:
                 self._producing[2] += 1
                 self._stats["rows"] += piece.rows
                 self._stats["batches"] += 1
-                notify.send(b"")
+                # Wake the server loop only when it may have found this queue empty: with
+                # pieces already queued it is sending them (or waits for credit, whose
+                # arrival wakes it), and a wake-up per piece costs both threads the GIL.
+                if self.buffer.held((task.rank, task.epoch)) == 1:
+                    notify.send(b"")
             self._stats["splits"] += 1
             # Still reported as producing until the master knows it is produced, so a
             # heartbeat in between never makes the split look abandoned.
@@ -331,32 +335,32 @@ class Worker:
 
     def _push_credited(self) -> None:
         """Push pieces to clients holding credit for their (rank, epoch): as many as the
-        credit allows and the buffer holds, several to a message (fewer messages, each
-        costing both sides a header and a wake-up; ``wire.MAX_FRAMES`` bounds them)."""
+        credit allows and the buffer holds, a run of consecutive pieces of one split to a
+        message. A run is one range of the split's arrays, so it goes as one frame per
+        tensor, however many pieces it holds (``wire.MAX_PIECES`` bounds them)."""
         hungry = set()
         for key, creditors in list(self._credit.items()):
             for identity, credit in list(creditors.items()):
                 while credit.open:
-                    pieces, frames, descs, nbytes = [], [], [], 0
+                    pieces, nbytes = [], 0
                     while credit.open_after(len(pieces), nbytes) and len(pieces) < wire.MAX_PIECES:
                         piece = self.buffer.pop(key)
                         if piece is None:
                             break
-                        if pieces and len(frames) + len(piece.arrays) > wire.MAX_FRAMES:  # a frame per array
+                        if pieces and not piece.follows(pieces[-1]):
                             self.buffer.put_back(key, piece)
                             break
-                        piece_descs, piece_frames = wire.pack_arrays(piece.arrays)
                         pieces.append(piece)
-                        descs.append(piece_descs)
-                        frames.extend(piece_frames)
-                        nbytes += sum(len(f) for f in piece_frames)  # bytes: frames are byte views
+                        nbytes += piece.nbytes
                     if not pieces:
                         hungry.add(key[0])
                         break
+                    first = pieces[0]
+                    descs, frames = wire.pack_arrays(first.source.arrays(first.lo, pieces[-1].hi))
                     # `held`: what is left here for this rank, so its client can tell that
                     # it waits for want of credit rather than for want of data.
-                    msg = wire.encode("batch", frames, rank=key[0], epoch=key[1],
-                                      pieces=[[p.split_id, p.index, p.rows] for p in pieces],
+                    msg = wire.encode("batch", frames, rank=key[0], epoch=key[1], split_id=first.split_id,
+                                      piece=first.index, rows=[p.rows for p in pieces],
                                       held=self.buffer.held(key), tensors=descs)
                     try:
                         # Never block: a client that does not read fills its pipe, and a

@@ -83,10 +83,13 @@ class Autoscaler:
         # Only workers that report count: one that registered and never heartbeated (a
         # registration flood, or a worker dying at start) must not make the pool look full.
         active = [w for w in st.workers.values() if not w.draining and w.stats]
-        workers = tuple(WorkerSignal(w.worker_id, rates.rate("w:" + w.worker_id, "rows"), w.buffered,
+        # Pieces prefetched for a next epoch serve no trainer now: they do not make a buffer full.
+        workers = tuple(WorkerSignal(w.worker_id, rates.rate("w:" + w.worker_id, "rows"),
+                                     max(0, w.buffered - int(w.stats.get("ahead", 0))),
                                      int(w.stats.get("capacity", 1)), float(w.stats.get("cpu", 0.0)))
                         for w in active)
-        clients = tuple(ClientSignal(cid, self.service.client_stall(cid), rates.rate("c:" + cid, "batches"))
+        clients = tuple(ClientSignal(cid, self.service.client_stall(cid), rates.rate("c:" + cid, "batches"),
+                                     self.service.client_starved(cid))
                         for cid in st.clients)
         draining = sum(1 for w in st.workers.values() if w.draining)
         pending = max(0, self.launcher.running() - len(active) - draining)

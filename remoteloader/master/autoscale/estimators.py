@@ -24,6 +24,9 @@ class _Sample(NamedTuple):
     stall: float       # mean client stall fraction
     fill: float        # buffered / capacity over all workers
     buffered: int      # batches buffered over all workers
+    # Mean client stall while no worker held a batch for the client (what more workers
+    # shorten); None when no client reports it, and the buffer fill stands in.
+    starved: Optional[float] = None
 
 
 @dataclass

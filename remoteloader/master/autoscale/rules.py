@@ -29,8 +29,9 @@ class _Window(NamedTuple):
     stall: float                  # mean client stall fraction
     fill: float                   # mean buffer fill
     fill_min: float               # lowest buffer fill in the window
+    starved: Optional[float]      # mean client stall with no batch held for it (None: not reported)
     demand: float                 # rows/s the trainers would take if never blocked (inf: unknown)
-    worker_bound: bool            # trainers stall and buffers are drained
+    worker_bound: bool            # trainers stall for want of batches at the workers
     caps: Optional[np.ndarray]    # estimated flat-out rows/s of each worker
     mean_cap: float               # their mean (0 when unknown)
     numbers: str                  # the above, for reasons and logs
@@ -168,8 +169,21 @@ class AutoscalePolicy:
         # A trainer blocked a fraction s of the time would consume b / (1 - s) if never blocked.
         demand = float((bps / (1.0 - np.clip(stall, 0.0, 0.99))).sum())
         fill = float(self._fill.mean()) if len(self._fill) else 0.0
+        starved = None
+        if any(cl.starved_fraction is not None for cl in snap.clients):
+            # A client that does not say counts as starved while the buffers are drained.
+            drained = fill < self.config.low_fill
+            starved = float(np.mean([cl.starved_fraction if cl.starved_fraction is not None
+                                     else cl.stall_fraction * drained for cl in snap.clients]))
         return _Sample(now, float(self._rates.sum()), float(bps.sum()), demand,
-                       float(stall.mean()) if len(stall) else 0.0, fill, int(self._buffered.sum()))
+                       float(stall.mean()) if len(stall) else 0.0, fill, int(self._buffered.sum()), starved)
+
+    def _drained(self, s: _Sample) -> bool:
+        """Trainers wait on the workers in this sample: clients say no worker held a batch
+        for them, or (clients that do not say) the buffers are drained."""
+        if s.starved is not None:
+            return s.starved >= self.config.stall_threshold
+        return s.fill < self.config.low_fill
 
     def _track_demand(self, s: _Sample) -> None:
         """Feed the long demand estimate with what trainers would consume, in rows/s.
@@ -185,9 +199,9 @@ class AutoscalePolicy:
         if prev is None:                        # no buffer delta yet
             return
         consumed = s.rows - (self._rpb or 0.0) * (s.buffered - prev.buffered) / max(s.t - prev.t, 1e-9)
-        if s.fill < self.config.low_fill:
-            # Drained buffers: trainers wait on workers, who must supply what trainers would
-            # take unblocked. With buffers left, a stall is not the workers' to fix.
+        if self._drained(s):
+            # Trainers wait on workers, who must supply what trainers would take unblocked.
+            # With batches held for them, a stall is not the workers' to fix.
             if s.stall > 0.25 or s.batches <= 0:
                 return                          # extrapolating from a mostly blocked trainer is too wild
             consumed *= s.demand / s.batches
@@ -251,19 +265,28 @@ class AutoscalePolicy:
             demand = rows * float(np.mean([s.demand for s in up])) / batches
         else:
             demand = math.inf
-        worker_bound = stall >= c.stall_threshold and fill < c.low_fill
+        # Clients that report it say whether they waited with no batch held for them at any
+        # worker (more workers would help); the buffer fill only stands in for that: a
+        # worker filling its buffer in bursts looks half full while its trainer waits.
+        said = [s.starved for s in up if s.starved is not None]
+        starved = float(np.mean(said)) if said else None
+        if starved is not None:
+            worker_bound = starved >= c.stall_threshold
+        else:
+            worker_bound = stall >= c.stall_threshold and fill < c.low_fill
         caps = self._estimates()
         mean_cap = float(caps.mean()) if caps is not None else 0.0
-        numbers = f"stall {stall:.1%}, buffers {fill:.0%} full, {rows:,.0f} rows/s from {n} workers"
-        return _Window(rows, batches, batches_se, stall, fill, fill_min, demand, worker_bound, caps, mean_cap,
-                       numbers)
+        numbers = (f"stall {stall:.1%}" + ("" if starved is None else f" ({starved:.1%} with nothing held)")
+                   + f", buffers {fill:.0%} full, {rows:,.0f} rows/s from {n} workers")
+        return _Window(rows, batches, batches_se, stall, fill, fill_min, starved, demand, worker_bound, caps,
+                       mean_cap, numbers)
 
     def _track_ceiling(self, now: float, n: int, w: _Window) -> None:
         """0. Trainers stall although worker buffers are full: the limit is past the workers.
         Remember the rate they reach (a ceiling), so that buffers draining later do not
         trigger an addition sized for what only the GPUs could consume."""
         c = self.config
-        if w.stall >= c.stall_threshold and w.fill_min >= c.high_fill:     # persistently full, not a transient
+        if w.stall >= c.stall_threshold and w.fill_min >= c.high_fill and not w.worker_bound:  # persistently full
             self._ceiling = _Mark(n, w.rows, now)
         elif self._ceiling is not None and (w.stall < c.stall_threshold or (
                 w.worker_bound and w.rows > self._ceiling.level * (1 + c.hysteresis / 2))):
@@ -322,7 +345,7 @@ class AutoscalePolicy:
             self._plateau, self._probe = None, self._plateau.interval
 
     def _scale_up(self, now: float, n: int, w: _Window) -> _Verdict:
-        """3. Scale up: trainers stall and workers are drained."""
+        """3. Scale up: trainers stall and the workers hold no batch for them."""
         c, caps, demand = self.config, w.caps, w.demand
         if n >= c.max_workers:
             return _Hold("max", f"trainers stall but at max_workers {c.max_workers}; {w.numbers}")
@@ -350,7 +373,7 @@ class AutoscalePolicy:
             self._floor = _Mark(n, min(demand, float(caps.sum()) + k * w.mean_cap), now)
         est = f"demand ~{demand:,.0f} rows/s" if math.isfinite(demand) else "demand unknown"
         return self._act(now, "add", k, target,
-                         f"trainers stall and workers are drained: {w.numbers}; {est}, "
+                         f"trainers stall and workers hold no batch for them: {w.numbers}; {est}, "
                          f"~{w.mean_cap:,.0f} rows/s per worker -> {target} workers")
 
     def _scale_down(self, now: float, n: int, w: _Window) -> _Verdict:
@@ -358,7 +381,7 @@ class AutoscalePolicy:
         Otherwise hold, saying whether the trainers stall past the workers or all is balanced."""
         c, caps = self.config, w.caps
         if w.stall >= c.stall_threshold:
-            why = ("downstream", f"trainers stall but worker buffers are not drained: the bottleneck is past "
+            why = ("downstream", f"trainers stall while workers hold batches for them: the bottleneck is past "
                                  f"the workers (client, network), more workers would not help; {w.numbers}")
         else:
             why = ("balanced", f"balanced; {w.numbers}")

@@ -24,6 +24,9 @@ class ClientSignal:
     client_id: str
     stall_fraction: float  # share of wall time blocked waiting for a batch over the window, 0..1
     batches_per_s: float   # consumption rate
+    # Share of wall time blocked while no worker of its partition held a batch for it (a
+    # part of stall_fraction: the part more workers would shorten). None: not reported.
+    starved_fraction: Optional[float] = None
 
 
 @dataclass(frozen=True, slots=True)
