@@ -64,7 +64,7 @@ SNAPSHOT = {
                      "cpu": 0.0, "mem": 9e7, "last_seen_s": 0.1, "draining": True})],
     "worker_totals": {"rows": 9000, "batches": 40, "busy_s": 3.5, "io.requests": 12, "io.bytes_requested": 4096},
     "clients": {0: {"stall": 0.02, "batches_per_s": 20.0, "queued": 2}},
-    "client_totals": {0: {"wait_s": 1.5, "batches": 120, "rows": 30000, "wait_buckets.0": 100, "wait_buckets.1": 15,
+    "client_totals": {0: {"wait_s": 1.5, "starved_s": 0.5, "batches": 120, "rows": 30000, "wait_buckets.0": 100, "wait_buckets.1": 15,
                           "wait_buckets.2": 5}},
     "client_wait_le": {0: [0.01, 0.1]},
     "ranks": {"0": {"epoch": 3, "splits": 8, "done": 4, "pending": 2, "finished": False}},
@@ -114,6 +114,7 @@ def test_families_follow_the_naming_conventions():
         "remoteloader_worker_read_bytes": ("counter", set()),
         "remoteloader_client_stall_ratio": ("gauge", {"rank"}),
         "remoteloader_client_wait_seconds": ("counter", {"rank"}),
+        "remoteloader_client_starved_seconds": ("counter", {"rank"}),
         "remoteloader_client_batches": ("counter", {"rank"}),
         "remoteloader_client_batch_wait_seconds": ("histogram", {"rank"}),
         "remoteloader_rank_epoch": ("gauge", {"rank"}),
@@ -134,6 +135,7 @@ def test_families_follow_the_naming_conventions():
 
     assert value("remoteloader_worker_rows_total") == 9000
     assert value("remoteloader_client_wait_seconds_total", rank="0") == 1.5
+    assert value("remoteloader_client_starved_seconds_total", rank="0") == 0.5
     assert value("remoteloader_worker_cpu_ratio", slot="0") == 0.5
     assert value("remoteloader_workers", state="draining") == 1
     assert value("remoteloader_rank_epoch", rank="0") == 3
@@ -181,7 +183,7 @@ def _report(service: MasterService) -> list[str]:
     for step in range(1, 4):
         now[0] += 1
         call({"t": "client_heartbeat", "client_id": "c-1", "epoch": 0, "acks": [],
-              "stats": {"wait_s": 0.5 * step, "batches": 10 * step, "rows": 1000 * step, "queued": 1}})
+              "stats": {"wait_s": 0.5 * step, "starved_s": step / 6, "batches": 10 * step, "rows": 1000 * step, "queued": 1}})
     call({"t": "get_split", "worker_id": "w-nobody"})  # answered with an error (unknown_worker)
     return ids
 
@@ -213,6 +215,7 @@ def test_master_metrics_read_the_service(service):
     assert value("remoteloader_worker_busy_seconds_total") == 3.0
     assert value("remoteloader_worker_cpu_ratio", slot="1") == 0.25  # the remaining worker keeps its slot
     assert value("remoteloader_client_wait_seconds_total", rank="0") == 1.5
+    assert value("remoteloader_client_starved_seconds_total", rank="0") == 0.5
     assert value("remoteloader_client_batches_total", rank="0") == 30
     assert value("remoteloader_rank_epoch", rank="0") == 0
     assert value("remoteloader_job_rows") == service.state.job.total_rows
