@@ -90,8 +90,16 @@ def autoscale_choice(table: str, batch_size: int, seconds: float) -> dict:
                         break
             elapsed = time.perf_counter() - start
             decisions = status()["autoscaler"]
+            # The stall once the worker count settled: from the first sample at the final count.
+            settled = next((p for i, p in enumerate(trace) if all(q["workers"] == p["workers"] for q in trace[i:])),
+                           None)
+            settled_stall = None if settled is None else round(
+                (loader.stats.wait_s - wait0 - settled["stall"]) / (elapsed - settled["t"]), 4)
             return {"batches_per_s": n / elapsed, "stall": (loader.stats.wait_s - wait0) / elapsed,
-                    "starved": (loader.stats.starved_s - starved0) / elapsed, "window": loader.credit.pieces, "trace": trace,
+                    "starved": (loader.stats.starved_s - starved0) / elapsed, "window": loader.credit.pieces,
+                    "settled": None if settled is None else {"t": settled["t"], "workers": settled["workers"],
+                                                             "stall": settled_stall},
+                    "trace": trace,
                     "decisions": [{k: d[k] for k in ("action", "workers", "reason") if k in d} for d in decisions]}
     finally:
         master.terminate()
