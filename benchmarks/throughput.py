@@ -94,7 +94,7 @@ def autoscale_choice(table: str, batch_size: int, seconds: float) -> dict:
             settled = next((p for i, p in enumerate(trace) if all(q["workers"] == p["workers"] for q in trace[i:])),
                            None)
             settled_stall = None if settled is None else round(
-                (loader.stats.wait_s - wait0 - settled["stall"]) / (elapsed - settled["t"]), 4)
+                (loader.stats.wait_s - wait0 - settled["stall"]) / max(1.0, elapsed - settled["t"]), 4)
             return {"batches_per_s": n / elapsed, "stall": (loader.stats.wait_s - wait0) / elapsed,
                     "starved": (loader.stats.starved_s - starved0) / elapsed, "window": loader.credit.pieces,
                     "settled": None if settled is None else {"t": settled["t"], "workers": settled["workers"],

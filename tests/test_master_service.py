@@ -172,6 +172,19 @@ def test_next_epoch_prefetch_takes_one_split_ahead_per_worker(spec):
     call(service, "start_epoch", client_id="c0", epoch=1)
     t, reply = call(service, "get_split", worker_id=w)
     assert t == "split" and reply["split"]["epoch"] == 1
+    # A worker told to drain hands back what it read ahead: a trainer may never start that
+    # epoch, and the worker must not wait for it to leave.
+    second = make_service(spec, Clock())
+    (w2,) = register(second)
+    hello(second, spec)
+    call(second, "start_epoch", client_id="c0", epoch=0)
+    while (reply := call(second, "get_split", worker_id=w2))[1]["split"]["epoch"] == 0:
+        pass
+    ahead = (1, reply[1]["split"]["split_id"])
+    assert second.state.splits_ahead(w2) == [ahead]
+    second.drain(w2)
+    assert second.state.splits_ahead(w2) == [] and ahead not in second.state.workers[w2].assigned
+    assert ahead[1] in second.state.prefetched[0].pending
     # Without the prefetch option the worker waits for the trainer's start_epoch.
     other = make_service(spec, Clock(), prefetch_next_epoch=False)
     (w,) = register(other)

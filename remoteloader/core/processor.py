@@ -101,7 +101,9 @@ class SplitProcessor:
         columns = {name: _synthetic(kind) for name, kind in self.bound.schema.items()
                    if name in self.bound.pipeline.input_columns}
         try:
-            self.bound.pipeline.run(columns)
+            features = self.bound.pipeline.run(columns)
+            # And the piece layout's copy kernel, for the dtypes this pipeline produces.
+            SplitBatch.build(features.dense, np.zeros(3, np.float32), features.sparse, {}, None, 2)
         except (ValueError, ArithmeticError):
             pass  # synthetic values may not suit every parameter; real splits report real errors
 
@@ -172,8 +174,9 @@ class SplitBatch:
     labels: np.ndarray  # float32 [rows]
     values: np.ndarray  # int64, piece-major
     lengths: np.ndarray  # int32 [keys * rows], piece-major
-    value_offsets: np.ndarray  # int64 [keys * rows + 1]: where each length's values start
+    piece_starts: np.ndarray  # int64 [pieces + 1]: where each piece's values start
     keys: int
+    batch_size: int
     passthrough: dict[str, np.ndarray]
     weights: Optional[np.ndarray] = None  # per-row sampling weights (sampling.weight: true)
     value_weights: Optional[np.ndarray] = None  # float32, like values (id-score features)
@@ -182,10 +185,9 @@ class SplitBatch:
     def build(cls, dense: np.ndarray, labels: np.ndarray, sparse: list[SparseColumn],
               passthrough: dict[str, np.ndarray], weights: Optional[np.ndarray], batch_size: int) -> "SplitBatch":
         rows = int(labels.shape[0])
-        values, lengths, value_weights = _piece_major(sparse, rows, batch_size)
-        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return cls(dense, labels, values, lengths, offsets, len(sparse), passthrough, weights, value_weights)
+        values, lengths, piece_starts, value_weights = _piece_major(sparse, rows, batch_size)
+        return cls(dense, labels, values, lengths, piece_starts, len(sparse), batch_size, passthrough, weights,
+                   value_weights)
 
     @property
     def rows(self) -> int:
@@ -194,7 +196,7 @@ class SplitBatch:
     def arrays(self, lo: int, hi: int) -> dict[str, np.ndarray]:
         """Rows ``[lo, hi)``, which must start and end on piece boundaries."""
         a, b = self.keys * lo, self.keys * hi
-        va, vb = int(self.value_offsets[a]), int(self.value_offsets[b])
+        va, vb = int(self.piece_starts[lo // self.batch_size]), int(self.piece_starts[-(-hi // self.batch_size)])
         out = {"dense": self.dense[lo:hi], "labels": self.labels[lo:hi],
                "sparse.values": self.values[va:vb], "sparse.lengths": self.lengths[a:b]}
         if self.value_weights is not None:
@@ -207,24 +209,25 @@ class SplitBatch:
 
 
 def _piece_major(sparse: list[SparseColumn], rows: int, batch_size: int
-                 ) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    """Values, lengths and (if any feature has them) weights of the sparse features in
-    piece-major order. A piece's rows of one feature are one contiguous block of that
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """Values, lengths, where each piece's values start and (if any feature has them)
+    weights of the sparse features in piece-major order. A piece's rows of one feature are one contiguous block of that
     feature's values, so this is a copy of pieces x features blocks (compiled: no
     Python per block), never a gather per value."""
     keys = len(sparse)
+    bounds = np.append(np.arange(0, rows, batch_size), rows)
     if keys == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int32), None
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(bounds.shape[0], np.int64), None
     full = rows // batch_size * batch_size
     lengths = np.stack([np.diff(c.offsets) for c in sparse])  # [keys, rows]
     head = lengths[:, :full].reshape(keys, -1, batch_size).transpose(1, 0, 2).ravel()
     piece_lengths = np.concatenate([head, lengths[:, full:].ravel()]).astype(np.int32)
 
-    bounds = np.append(np.arange(0, rows, batch_size), rows)
     starts = np.stack([c.offsets[bounds] for c in sparse])  # [keys, pieces + 1], into each feature's values
     sizes = np.diff(starts, axis=1)  # [keys, pieces]: values per block
     dest = np.zeros(sizes.size + 1, np.int64)
     np.cumsum(sizes.T.ravel(), out=dest[1:])  # blocks in (piece, feature) order
+    piece_starts = dest[::keys].copy()  # each piece's first block, and the end
     dest = dest[:-1].reshape(-1, keys).T  # [keys, pieces]: where each block goes
     values = np.empty(int(sizes.sum()), np.int64)
     weighted = any(c.weights is not None for c in sparse)
@@ -234,7 +237,7 @@ def _piece_major(sparse: list[SparseColumn], rows: int, batch_size: int
         if weighted:
             w = c.weights if c.weights is not None else np.ones(c.values.shape[0], np.float32)
             _copy_blocks(w, starts[k, :-1], dest[k], sizes[k], value_weights)
-    return values, piece_lengths, value_weights
+    return values, piece_lengths, piece_starts, value_weights
 
 
 @njit(cache=True, nogil=True)

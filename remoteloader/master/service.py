@@ -257,6 +257,10 @@ class MasterService:
         if not self.state.workers[worker_id].draining:
             log.info("worker %s draining", worker_id)
             self._commit(U.WorkerDraining(worker_id))
+            # A next epoch's split read ahead would keep it waiting for a trainer that may
+            # never start that epoch: it goes back to the queue, produced again when needed.
+            for epoch, split_id in self.state.splits_ahead(worker_id):
+                self._commit(U.SplitRevoked(epoch, split_id, worker_id, "its worker is draining"))
 
     def _on_bye(self, m: dict) -> Reply:
         if m["worker_id"] in self.state.workers:
@@ -274,7 +278,7 @@ class MasterService:
         # time: those pieces wait in its buffer, outside the trainers' credit, until the
         # trainer gets there.
         if (choice is None and self.config.prefetch_next_epoch and self.state.job is not None
-                and not self.state.holds_ahead(m["worker_id"])):
+                and not self.state.splits_ahead(m["worker_id"])):
             for rank, epoch in self.state.prefetch_candidates(m["worker_id"]):
                 self._commit(U.EpochPrefetched(rank, epoch))
             choice = self.state.choose_split(m["worker_id"], avoid)

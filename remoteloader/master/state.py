@@ -455,11 +455,11 @@ class JobState:
                 return best[1], best[2]
         return None
 
-    def holds_ahead(self, worker_id: str) -> bool:
-        """Whether the worker holds a split of an epoch started early (its pieces wait in
-        the worker's buffer until the trainer gets there)."""
-        return any(rank_epoch.splits[split_id].worker == worker_id
-                   for rank_epoch in self.prefetched.values() for split_id in rank_epoch.in_flight)
+    def splits_ahead(self, worker_id: str) -> list[tuple[int, int]]:
+        """(epoch, split id) the worker holds of epochs started early: their pieces wait in
+        the worker's buffer until the trainer gets there."""
+        return [(rank_epoch.epoch, split_id) for rank_epoch in self.prefetched.values()
+                for split_id in rank_epoch.in_flight if rank_epoch.splits[split_id].worker == worker_id]
 
     def prefetch_candidates(self, worker_id: str) -> list[tuple[int, int]]:
         """(rank, next epoch) for ranks this worker serves whose current epoch has nothing

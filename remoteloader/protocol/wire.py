@@ -229,8 +229,10 @@ def unpack_pieces(header: Mapping, frames: Sequence[Any], keys: int) -> list[tup
     lengths, values = arrays.get("sparse.lengths"), arrays.get("sparse.values")
     if lengths is None or values is None or lengths.ndim != 1 or values.ndim != 1:
         raise ProtocolError("batch without 1-d sparse.lengths and sparse.values")
-    if lengths.shape[0] != keys * total or lengths.dtype.kind != "i" or (total and keys and lengths.min() < 0):
-        raise ProtocolError(f"sparse.lengths: {lengths.shape[0]} {lengths.dtype} for {keys} features x {total} rows")
+    # int32 (as workers send them): their sum cannot overflow the int64 offsets below.
+    if lengths.shape[0] != keys * total or lengths.dtype != np.int32 or (total and keys and lengths.min() < 0):
+        raise ProtocolError(f"sparse.lengths: {lengths.shape[0]} {lengths.dtype} for {keys} features x {total} rows "
+                            "(int32, >= 0)")
     offsets = np.zeros(lengths.shape[0] + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     for name, a in arrays.items():

@@ -347,7 +347,8 @@ class Worker:
                         piece = self.buffer.pop(key)
                         if piece is None:
                             break
-                        if pieces and not piece.follows(pieces[-1]):
+                        # A run is one frame per tensor: it must stay under the client's frame limit.
+                        if pieces and (not piece.follows(pieces[-1]) or nbytes + piece.nbytes > wire.MAX_FRAME_BYTES):
                             self.buffer.put_back(key, piece)
                             break
                         pieces.append(piece)
