@@ -9,10 +9,13 @@ baseline commit (a git worktree: request/reply, 2 requests in flight per worker)
 this tree run one after the other in the same invocation, alternating rounds.
 
 ``--autoscale``: instead, this tree only, the same trainer against a master with
-``--autoscale`` (1 to 4 local workers) for ``--seconds``: the worker count over time
-and the autoscaler's decisions (what it chose, and why).
+``--autoscale`` (1 to 4 local workers) for ``--seconds``: the worker count over time,
+the stall once the count settled, and the autoscaler's decisions (what it chose, and
+why). Give it ``--rows 2000000``: on the default table an epoch lasts about a second,
+and epoch boundaries, not the worker count, dominate.
 
-Run: ``.venv/bin/python -m benchmarks.throughput [--rows 400000 --rounds 3] [--autoscale]``.
+Run: ``.venv/bin/python -m benchmarks.throughput [--rows 400000 --rounds 3] [--baseline REF]``
+or ``... --autoscale --rows 2000000 --seconds 90``.
 """
 from __future__ import annotations
 
