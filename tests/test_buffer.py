@@ -96,3 +96,13 @@ def test_a_silent_rank_is_released_and_taken_back_when_it_asks():
     assert buf.blocked_ranks() == [1]
     buf.heard_from(1)  # it is back
     assert buf.put((1, 0), piece(9), stop) == "stored" and buf.blocked_ranks() == []
+
+
+def test_pieces_put_back_come_out_first_in_their_order():
+    buf, stop = BatchBuffer(8), threading.Event()
+    buf.drop_before(0, 0)
+    for i in range(4):
+        buf.put((0, 0), piece(i), stop)
+    taken = [buf.pop((0, 0)) for _ in range(3)]
+    buf.put_back((0, 0), taken)
+    assert [buf.pop((0, 0)).index for _ in range(4)] == [0, 1, 2, 3] and len(buf) == 0

@@ -61,8 +61,8 @@ class ClientStats:
     wait_buckets: list = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS_S) + 1))  # per-batch waits
 
     def to_wire(self, queued: int) -> dict:
-        return {"wait_s": self.wait_s, "starved_s": self.starved_s, "epoch_start_s": self.epoch_start_s, "batches": self.batches,
-                "rows": self.rows, "queued": queued, "time": time.monotonic(),
+        return {"wait_s": self.wait_s, "starved_s": self.starved_s, "epoch_start_s": self.epoch_start_s,
+                "batches": self.batches, "rows": self.rows, "queued": queued, "time": time.monotonic(),
                 "wait_le": list(WAIT_BUCKETS_S), "wait_buckets": list(self.wait_buckets)}
 
 

@@ -211,9 +211,9 @@ class SplitBatch:
 def _piece_major(sparse: list[SparseColumn], rows: int, batch_size: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """Values, lengths, where each piece's values start and (if any feature has them)
-    weights of the sparse features in piece-major order. A piece's rows of one feature are one contiguous block of that
-    feature's values, so this is a copy of pieces x features blocks (compiled: no
-    Python per block), never a gather per value."""
+    weights of the sparse features in piece-major order. A piece's rows of one feature
+    are one contiguous block of that feature's values, so this is a copy of pieces x
+    features blocks (compiled: no Python per block), never a gather per value."""
     keys = len(sparse)
     bounds = np.append(np.arange(0, rows, batch_size), rows)
     if keys == 0:

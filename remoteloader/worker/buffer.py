@@ -149,11 +149,11 @@ class BatchBuffer:
             queue = self._queues.get(key)
             return len(queue) if queue else 0
 
-    def put_back(self, key: Key, piece: Piece) -> None:
-        """Return a piece that could not be delivered to the front of its queue."""
+    def put_back(self, key: Key, pieces: list[Piece]) -> None:
+        """Return pieces that could not be delivered to the front of their queue, in order."""
         with self._cond:
-            self._queues.setdefault(key, deque()).appendleft(piece)
-            self._count += 1
+            self._queues.setdefault(key, deque()).extendleft(reversed(pieces))
+            self._count += len(pieces)
 
     def drop_before(self, rank: int, epoch: int) -> int:
         """Forget pieces of a rank's earlier epochs: that client has moved on, so they are stale."""

@@ -349,7 +349,7 @@ class Worker:
                             break
                         # A run is one frame per tensor: it must stay under the client's frame limit.
                         if pieces and (not piece.follows(pieces[-1]) or nbytes + piece.nbytes > wire.MAX_FRAME_BYTES):
-                            self.buffer.put_back(key, piece)
+                            self.buffer.put_back(key, [piece])
                             break
                         pieces.append(piece)
                         nbytes += piece.nbytes
@@ -368,12 +368,12 @@ class Worker:
                         # blocked send would stop serving everybody else.
                         self.data.send_multipart([identity, *msg], copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
-                        self._put_back(key, pieces)  # its pipe is full: try again on a later pass
+                        self.buffer.put_back(key, pieces)  # its pipe is full: try again on a later pass
                         break
                     except zmq.ZMQError:
                         # That client is gone (ROUTER_MANDATORY tells us instead of dropping
                         # the message): keep the pieces for whoever holds credit next.
-                        self._put_back(key, pieces)
+                        self.buffer.put_back(key, pieces)
                         del creditors[identity]
                         self._creditors -= 1
                         break
@@ -383,10 +383,6 @@ class Worker:
         # Ranks with credit and nothing buffered: a producer stuck on another rank's full
         # share hands its split back rather than keep them waiting.
         self.buffer.set_hungry(frozenset(hungry))
-
-    def _put_back(self, key: tuple[int, int], pieces: list) -> None:
-        for piece in reversed(pieces):  # put_back puts at the front: the first piece ends up first again
-            self.buffer.put_back(key, piece)
 
     def _release_silent(self, control: RpcClient) -> None:
         """Hand back the splits of ranks silent past the client timeout (their pieces are
