@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -183,6 +184,11 @@ def test_console_scripts_work_together(tables, tmp_path, cluster):
     spec_path.write_text(json.dumps(spec_dict(tables["orc"])))
     master = cluster.master("--spec", str(spec_path), workers=0)
     cluster.workers(master.addr, 2)
+    # Both registered before reading: an epoch this small can end before a slow-starting
+    # second worker registers, and this test is about the two of them together.
+    deadline = time.monotonic() + 60
+    while len(master_status(master.addr)["workers"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     with RemoteDataLoader(spec_path, master=master.addr, timeout=60) as loader:
         got, _ = collect(loader)
     assert len(got) == ROWS
