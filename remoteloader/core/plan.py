@@ -68,6 +68,11 @@ class SplitTask:
     row_lo: int
     row_hi: int
     skip: int  # leading pieces already consumed by the client
+    # Who the pieces are for: the client session and its epoch run (master-issued), and the job
+    # (spec fingerprint) the split belongs to. Empty for local mode, which has no master.
+    session: str = ""
+    seq: int = 0
+    fingerprint: str = ""
 
     def to_wire(self) -> dict:
         return {**self.__dict__, "file": self.file.to_wire()}
@@ -75,8 +80,10 @@ class SplitTask:
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> "SplitTask":
         ints = ("epoch", "split_id", "rank", "base", "first_unit", "stop_unit", "raw_rows", "position", "base_rows",
-                "row_lo", "row_hi", "skip")
-        if set(data) != set(ints) | {"file"} or not all(type(data[k]) is int for k in ints):
+                "row_lo", "row_hi", "skip", "seq")
+        strs = ("session", "fingerprint")
+        if set(data) != set(ints) | set(strs) | {"file"} or not all(type(data[k]) is int for k in ints) \
+                or not all(type(data[k]) is str and len(data[k]) <= 64 for k in strs):
             raise ValueError(f"malformed split task: {sorted(data)}")
         return cls(**{**data, "file": DataFile.from_wire(data["file"])})
 
@@ -195,12 +202,13 @@ def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, 
     return out
 
 
-def make_task(files: Sequence[DataFile], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0) -> SplitTask:
-    """What a worker needs to produce one epoch split."""
+def make_task(files: Sequence[DataFile], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0,
+              session: str = "", seq: int = 0, fingerprint: str = "") -> SplitTask:
+    """What a worker needs to produce one epoch split (for the run ``seq`` of client ``session``)."""
     return SplitTask(epoch=epoch, split_id=split.id, rank=split.rank, base=base.id, file=files[base.file],
                      first_unit=base.first_unit, stop_unit=base.stop_unit, raw_rows=base.raw_rows,
                      position=base.position, base_rows=base.rows, row_lo=split.row_lo, row_hi=split.row_hi,
-                     skip=skip)
+                     skip=skip, session=session, seq=seq, fingerprint=fingerprint)
 
 
 def pieces_of(rows: int, batch_size: int) -> int:

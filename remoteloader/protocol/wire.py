@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = 6  # 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 7  # 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
 MAX_PIECES = 64  # pieces in one batch message
@@ -38,19 +38,23 @@ class ProtocolError(ValueError):
 # type -> {field: (accepted python types, required)}
 _STR, _INT, _NUM, _BOOL, _MAP, _LIST = (str,), (int,), (int, float), (bool,), (dict,), (list,)
 _LONG_STRINGS = {"error": 1 << 16, "message": 1 << 16}  # error texts name files and causes
-_NONNEGATIVE = {"batches", "bytes", "held", "epoch", "rank", "world_size", "pid", "buffered", "split_id", "piece", "rows", "retry_ms"}
+_NONNEGATIVE = {"batches", "bytes", "held", "epoch", "rank", "world_size", "pid", "buffered", "split_id", "piece", "rows",
+                "retry_ms", "seq"}
 
 # Heartbeat statistics: every key typed, numbers finite and >= 0; nothing else accepted.
 _COUNT, _AMOUNT = "count", "amount"
 WORKER_STATS = {"rows": _COUNT, "batches": _COUNT, "splits": _COUNT, "busy_s": _AMOUNT, "cpu": _AMOUNT,
-                "mem": _AMOUNT, "time": _AMOUNT, "capacity": _COUNT, "ahead": _COUNT, "split": "split", "io": "io"}
+                "mem": _AMOUNT, "time": _AMOUNT, "capacity": _COUNT, "ahead": _COUNT, "split": "split", "io": "io",
+                "discarded": "discarded"}
 CLIENT_STATS = {"wait_s": _AMOUNT, "starved_s": _AMOUNT, "epoch_start_s": _AMOUNT, "batches": _COUNT, "rows": _COUNT, "queued": _COUNT,
-                "time": _AMOUNT, "wait_le": "amounts", "wait_buckets": "counts"}  # a wait histogram
+                "time": _AMOUNT, "since_batch_s": _AMOUNT, "wait_le": "amounts", "wait_buckets": "counts"}  # a wait histogram
 MAX_BUCKETS = 32
 IO_STATS = ("requests", "bytes_requested", "bytes_needed", "splits")
+# Why a worker threw pieces away (never reported stored; their splits go back to the master).
+DISCARD_REASONS = ("stale_run", "session_gone", "silent", "yielded", "wrong_job")
 SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     # worker -> master
-    "register": {"addr": (_STR, True), "pid": (_INT, True)},
+    "register": {"addr": (_STR, True), "pid": (_INT, True), "fingerprint": (_STR, True)},
     "get_spec": {},
     "heartbeat": {"worker_id": (_STR, True), "buffered": (_INT, True), "stats": (_MAP, False)},
     "get_split": {"worker_id": (_STR, True), "avoid_ranks": (_LIST, False)},
@@ -61,35 +65,35 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "drain": {"worker_id": (_STR, True)},
     "bye": {"worker_id": (_STR, True)},
     # client -> master
-    "hello": {"client_id": (_STR, True), "rank": (_INT, True), "world_size": (_INT, True),
-              "spec": (_MAP, True), "fingerprint": (_STR, True)},
-    "start_epoch": {"client_id": (_STR, True), "epoch": (_INT, True), "consumed": (_LIST, False),
+    "hello": {"rank": (_INT, True), "world_size": (_INT, True), "spec": (_MAP, True), "fingerprint": (_STR, True)},
+    "start_epoch": {"session": (_STR, True), "epoch": (_INT, True), "consumed": (_LIST, False),
                     "done": (_LIST, False)},
-    "client_heartbeat": {"client_id": (_STR, True), "epoch": (_INT, True), "acks": (_LIST, True),
+    "client_heartbeat": {"session": (_STR, True), "seq": (_INT, True), "acks": (_LIST, True),
                          "stats": (_MAP, False)},
-    "finish_epoch": {"client_id": (_STR, True), "epoch": (_INT, True)},
+    "finish_epoch": {"session": (_STR, True), "seq": (_INT, True)},
+    "goodbye": {"session": (_STR, True)},
     "status": {},
     # master -> worker / client
-    "registered": {"worker_id": (_STR, True), "heartbeat_interval": (_NUM, True)},
+    "registered": {"worker_id": (_STR, True), "heartbeat_interval": (_NUM, True), "fingerprint": (_STR, True)},
     "spec": {"spec": (_MAP, True), "schema": (_MAP, True), "fingerprint": (_STR, True)},
-    "heartbeat_ok": {"state": (_STR, True)},
+    "heartbeat_ok": {"state": (_STR, True), "sessions": (_LIST, False)},
     "split": {"split": (_MAP, True)},
     "no_split": {"retry_ms": (_INT, True), "reason": (_STR, True)},
-    "welcome": {"job": (_MAP, True)},
-    "epoch": {"epoch": (_INT, True), "splits": (_LIST, True)},
+    "welcome": {"session": (_STR, True), "job": (_MAP, True)},
+    "epoch": {"epoch": (_INT, True), "seq": (_INT, True), "splits": (_LIST, True)},
     "membership": {"workers": (_LIST, True), "errors": (_LIST, True), "master": (_STR, False)},
     "ok": {},
     "error": {"message": (_STR, True), "code": (_STR, False)},
     "status_reply": {"status": (_MAP, True)},
     # client -> worker and back
-    "credit": {"rank": (_INT, True), "epoch": (_INT, True), "batches": (_INT, True), "bytes": (_INT, True)},
-    "batch": {"rank": (_INT, True), "epoch": (_INT, True), "split_id": (_INT, True), "piece": (_INT, True),
+    "credit": {"session": (_STR, True), "seq": (_INT, True), "batches": (_INT, True), "bytes": (_INT, True)},
+    "batch": {"session": (_STR, True), "seq": (_INT, True), "split_id": (_INT, True), "piece": (_INT, True),
               "rows": (_LIST, True), "held": (_INT, True), "tensors": (_LIST, True)},
 }
 # What the master answers; MasterService checks at import that it has a handler for each.
 MASTER_REQUESTS = frozenset({"register", "get_spec", "heartbeat", "get_split", "split_produced", "split_failed",
-                             "splits_released",
-                             "drain", "bye", "hello", "start_epoch", "client_heartbeat", "finish_epoch", "status"})
+                             "splits_released", "drain", "bye", "hello", "start_epoch", "client_heartbeat",
+                             "finish_epoch", "goodbye", "status"})
 
 
 def encode(t: str, frames: Sequence[Any] = (), **fields: Any) -> list:
@@ -169,6 +173,9 @@ def _check_stats(t: str, stats: Mapping, schema: Mapping[str, str]) -> None:
         elif kind in ("amounts", "counts"):
             ok = isinstance(value, list) and len(value) <= MAX_BUCKETS and all(
                 _is_number(x) and (kind == "amounts" or isinstance(x, int)) for x in value)
+        elif kind == "discarded":  # reason -> pieces discarded so far
+            ok = isinstance(value, dict) and set(value) <= set(DISCARD_REASONS) and all(
+                _is_number(x) and isinstance(x, int) for x in value.values())
         elif kind == "split":  # [epoch, split id, pieces produced]
             ok = isinstance(value, list) and len(value) == 3 and all(_is_number(x) and isinstance(x, int) for x in value)
         else:  # io counters
