@@ -5,23 +5,33 @@
 
 It runs the worker's own split processor, so it yields the same rows and values as
 ``RemoteDataLoader``; it is the benchmark baseline and the fallback when no service is
-wanted. A rank's splits are dealt round robin to the DataLoader's worker processes
-(``get_worker_info()``); each of them merges its own split tails, so with N DataLoader
-workers up to N batches of an epoch can be short (the DataLoader's usual behaviour for
-iterable datasets). Call ``set_epoch(e)`` before each epoch, as with DistributedSampler;
-the epoch lives in shared memory, so DataLoader workers kept alive between epochs
+wanted. Call ``set_epoch(e)`` before each epoch, as with DistributedSampler; the epoch
+lives in shared memory, so DataLoader workers kept alive between epochs
 (``persistent_workers=True``) see it too.
+
+DataLoader workers are dealt rows, not splits. Every worker computes the same plan; the
+rank's epoch is its splits' rows in plan order (padding rows last), cut into the
+``len()`` batches a single process would yield, and worker ``k`` of ``n`` takes the
+contiguous run of batches ``[len * k // n, len * (k + 1) // n)``: the splits, or the
+parts of splits, that hold those rows. A split straddling two runs is read by both
+workers, each for its own rows. Every run but the last is whole batches, so a worker
+merges its split tails into full batches and only the last run can end short (or drop
+its remainder with ``drop_last``). So a rank yields exactly ``len()`` batches with any
+number of DataLoader workers, and under DDP (``even_batches``) every rank yields the
+same number, each selected row exactly once.
 """
 from __future__ import annotations
 
 import os
-from typing import Iterator, Optional, Union
+from dataclasses import replace
+from typing import Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..core.binding import BoundDataset, bind, bind_schema
-from ..core.plan import make_task, plan_epoch, rank_shares
+from ..core.plan import EpochSplit, make_task, plan_epoch, rank_shares
 from ..core.processor import SplitProcessor
 from ..core.sampling import plan_job_splits
 from ..spec import DatasetSpec, load_spec
@@ -60,7 +70,7 @@ class LocalDataset(IterableDataset):
         self._bound = None
 
     def __len__(self) -> int:
-        """Batches of this rank per epoch when read by a single process."""
+        """Batches of this rank per epoch, whatever the number of DataLoader workers."""
         shares = rank_shares(sum(s.rows for s in self.base), self.world_size, self.spec.batch_size,
                              self.spec.drop_last, self.spec.even_batches)
         return shares.batches(self.rank, self.spec.batch_size, self.spec.drop_last)
@@ -72,9 +82,13 @@ class LocalDataset(IterableDataset):
         info = get_worker_info()
         shard, shards = (info.id, info.num_workers) if info is not None else (0, 1)
         spec, epoch = self.spec, self.epoch
-        plan = [s for s in plan_epoch(self.base, epoch, spec.seed, spec.shuffle, self.world_size, spec.batch_size,
-                                      spec.drop_last, spec.even_batches) if s.rank == self.rank][shard::shards]
-        assembler = EpochAssembler([(s.id, s.rows) for s in plan], self.spec.batch_size, self.spec.drop_last)
+        mine = [s for s in plan_epoch(self.base, epoch, spec.seed, spec.shuffle, self.world_size, spec.batch_size,
+                                      spec.drop_last, spec.even_batches) if s.rank == self.rank]
+        rows = sum(s.rows for s in mine)
+        batches = rows // spec.batch_size if spec.drop_last else -(-rows // spec.batch_size)
+        first, stop = batches * shard // shards, batches * (shard + 1) // shards
+        plan = _rows_between(mine, first * spec.batch_size, min(stop * spec.batch_size, rows))
+        assembler = EpochAssembler([(s.id, s.rows) for s in plan], spec.batch_size, spec.drop_last)
         keys = self._bound.sparse_keys
         for split in plan:
             task = make_task(self.files, self.base[split.base], split, epoch)
@@ -89,3 +103,14 @@ class LocalDataset(IterableDataset):
         while (ready := assembler.next_ready()) is not None:
             assembler.consume(ready)
             yield ready.batch
+
+
+def _rows_between(splits: Sequence[EpochSplit], lo: int, hi: int) -> list[EpochSplit]:
+    """Rows ``[lo, hi)`` of the concatenated ``splits``, as the splits (narrowed to their part) that hold them."""
+    starts = np.cumsum([0, *(s.rows for s in splits)]).tolist()
+    out = []
+    for split, start in zip(splits, starts):
+        a, b = max(lo, start), min(hi, start + split.rows)
+        if a < b:
+            out.append(replace(split, row_lo=split.row_lo + a - start, row_hi=split.row_lo + b - start))
+    return out
