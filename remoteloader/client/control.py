@@ -23,24 +23,25 @@ import zmq
 
 from ..protocol.auth import Credentials
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
+from .session import RunId
 
 log = logging.getLogger(__name__)
 URGENT_GAP_S = 0.05  # urgent beats (a partition to learn) are still spaced this far apart
 
 
 class ControlChannel:
-    """Heartbeats with acks for one rank's epoch, on a background thread.
+    """Heartbeats with acks for one rank's epoch run, on a background thread.
 
     ``take_reply`` returns the newest ``membership`` reply not yet taken, or an
     exception the master answered with (``RemoteError``, e.g. ``unknown_client``);
     ``unreachable_s`` says how long the master has not answered.
     """
 
-    def __init__(self, ctx: zmq.Context, master: str, client_id: str, epoch: int,
+    def __init__(self, ctx: zmq.Context, master: str, run: Callable[[], RunId],
                  stats: Callable[[], dict], interval_s: float, auth: Optional[Credentials] = None,
                  call_timeout_s: float = 2.0) -> None:
         self._rpc = RpcClient(ctx, master, call_timeout_s, auth=auth)
-        self.client_id, self.epoch, self.interval_s = client_id, epoch, interval_s
+        self.run, self.interval_s = run, interval_s  # run(): read per beat, as a rejoin replaces it
         self._stats = stats
         self._lock = threading.Lock()
         self._acks: dict[int, int] = {}  # split id -> pieces consumed, not yet delivered
@@ -52,7 +53,7 @@ class ControlChannel:
         self._stop = threading.Event()
         self._rng = random.Random()
         self._last_beat = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"remoteloader-control-{epoch}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"remoteloader-control-{run().epoch}", daemon=True)
         self._thread.start()
 
     # -- training thread -------------------------------------------------------------------
@@ -111,8 +112,9 @@ class ControlChannel:
     def _beat(self) -> bool:
         with self._lock:
             sending = dict(self._acks)
+        run = self.run()
         try:
-            reply = self._rpc.call("client_heartbeat", client_id=self.client_id, epoch=self.epoch,
+            reply = self._rpc.call("client_heartbeat", session=run.session, seq=run.seq,
                                    acks=[[sid, p] for sid, p in sorted(sending.items())], stats=self._stats(),
                                    stop=self._stop)
         except MasterUnavailable as e:

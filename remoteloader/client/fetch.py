@@ -19,6 +19,7 @@ from ..protocol.auth import Credentials, secure_client
 from ..protocol.rpc import has_message
 from .batch import Batch
 from .credit import CreditWindow
+from .session import RunId
 
 log = logging.getLogger(__name__)
 # A worker releases what it holds for a rank silent for its --client-timeout (30 s by
@@ -27,18 +28,25 @@ KEEPALIVE_S = 5.0
 
 
 class WorkerFetcher:
-    """The partition's sockets for one epoch of one rank (a new epoch gets a new fetcher, whose
-    first credit retires the previous epoch's at the worker)."""
+    """The partition's sockets for one epoch run of one rank: credit names the run
+    (session, seq), and only pieces of that run are taken (a newer run's first credit
+    retires older runs of the session at the worker)."""
 
-    def __init__(self, ctx: zmq.Context, rank: int, epoch: int, window: CreditWindow, sparse_keys: list[str],
+    def __init__(self, ctx: zmq.Context, rank: int, run: RunId, window: CreditWindow, sparse_keys: list[str],
                  sparse_scored: Optional[list[bool]] = None, auth: Optional[Credentials] = None) -> None:
-        self.ctx, self.rank, self.epoch, self.window, self.sparse_keys = ctx, rank, epoch, window, sparse_keys
+        self.ctx, self.rank, self.run, self.window, self.sparse_keys = ctx, rank, run, window, sparse_keys
         self.sparse_scored = sparse_scored  # which sparse keys carry scores (id-score features)
         self.auth = auth  # CURVE client keys for the workers' data sockets; None: plain sockets
         self.sockets: dict[str, zmq.Socket] = {}
         self._worker_of: dict[zmq.Socket, str] = {}
         self.streams: dict[str, Stream] = {}
         self.poller = zmq.Poller()
+
+    def retarget(self, run: RunId) -> None:
+        """Follow a rejoin: credit totals count anew for the new run (the worker knows nothing of it)."""
+        self.run = run
+        for wid in self.streams:
+            self.streams[wid] = Stream()
 
     def set_workers(self, members: list[list[str]]) -> None:
         """Follow the master's view of this client's partition."""
@@ -83,8 +91,8 @@ class WorkerFetcher:
             stream.granted += pieces
             stream.granted_bytes = stream.received_bytes + byte_share
             stream.last_grant = now
-            sock.send_multipart(wire.encode("credit", rank=self.rank, epoch=self.epoch, batches=stream.granted,
-                                            bytes=stream.granted_bytes))
+            sock.send_multipart(wire.encode("credit", session=self.run.session, seq=self.run.seq,
+                                            batches=stream.granted, bytes=stream.granted_bytes))
 
     def credit_limited(self) -> bool:
         """Some worker held more pieces for us, when it sent its last one, than the credit
@@ -96,7 +104,7 @@ class WorkerFetcher:
         return any(s.held for s in self.streams.values())
 
     def poll(self, timeout_ms: int) -> list[tuple[int, int, Batch]]:
-        """Pieces that arrived within ``timeout_ms``: (split id, piece, batch) of the current epoch."""
+        """Pieces that arrived within ``timeout_ms``: (split id, piece, batch) of the current run."""
         out = []
         for sock, _ in self.poller.poll(timeout_ms):
             wid = self._worker_of[sock]
@@ -105,7 +113,7 @@ class WorkerFetcher:
                 if msg is None:
                     continue
                 header, frames = msg
-                if header["t"] != "batch" or header["rank"] != self.rank or header["epoch"] != self.epoch:
+                if header["t"] != "batch" or header["session"] != self.run.session or header["seq"] != self.run.seq:
                     continue
                 # Counted as received before it is checked: the worker has charged it to our credit.
                 count = len(header["rows"]) or 1
@@ -127,7 +135,7 @@ class WorkerFetcher:
 
 
 class Stream:
-    """Credit to one worker for this epoch: cumulative totals, as the protocol sends them."""
+    """Credit to one worker for this run: cumulative totals, as the protocol sends them."""
 
     __slots__ = ("granted", "granted_bytes", "received", "received_bytes", "held", "last_grant")
 

@@ -6,6 +6,7 @@ be taken for the answer to the next one.
 """
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -18,7 +19,10 @@ from .auth import Credentials, secure_client
 from .address import validate_address
 
 
+log = logging.getLogger(__name__)
 BACKOFF_MAX_S = 5.0
+RETRY_BASE_S = 0.2  # first retry delay of call_with_retry
+RETRY_LOG_S = 10.0  # a retrying caller says what it waits for this often, not on every try
 _POLLIN = int(zmq.POLLIN)  # a plain int: IntFlag arithmetic runs in Python
 
 
@@ -82,6 +86,38 @@ class RpcClient:
         if header["t"] == "error":
             raise RemoteError(header["message"], header.get("code", ""))
         return header
+
+    def call_with_retry(self, t: str, deadline: float, stop: Optional[threading.Event] = None,
+                        timeout_s: Optional[float] = None, **fields: Any) -> dict:
+        """``call``, retried while the master does not answer, until ``deadline`` (monotonic).
+
+        The one retry policy of the master's callers: exponential backoff with jitter (clients
+        of a restarting master do not retry in step), a warning every ``RETRY_LOG_S`` saying
+        what is awaited, and at the end one ``MasterUnavailable`` naming how long it tried.
+        ``stop`` ends the retries early (as unavailable). Errors the master answers with
+        (``RemoteError``) are not retried: they are answers.
+        """
+        rng = random.Random()
+        started = last_log = time.monotonic()
+        failures = 0
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.call(t, timeout_s=max(0.05, min(left, timeout_s or self.timeout_s)), stop=stop, **fields)
+            except MasterUnavailable as e:
+                now = time.monotonic()
+                if now >= deadline or (stop is not None and stop.is_set()):
+                    raise MasterUnavailable(f"{e}; gave up after {now - started:.0f} s") from None
+                if now - last_log >= RETRY_LOG_S:
+                    last_log = now
+                    log.warning("waiting for the master at %s (%r unanswered for %.0f s); retrying",
+                                self.addr, t, now - started)
+                failures += 1
+                pause = min(backoff_delay(failures, RETRY_BASE_S, rng), max(0.0, deadline - now))
+                if stop is not None:
+                    stop.wait(pause)
+                else:
+                    time.sleep(pause)
 
     def reset(self) -> None:
         if self._sock is not None:

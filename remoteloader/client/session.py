@@ -1,0 +1,161 @@
+"""The client's session with the master: hello, rejoin, goodbye, and every call it makes.
+
+The master issues the identities (protocol 7): ``welcome`` names the client's session,
+and each ``start_epoch`` answers with the seq of a new epoch run. Every later call names
+them. When a call finds that the master does not know the session (error code
+``unknown_client``: a restart without a journal, a client timeout), the session takes its
+one rejoin path: hello again (a new session), start the current run again from what the
+training loop consumed, and repeat the call under the new identities.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from ..spec import DatasetSpec, SpecError
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 5.0  # one try of a call; the session's retry policy spans ``timeout``
+BINDING_RETRY_S = 0.2
+
+
+@dataclass(frozen=True)
+class RunId:
+    """One epoch run as the master named it; replaced as a whole on rejoin (threads read it)."""
+
+    session: str
+    seq: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What a run is (re)started from: the epoch, rows done before this job segment, and
+    what this rank consumed, ``[[split id, pieces], ...]``."""
+
+    epoch: int
+    done: list
+    consumed: list
+
+
+def acks_of(consumed: dict[int, tuple[int, int]]) -> list[list[int]]:
+    return [[sid, pieces] for sid, (pieces, _) in sorted(consumed.items())]
+
+
+class ClientSession:
+    """One rank's session: ``job`` after hello, ``run`` while an epoch is iterated.
+
+    ``on_welcome(job)`` runs on every welcome (the plan check); ``resume_point()`` says
+    what the current run restarts from on rejoin (set by the epoch being iterated).
+    """
+
+    def __init__(self, rpc: RpcClient, spec: DatasetSpec, rank: int, world_size: int, timeout: float,
+                 connect_timeout: float, on_welcome: Callable[[dict], None]) -> None:
+        self.rpc, self.spec, self.rank, self.world_size = rpc, spec, rank, world_size
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.on_welcome = on_welcome
+        self.id: Optional[str] = None
+        self.job: Optional[dict] = None
+        self.run: Optional[RunId] = None
+        self.resume_point: Optional[Callable[[], RunStart]] = None
+        self.stop = threading.Event()  # set by close(): retries end at once
+
+    # -- hello and rejoin ---------------------------------------------------------------------
+    def hello(self) -> dict:
+        """The job, saying hello first if this client has no session."""
+        if self.id is None:
+            self._say_hello()
+        return self.job
+
+    def _say_hello(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                reply = self.rpc.call("hello", rank=self.rank, world_size=self.world_size, spec=self.spec.to_dict(),
+                                      fingerprint=self.spec.fingerprint(), timeout_s=self.connect_timeout,
+                                      stop=self.stop)
+                break
+            except MasterUnavailable as e:
+                raise MasterUnavailable(f"{e}: is a remoteloader-master running there?") from None
+            except RemoteError as e:
+                if e.code == "binding" and time.monotonic() < deadline:
+                    time.sleep(BINDING_RETRY_S)  # the master is reading the table's metadata
+                    continue
+                if e.code == "bad_spec":  # the message names the spec key or column at fault
+                    raise SpecError(str(e)) from None
+                raise RuntimeError(f"the master refused this loader: {e}") from None
+        self.on_welcome(reply["job"])
+        self.id, self.job = reply["session"], reply["job"]
+
+    def _rejoin(self, restart_run: bool) -> None:
+        # The master does not know this session (a restart without a journal, or it timed the
+        # client out): a new session, and the run restarted from what was consumed, which is
+        # all the master needs to continue the epoch exactly where it was.
+        log.warning("rank %d: the master does not know this client (restarted?); rejoining", self.rank)
+        self.id = None
+        self._say_hello()
+        if restart_run and self.run is not None and self.resume_point is not None:
+            self._start(self.resume_point())
+
+    # -- calls ----------------------------------------------------------------------------------
+    def start_epoch(self, start: RunStart) -> dict:
+        """Start a run of ``start.epoch``; returns the master's ``epoch`` reply (splits, seq)."""
+        self.hello()
+        return self._with_rejoin(lambda: self._start(start), restart_run=False)
+
+    def _start(self, start: RunStart) -> dict:
+        reply = self._call("start_epoch", session=self.id, epoch=start.epoch, consumed=start.consumed,
+                           done=start.done)
+        self.run = RunId(self.id, int(reply["seq"]), start.epoch)
+        return reply
+
+    def heartbeat(self, acks: list, stats: Optional[dict] = None, timeout: Optional[float] = None) -> dict:
+        """A synchronous heartbeat of the current run, from the training thread."""
+        extra = {} if stats is None else {"stats": stats}
+        return self._with_rejoin(lambda: self._call("client_heartbeat", timeout, session=self.id, seq=self.run.seq,
+                                                    acks=acks, **extra))
+
+    def finish_epoch(self, timeout: Optional[float] = None) -> None:
+        self._with_rejoin(lambda: self._call("finish_epoch", timeout, session=self.id, seq=self.run.seq))
+        self.run = None
+
+    def rejoin_after(self, error: RemoteError) -> None:
+        """A call made elsewhere (the control thread) found the session unknown: rejoin, or re-raise."""
+        if error.code != "unknown_client":
+            raise error
+        self._rejoin(restart_run=True)
+
+    def status(self) -> str:
+        try:
+            return str(self.rpc.call("status", timeout_s=2.0)["status"])
+        except (MasterUnavailable, RemoteError) as e:
+            return f"unavailable ({e})"
+
+    def goodbye(self, timeout_s: float) -> None:
+        """Best effort: the master forgets this client at once instead of timing it out."""
+        if self.id is None:
+            return
+        try:
+            self.rpc.call("goodbye", session=self.id, timeout_s=timeout_s)
+        except (MasterUnavailable, RemoteError) as e:
+            log.info("rank %d: goodbye not acknowledged (%s)", self.rank, e)
+        self.id = None
+
+    def _with_rejoin(self, call: Callable[[], dict], restart_run: bool = True) -> dict:
+        try:
+            return call()
+        except RemoteError as e:
+            if e.code != "unknown_client":
+                raise
+        self._rejoin(restart_run)
+        return call()
+
+    def _call(self, t: str, timeout: Optional[float] = None, **fields: Any) -> dict:
+        """The one retry policy: retried while the master is unreachable, up to ``timeout``."""
+        span = self.timeout if timeout is None else timeout
+        return self.rpc.call_with_retry(t, time.monotonic() + span, stop=self.stop,
+                                        timeout_s=min(CALL_TIMEOUT_S, span), **fields)

@@ -1,0 +1,186 @@
+"""One epoch run of a rank: pieces from the partition's workers, credit, exact batches.
+
+The training thread runs ``EpochStream.batches()``: it grants workers credit
+(``fetch.py``), assembles their pieces into batches of exactly ``batch_size`` rows
+(``assembly.py``), and leaves acks and heartbeats to the control thread
+(``control.py``), so a slow or restarting master never holds up batches that workers
+already have. The session (``session.py``) makes the master calls and rejoins.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import zmq
+
+from ..protocol.auth import Credentials
+from ..protocol.rpc import RemoteError
+from .assembly import EpochAssembler
+from .batch import Batch
+from .control import ControlChannel
+from .credit import CreditWindow
+from .fetch import WorkerFetcher
+from .session import ClientSession, RunStart, acks_of
+from .stats import ClientStats
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 0.25
+# While this many batches wait for the training loop, it takes the next without polling its
+# sockets (pieces arrive several to a message: a poll per batch is waste).
+QUEUED_ENOUGH = 4
+
+
+@dataclass
+class EpochRun:
+    """The epoch being iterated: its plan as the master sent it, the assembler, and how
+    many batches the training loop has taken."""
+
+    epoch: int
+    done: list  # rows consumed before an elastic resume, [[base, lo, hi], ...] (sent in start_epoch)
+    splits: dict[int, tuple[int, int, int, bool]]  # split id -> (rows, base, row_lo, padding)
+    assembler: EpochAssembler
+    yielded: int = 0
+
+    def resume_point(self) -> RunStart:
+        return RunStart(self.epoch, self.done, acks_of(self.assembler.consumed_state()))
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    rank: int
+    master: str
+    timeout: float
+    pin_memory: bool
+    auth: Optional[Credentials]
+
+
+class EpochStream:
+    """Batches of one ``EpochRun``, in order, exactly once."""
+
+    def __init__(self, ctx: zmq.Context, session: ClientSession, run: EpochRun, config: StreamConfig,
+                 credit: CreditWindow, stats: ClientStats, warned: list[str]) -> None:
+        self.ctx, self.session, self.run, self.config = ctx, session, run, config
+        self.credit, self.stats, self.warned = credit, stats, warned
+        job = session.job
+        self.fetcher = WorkerFetcher(ctx, config.rank, session.run, credit, job["sparse_keys"],
+                                     job.get("sparse_scored"), auth=config.auth)
+        self.master_seen: Optional[str] = None  # the master process heard from last (membership.master)
+
+    def batches(self) -> Iterator[Batch]:
+        run, assembler, fetcher = self.run, self.run.assembler, self.fetcher
+        self.session.resume_point = run.resume_point
+        control: Optional[ControlChannel] = None
+        batch_wait = 0.0  # the training loop's wait for the batch it is waiting for now
+        window_checked = False
+        try:
+            # One synchronous beat first, for the partition's workers.
+            self._apply(self.session.heartbeat([], self.stats.to_wire(0)))
+            control = ControlChannel(self.ctx, self.config.master, lambda: self.session.run,
+                                     lambda: self.stats.to_wire(assembler.ready_count), HEARTBEAT_S,
+                                     auth=self.config.auth)
+            last_progress = time.monotonic()
+            while not assembler.exhausted:
+                now = time.monotonic()
+                if not fetcher.sockets:  # no worker to take from yet: wait for the partition, do not spin
+                    control.report([], urgent=True)
+                    control.wait_reply(HEARTBEAT_S)
+                self._take_control_reply(control)
+                ready = assembler.next_ready()
+                if ready is None and run.yielded and not window_checked:
+                    window_checked = True  # once per wait, before granting more: was credit the limit?
+                    if fetcher.credit_limited():
+                        self.credit.starved()
+                # Credit for what the loop will take next; also the keepalive that tells workers
+                # this rank is alive while it works through a deep queue.
+                fetcher.top_up(assembler.ready_count)
+                if ready is None:
+                    starved = not fetcher.holding()
+                    arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
+                    # The training loop is waiting on us: the stall the autoscaler minimizes.
+                    # Waiting for the first batch of an iteration is kept apart: the time to
+                    # produce one split, which no number of workers shortens.
+                    if run.yielded:
+                        waited = time.monotonic() - now
+                        self.stats.wait_s += waited
+                        self.stats.starved_s += waited if starved else 0.0
+                        batch_wait += waited
+                    else:
+                        self.stats.epoch_start_s += time.monotonic() - now
+                elif assembler.ready_count < QUEUED_ENOUGH:
+                    arrivals = fetcher.poll(0)
+                else:  # batches queued here already: receive on a later batch
+                    arrivals = []
+                for split_id, piece, batch in arrivals:
+                    if assembler.wants(split_id, piece):
+                        if run.splits[split_id][3]:
+                            batch = batch.as_padding()
+                        assembler.add(split_id, piece, batch)
+                        last_progress = time.monotonic()
+                if ready is not None:
+                    assembler.consume(ready)
+                    control.report(assembler.take_acks())
+                    run.yielded += 1
+                    self.stats.delivered(len(ready.batch), batch_wait)
+                    batch_wait = 0.0
+                    window_checked = False
+                    last_progress = time.monotonic()
+                    yield ready.batch.pin_memory() if self.config.pin_memory else ready.batch
+                elif time.monotonic() - last_progress > self.config.timeout:
+                    raise self._timeout_error(control)
+            # The epoch's last acks go synchronously, before the master is told it is over.
+            leftover, control = control.close(), None
+            self._apply(self.session.heartbeat(leftover + assembler.take_acks()))
+            self.session.finish_epoch()
+        finally:
+            if control is not None:
+                control.close()
+            self.session.resume_point = None
+            fetcher.close()
+
+    def _timeout_error(self, control: ControlChannel) -> TimeoutError:
+        assembler = self.run.assembler
+        if control.unreachable_s > 2 * HEARTBEAT_S + 2.0:
+            master = f"master unreachable for {control.unreachable_s:.0f} s"
+        else:
+            master = f"master status: {self.session.status()[:2000]}"
+        return TimeoutError(f"rank {self.config.rank} epoch {self.run.epoch}: no batch for {self.config.timeout:g} s "
+                            f"({assembler.received_rows} of {assembler.expected_rows} rows received); {master}")
+
+    def _take_control_reply(self, control: ControlChannel) -> None:
+        try:
+            reply = control.take_reply()
+        except RemoteError as e:
+            self.session.rejoin_after(e)
+            reply = self.session.heartbeat([])
+        if reply is not None:
+            self._apply(reply, control)
+
+    def _apply(self, reply: dict, control: Optional[ControlChannel] = None) -> None:
+        """Follow a ``membership`` reply: the partition, the errors, a master restart."""
+        if self.fetcher.run is not self.session.run:
+            self.fetcher.retarget(self.session.run)  # the session rejoined: a new run
+        rank, epoch, assembler = self.config.rank, self.run.epoch, self.run.assembler
+        master = reply.get("master")
+        if master is not None and self.master_seen not in (None, master):
+            # Another master process (a restart on its journal): consumption is not
+            # journaled, so it hears everything this rank has consumed again.
+            log.info("master restarted; reporting what rank %d consumed in epoch %d", rank, epoch)
+            everything = acks_of(assembler.consumed_state())
+            if control is not None:
+                control.report(everything, urgent=True)
+            else:
+                reply = self.session.heartbeat(everything)
+        self.master_seen = master
+        self.fetcher.set_workers(reply["workers"])
+        for err in reply["errors"]:
+            if not err["skipped"]:
+                raise RuntimeError(f"rank {rank} epoch {epoch}: {err['message']}")
+            if err["message"] in self.warned:
+                continue
+            if err["split_id"] >= 0:  # a split quarantined this epoch; -1: a file left out at job start
+                assembler.skip_split(err["split_id"])
+            self.warned.append(err["message"])
+            warnings.warn(f"remoteloader skipped data (on_error: skip): {err['message']}", RuntimeWarning, stacklevel=2)

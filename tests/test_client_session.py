@@ -1,0 +1,161 @@
+"""The client's session unit against a fake master (in process): one rejoin path, taken by any
+call that finds the master does not know the client, starting an epoch included."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+import pytest
+import zmq
+
+from remoteloader.client.session import ClientSession, RunStart
+from remoteloader.protocol import wire
+from remoteloader.protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from remoteloader.spec import load_spec
+
+JOB = {"fingerprint": "f", "plan": "p", "rank_rows": 10, "sparse_keys": []}
+
+
+class FakeMaster:
+    """A ROUTER answering each request with ``answer(header)`` (a (type, fields) pair); records requests."""
+
+    def __init__(self, answer: Callable[[dict], tuple[str, dict]]) -> None:
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.addr = f"tcp://127.0.0.1:{port}"
+        self.answer = answer
+        self.requests: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, *parts = self.sock.recv_multipart()
+            header, _ = wire.decode(parts)
+            self.requests.append(header)
+            reply = self.answer(header)
+            if reply is not None:
+                t, fields = reply
+                self.sock.send_multipart([ident, *wire.encode(t, **fields)])
+
+    def types(self) -> list[str]:
+        return [r["t"] for r in self.requests]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close(linger=0)
+
+
+class SessionsMaster:
+    """Issues sessions; forgets them all on ``forget()`` (a restart without a journal)."""
+
+    def __init__(self) -> None:
+        self.known: set[str] = set()
+        self.seq = 0
+
+    def forget(self) -> None:
+        self.known.clear()
+
+    def __call__(self, h: dict) -> Optional[tuple[str, dict]]:
+        if h["t"] == "hello":
+            session = f"s-{len(self.known)}-{self.seq}"
+            self.seq += 1
+            self.known.add(session)
+            return "welcome", {"session": session, "job": JOB}
+        if h.get("session") not in self.known:
+            return "error", {"message": f"unknown client {h.get('session')}; say hello again", "code": "unknown_client"}
+        if h["t"] == "start_epoch":
+            self.seq += 1
+            return "epoch", {"epoch": h["epoch"], "seq": self.seq, "splits": []}
+        if h["t"] == "client_heartbeat":
+            return "membership", {"workers": [], "errors": []}
+        return "ok", {}
+
+
+@pytest.fixture
+def master():
+    logic = SessionsMaster()
+    fake = FakeMaster(logic)
+    fake.logic = logic
+    yield fake
+    fake.close()
+
+
+def make_session(addr: str, welcomed: Optional[list] = None, timeout: float = 10.0) -> ClientSession:
+    spec = load_spec({"table": {"path": "/nonexistent"}, "batch_size": 2,
+                      "features": {"label": "label", "dense": ["x"]}})
+    rpc = RpcClient(zmq.Context.instance(), addr, 5.0)
+    hook = welcomed.append if welcomed is not None else (lambda job: None)
+    return ClientSession(rpc, spec, 0, 1, timeout, 5.0, on_welcome=hook)
+
+
+def test_start_epoch_rejoins_when_the_master_forgot_the_client(master):
+    welcomed: list = []
+    session = make_session(master.addr, welcomed)
+    session.start_epoch(RunStart(0, [], []))
+    session.finish_epoch()
+    first = session.id
+    master.logic.forget()  # restarted without a journal between two epochs (defect 7)
+    reply = session.start_epoch(RunStart(1, [], []))
+    assert reply["epoch"] == 1 and session.id != first and session.run.session == session.id
+    assert master.types() == ["hello", "start_epoch", "finish_epoch", "start_epoch", "hello", "start_epoch"]
+    assert len(welcomed) == 2  # the plan is checked again on the new welcome
+
+
+def test_a_heartbeat_that_finds_the_client_unknown_restarts_the_run_from_what_was_consumed(master):
+    session = make_session(master.addr)
+    session.start_epoch(RunStart(3, [[0, 0, 5]], []))
+    session.resume_point = lambda: RunStart(3, [[0, 0, 5]], [[7, 2]])
+    old_run = session.run
+    master.logic.forget()
+    session.heartbeat([[7, 2]])
+    assert master.types()[-4:] == ["client_heartbeat", "hello", "start_epoch", "client_heartbeat"]
+    restart = master.requests[-2]
+    assert restart["epoch"] == 3 and restart["consumed"] == [[7, 2]] and restart["done"] == [[0, 0, 5]]
+    last = master.requests[-1]
+    assert (last["session"], last["seq"]) == (session.run.session, session.run.seq)
+    assert session.run.session != old_run.session and session.run.seq != old_run.seq
+
+
+def test_other_errors_are_not_taken_for_a_rejoin():
+    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "job": JOB}) if h["t"] == "hello"
+                      else ("error", {"message": "spec_mismatch here", "code": "spec_mismatch"}))
+    try:
+        session = make_session(fake.addr)
+        with pytest.raises(RemoteError, match="spec_mismatch here"):
+            session.start_epoch(RunStart(0, [], []))
+        assert fake.types() == ["hello", "start_epoch"]
+    finally:
+        fake.close()
+
+
+def test_goodbye_is_best_effort_and_short():
+    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "job": JOB}) if h["t"] == "hello" else None)
+    try:
+        session = make_session(fake.addr)
+        session.hello()
+        session.goodbye(timeout_s=0.2)  # the master never answers: logged, not raised
+        assert fake.types() == ["hello", "goodbye"] and session.id is None
+    finally:
+        fake.close()
+
+
+def test_the_retry_policy_gives_up_at_the_deadline_in_one_line():
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        rpc = RpcClient(ctx, f"tcp://127.0.0.1:{port}", 0.1)
+        with pytest.raises(MasterUnavailable, match="gave up after") as err:
+            rpc.call_with_retry("status", time.monotonic() + 0.5)
+        assert "\n" not in str(err.value)
+        rpc.close()
+    finally:
+        silent.close(linger=0)
