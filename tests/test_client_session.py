@@ -100,12 +100,13 @@ def test_start_epoch_rejoins_when_the_master_forgot_the_client(master):
     welcomed: list = []
     session = make_session(master.addr, welcomed)
     session.start_epoch(RunStart(0, [], []))
-    session.finish_epoch()
+    session.finish_run([], timeout_s=5.0)
     first = session.id
     master.logic.forget()  # restarted without a journal between two epochs (defect 7)
     reply = session.start_epoch(RunStart(1, [], []))
     assert reply["epoch"] == 1 and session.id != first and session.run.session == session.id
-    assert master.types() == ["hello", "start_epoch", "finish_epoch", "start_epoch", "hello", "start_epoch"]
+    assert master.types() == ["hello", "start_epoch", "client_heartbeat", "finish_epoch", "start_epoch", "hello",
+                              "start_epoch"]
     assert len(welcomed) == 2  # the plan is checked again on the new welcome
 
 
@@ -122,6 +123,28 @@ def test_a_heartbeat_that_finds_the_client_unknown_restarts_the_run_from_what_wa
     last = master.requests[-1]
     assert (last["session"], last["seq"]) == (session.run.session, session.run.seq)
     assert session.run.session != old_run.session and session.run.seq != old_run.seq
+
+
+def test_the_end_of_a_delivered_epoch_never_raises_nor_rejoins(master):
+    session = make_session(master.addr)
+    session.start_epoch(RunStart(0, [], []))
+    master.logic.forget()
+    session.finish_run([[1, 4]], timeout_s=5.0)  # unknown_client: logged, no hello
+    assert master.types()[-1] == "client_heartbeat" and session.run is None
+    session.start_epoch(RunStart(1, [], []))  # the next epoch rejoins
+    assert master.types()[-3:] == ["start_epoch", "hello", "start_epoch"]
+
+
+def test_the_end_of_a_delivered_epoch_gives_up_on_a_silent_master():
+    fake = FakeMaster(lambda h: {"hello": ("welcome", {"session": "s-1", "job": JOB}),
+                                 "start_epoch": ("epoch", {"epoch": 0, "seq": 0, "splits": []})}.get(h["t"]))
+    try:
+        session = make_session(fake.addr, timeout=600.0)
+        session.start_epoch(RunStart(0, [], []))
+        session.finish_run([], timeout_s=0.5)  # returns (bounded by its own timeout, not the loader's)
+        assert fake.types()[:3] == ["hello", "start_epoch", "client_heartbeat"] and session.run is None
+    finally:
+        fake.close()
 
 
 def test_other_errors_are_not_taken_for_a_rejoin():

@@ -7,7 +7,8 @@ signal stops the master (and the master's workers) even if the owner is SIGKILLe
 
 With several ranks (e.g. under ``torchrun``), rank 0 starts the cluster and publishes
 its address; the other ranks find it in torch.distributed's default store when a
-process group is initialized, else in the ``REMOTELOADER_MASTER`` environment variable.
+process group is initialized, else in the ``REMOTELOADER_MASTER`` environment variable
+(``ranks.py``).
 
 The embedded cluster is always authenticated (CURVE, ``protocol/auth.py``): without a
 key directory of the user's, it makes ephemeral keys in a private temporary directory
@@ -18,20 +19,17 @@ loopback only) to read.
 """
 from __future__ import annotations
 
-import json
 import os
 import select
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from typing import Optional
 
 from ..core.procs import stop as stop_process
 from ..protocol.auth import ENV_AUTH, EphemeralKeys
 
 ENV_MASTER = "REMOTELOADER_MASTER"
-STORE_KEY = "remoteloader/master/{fingerprint}"
 
 
 class EmbeddedCluster:
@@ -85,36 +83,3 @@ def resolve_rank(rank: Optional[int], world_size: Optional[int]) -> tuple[int, i
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     return rank, world_size
-
-
-def _store():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.distributed_c10d._get_default_store()
-    return None
-
-
-def publish_master(addr: str, fingerprint: str, auth_dir: Optional[str] = None) -> None:
-    store = _store()
-    if store is not None:
-        store.set(STORE_KEY.format(fingerprint=fingerprint), json.dumps({"addr": addr, "auth": auth_dir}))
-
-
-def discover_master(fingerprint: str, timeout: float) -> tuple[str, Optional[str]]:
-    """Where rank 0's embedded master listens and its key directory (None: the caller's), for ranks > 0."""
-    if os.environ.get(ENV_MASTER):
-        return os.environ[ENV_MASTER], None
-    store = _store()
-    if store is None:
-        raise RuntimeError(
-            f"rank > 0 with no master address: initialize torch.distributed before creating the loader "
-            f"(rank 0 publishes its embedded master in the process group's store), set {ENV_MASTER}, "
-            "or pass master=...")
-    key = STORE_KEY.format(fingerprint=fingerprint)
-    store.wait([key], timedelta(seconds=timeout))
-    value = store.get(key).decode()
-    if not value.startswith("{"):  # an address alone
-        return value, None
-    published = json.loads(value)
-    return published["addr"], published.get("auth")

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
-import weakref
 from typing import Any, Generator, Iterator, Optional, Union
 
 import torch
@@ -26,7 +24,8 @@ from . import checkpoint
 from .assembly import EpochAssembler
 from .batch import Batch
 from .credit import CreditWindow
-from .embedded import EmbeddedCluster, discover_master, publish_master, resolve_rank
+from .embedded import EmbeddedCluster, resolve_rank
+from .placement import MasterPlacement
 from .session import ClientSession, RunStart, acks_of
 from .stats import ClientStats
 from .stream import EpochRun, EpochStream, StreamConfig
@@ -35,6 +34,32 @@ from ..protocol.rpc import RpcClient
 from ..spec import DatasetSpec, load_spec
 
 log = logging.getLogger(__name__)
+GOODBYE_S = 2.0  # a goodbye is a courtesy (the master times a silent client out): never wait long
+
+
+class EpochIterator:
+    """The iterator of one ``iter(loader)``. Replaced by a newer ``iter()``, it raises rather
+    than stop: a plain ``StopIteration`` would look like a short epoch."""
+
+    def __init__(self, batches: Generator[Batch, None, None], epoch: int) -> None:
+        self._batches, self.epoch = batches, epoch
+        self._replaced = False
+
+    def __iter__(self) -> "EpochIterator":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._replaced:
+            raise RuntimeError(f"this iterator of epoch {self.epoch} was replaced by a newer iter() of the "
+                               "RemoteDataLoader, which took over its data: iterate the newest one")
+        return next(self._batches)
+
+    def replace(self) -> None:
+        self._replaced = True
+        self._batches.close()
+
+    def close(self) -> None:
+        self._batches.close()
 
 
 class RemoteDataLoader:
@@ -79,14 +104,13 @@ class RemoteDataLoader:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.credit = CreditWindow(inflight, prefetch_bytes)  # kept across epochs: what it learned holds
         self.pin_memory = pin_memory and self._can_pin()
-        self._cluster: Optional[EmbeddedCluster] = None
-        self._finalizer = None
         auth_dir = os.fspath(auth) if auth is not None else os.environ.get(cluster_auth.ENV_AUTH) or None
         if auth_dir:
             cluster_auth.load(auth_dir)  # AuthError (a ValueError, one line) before anything starts
-        if master is None:
-            master, auth_dir = self._start_or_find_master(num_workers, auth_dir)
-        self.master = master
+        self._placement = MasterPlacement.resolve(self, self.spec, self.rank, master, num_workers, auth_dir,
+                                                  connect_timeout)
+        self.master = master = self._placement.addr
+        auth_dir = self._placement.auth_dir
         self._auth = cluster_auth.load(auth_dir) if auth_dir else None
         self._ctx = zmq.Context.instance()
         self._rpc = RpcClient(self._ctx, master, connect_timeout, auth=self._auth)
@@ -95,35 +119,17 @@ class RemoteDataLoader:
         self._next_epoch = 0
         self._pending: Optional[dict] = None  # a loaded position, used by the next iter() of its epoch
         self._current: Optional[EpochRun] = None
-        self._active: Optional[Generator[Batch, None, None]] = None
+        self._active: Optional[EpochIterator] = None
         self._plan: Optional[str] = None
         self._closed = False
         self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings
         self.stats = ClientStats()
 
-    # -- cluster and session ---------------------------------------------------------------
-    def _start_or_find_master(self, num_workers: Optional[int], auth_dir: Optional[str]) -> tuple[str, Optional[str]]:
-        """The master's address and key directory: rank 0's embedded cluster, or one found."""
-        fingerprint = self.spec.fingerprint()
-        if self.rank != 0:
-            addr, published = discover_master(fingerprint, self.connect_timeout)
-            return addr, published or auth_dir
-        if os.environ.get("REMOTELOADER_MASTER"):
-            return os.environ["REMOTELOADER_MASTER"], auth_dir
-        scaling = self.spec.autoscale
-        extra = ("--allow-table", self.spec.table.path)  # the embedded master serves this table only
-        extra += () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
-                                            "--max-workers", str(scaling.get("max_workers", os.cpu_count() or 1)))
-        workers = num_workers or os.cpu_count() or 1
-        if not os.environ.get("REMOTELOADER_QUIET"):
-            # One line rather than seconds of silence: a first start compiles the kernels.
-            print(f"remoteloader: starting an embedded master and {workers} local workers for "
-                  f"{self.spec.table.path} (a first start on this machine compiles the transform kernels; "
-                  "later ones load them from the cache)", file=sys.stderr, flush=True)
-        self._cluster = EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir)
-        self._finalizer = weakref.finalize(self, self._cluster.close)
-        publish_master(self._cluster.addr, fingerprint, self._cluster.auth_dir)
-        return self._cluster.addr, self._cluster.auth_dir
+    # -- session -----------------------------------------------------------------------------
+    @property
+    def _cluster(self) -> Optional[EmbeddedCluster]:
+        """The embedded master and workers, on the rank that started them."""
+        return self._placement.cluster
 
     @staticmethod
     def _can_pin() -> bool:
@@ -169,10 +175,10 @@ class RemoteDataLoader:
         if self._closed:
             raise RuntimeError("this RemoteDataLoader is closed")
         if self._active is not None:
-            self._active.close()  # an abandoned epoch releases its sockets before the next starts
+            self._active.replace()  # an abandoned epoch releases its sockets before the next starts
         epoch = self._next_epoch
         self._next_epoch += 1
-        self._active = self._epoch(epoch)
+        self._active = EpochIterator(self._epoch(epoch), epoch)
         return self._active
 
     def set_epoch(self, epoch: int) -> None:
@@ -219,15 +225,17 @@ class RemoteDataLoader:
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the embedded master and workers (if this loader started them)."""
+        """Say goodbye to the master; stop the embedded master and workers if this loader started them,
+        once every rank's loader has closed (bounded: ``ranks.CLOSE_WAIT_S``)."""
         if self._closed:
             return
         self._closed = True
+        self.session.stop.set()
         if self._active is not None:
             self._active.close()
+        self.session.goodbye(GOODBYE_S)
         self._rpc.close()
-        if self._finalizer is not None:
-            self._finalizer()
+        self._placement.close(self.world_size)
 
     def __enter__(self) -> "RemoteDataLoader":
         return self

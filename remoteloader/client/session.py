@@ -75,9 +75,10 @@ class ClientSession:
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                reply = self.rpc.call("hello", rank=self.rank, world_size=self.world_size, spec=self.spec.to_dict(),
-                                      fingerprint=self.spec.fingerprint(), timeout_s=self.connect_timeout,
-                                      stop=self.stop)
+                reply = self.rpc.call_with_retry(
+                    "hello", time.monotonic() + self.connect_timeout, stop=self.stop, timeout_s=CALL_TIMEOUT_S,
+                    rank=self.rank, world_size=self.world_size, spec=self.spec.to_dict(),
+                    fingerprint=self.spec.fingerprint())
                 break
             except MasterUnavailable as e:
                 raise MasterUnavailable(f"{e}: is a remoteloader-master running there?") from None
@@ -113,15 +114,28 @@ class ClientSession:
         self.run = RunId(self.id, int(reply["seq"]), start.epoch)
         return reply
 
-    def heartbeat(self, acks: list, stats: Optional[dict] = None, timeout: Optional[float] = None) -> dict:
+    def heartbeat(self, acks: list, stats: Optional[dict] = None) -> dict:
         """A synchronous heartbeat of the current run, from the training thread."""
         extra = {} if stats is None else {"stats": stats}
-        return self._with_rejoin(lambda: self._call("client_heartbeat", timeout, session=self.id, seq=self.run.seq,
+        return self._with_rejoin(lambda: self._call("client_heartbeat", session=self.id, seq=self.run.seq,
                                                     acks=acks, **extra))
 
-    def finish_epoch(self, timeout: Optional[float] = None) -> None:
-        self._with_rejoin(lambda: self._call("finish_epoch", timeout, session=self.id, seq=self.run.seq))
-        self.run = None
+    def finish_run(self, acks: list, timeout_s: float) -> None:
+        """The end of a run whose every batch was delivered: last acks, then ``finish_epoch``.
+
+        Best effort, within ``timeout_s``, no rejoin: the training loop has all its data, so
+        a master gone meanwhile (rank 0 closing, a restart) is logged, never raised; the
+        master ends an unfinished run when the session leaves or times out.
+        """
+        run, self.run = self.run, None
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.rpc.call_with_retry("client_heartbeat", deadline, stop=self.stop, session=run.session, seq=run.seq,
+                                     acks=acks)
+            self.rpc.call_with_retry("finish_epoch", deadline, stop=self.stop, session=run.session, seq=run.seq)
+        except (MasterUnavailable, RemoteError) as e:
+            log.warning("rank %d epoch %d: every batch was delivered, but the master did not take the end of the "
+                        "epoch (%s); going on", self.rank, run.epoch, e)
 
     def rejoin_after(self, error: RemoteError) -> None:
         """A call made elsewhere (the control thread) found the session unknown: rejoin, or re-raise."""
@@ -154,8 +168,7 @@ class ClientSession:
         self._rejoin(restart_run)
         return call()
 
-    def _call(self, t: str, timeout: Optional[float] = None, **fields: Any) -> dict:
+    def _call(self, t: str, **fields: Any) -> dict:
         """The one retry policy: retried while the master is unreachable, up to ``timeout``."""
-        span = self.timeout if timeout is None else timeout
-        return self.rpc.call_with_retry(t, time.monotonic() + span, stop=self.stop,
-                                        timeout_s=min(CALL_TIMEOUT_S, span), **fields)
+        return self.rpc.call_with_retry(t, time.monotonic() + self.timeout, stop=self.stop,
+                                        timeout_s=min(CALL_TIMEOUT_S, self.timeout), **fields)

@@ -28,6 +28,10 @@ from .stats import ClientStats
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.25
+WAIT_LOG_S = 10.0  # a waiting training loop is told what it waits for this often (logging WARNING)
+# Once every batch of an epoch is delivered, its closing handshake gets this long: the data is
+# all there, so a master gone (rank 0 closing, a restart) must not stall the rank or raise.
+FINISH_S = 2.0
 # While this many batches wait for the training loop, it takes the next without polling its
 # sockets (pieces arrive several to a message: a poll per batch is waste).
 QUEUED_ENOUGH = 4
@@ -81,7 +85,7 @@ class EpochStream:
             control = ControlChannel(self.ctx, self.config.master, lambda: self.session.run,
                                      lambda: self.stats.to_wire(assembler.ready_count), HEARTBEAT_S,
                                      auth=self.config.auth)
-            last_progress = time.monotonic()
+            last_progress = last_log = time.monotonic()
             while not assembler.exhausted:
                 now = time.monotonic()
                 if not fetcher.sockets:  # no worker to take from yet: wait for the partition, do not spin
@@ -128,26 +132,42 @@ class EpochStream:
                     window_checked = False
                     last_progress = time.monotonic()
                     yield ready.batch.pin_memory() if self.config.pin_memory else ready.batch
-                elif time.monotonic() - last_progress > self.config.timeout:
-                    raise self._timeout_error(control)
-            # The epoch's last acks go synchronously, before the master is told it is over.
+                else:
+                    now = time.monotonic()
+                    if now - last_progress > self.config.timeout:
+                        raise self._timeout_error(control)
+                    if now - max(last_progress, last_log) >= WAIT_LOG_S:
+                        last_log = now
+                        log.warning("%s", self._waiting(control, now - last_progress))
+            # The epoch's last acks go before the master is told it is over.
             leftover, control = control.close(), None
-            self._apply(self.session.heartbeat(leftover + assembler.take_acks()))
-            self.session.finish_epoch()
+            self.session.finish_run(leftover + assembler.take_acks(), FINISH_S)
         finally:
             if control is not None:
                 control.close()
             self.session.resume_point = None
             fetcher.close()
 
-    def _timeout_error(self, control: ControlChannel) -> TimeoutError:
-        assembler = self.run.assembler
+    def _waiting(self, control: ControlChannel, waited_s: float) -> str:
+        """One line: what this rank has been waiting for, for ``waited_s``."""
+        assembler, fetcher = self.run.assembler, self.fetcher
         if control.unreachable_s > 2 * HEARTBEAT_S + 2.0:
-            master = f"master unreachable for {control.unreachable_s:.0f} s"
+            reason = f"the master at {self.config.master} has not answered for {control.unreachable_s:.0f} s"
+        elif not fetcher.sockets:
+            reason = ("no worker registered in this rank's partition (no worker is running, or the master "
+                      "was started without --workers or --autoscale)")
+        elif not fetcher.holding():
+            reason = (f"none of the partition's {len(fetcher.sockets)} workers holds data of this rank "
+                      "(its splits are still being read, or no worker has one)")
         else:
-            master = f"master status: {self.session.status()[:2000]}"
-        return TimeoutError(f"rank {self.config.rank} epoch {self.run.epoch}: no batch for {self.config.timeout:g} s "
-                            f"({assembler.received_rows} of {assembler.expected_rows} rows received); {master}")
+            reason = "workers hold data of this rank that does not arrive (credit, transport or a busy worker)"
+        return (f"rank {self.config.rank} epoch {self.run.epoch}: no batch for {waited_s:.0f} s "
+                f"({assembler.received_rows} of {assembler.expected_rows} rows received): {reason}")
+
+    def _timeout_error(self, control: ControlChannel) -> TimeoutError:
+        # The message stays one line; what the master knows goes to the log.
+        log.warning("rank %d: master status at the timeout: %s", self.config.rank, self.session.status())
+        return TimeoutError(self._waiting(control, self.config.timeout))
 
     def _take_control_reply(self, control: ControlChannel) -> None:
         try:
