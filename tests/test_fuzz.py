@@ -21,8 +21,8 @@ from tests.conftest import ROWS, master_status, spec_dict
 # Values a peer might send: the right types with hostile values, and the wrong types.
 # Weighted towards values that reach past the first checks (epoch 0, split 1, a known client).
 ints = st.one_of(st.sampled_from([0, 0, 1, 2, -1]), st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1))
-# "$W" stands for the id of a worker that really registered, "c0" is a client that said hello.
-texts = st.one_of(st.sampled_from(["c0", "$W"]), st.sampled_from(["w-x", "tcp://127.0.0.1:1", ""]),
+# "$W" stands for the id of a worker that really registered, "$C" for the session of a client that said hello.
+texts = st.one_of(st.sampled_from(["$C", "$W"]), st.sampled_from(["w-x", "tcp://127.0.0.1:1", ""]),
                   st.text(max_size=40))
 leaves = st.one_of(ints, texts, st.floats(allow_nan=True), st.booleans(), st.none())
 values = st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
@@ -34,7 +34,7 @@ def near_value(types: tuple) -> st.SearchStrategy:
     if types == (int,):
         return st.sampled_from([0, 0, 1, 2, -1, 2**40])
     if types == (str,):
-        return st.sampled_from(["c0", "c0", "$W", "w-x", "tcp://127.0.0.1:1"])
+        return st.sampled_from(["$C", "$C", "$W", "w-x", "tcp://127.0.0.1:1"])
     if types == (list,):
         return st.lists(st.lists(st.sampled_from([0, 1, 2, -1, 10**9]), max_size=3), max_size=4)
     if types == (dict,):
@@ -65,9 +65,10 @@ def master_messages(draw) -> tuple:
     return header, cut, frames
 
 
-def packed(message: tuple, worker_id: str) -> list:
+def packed(message: tuple, worker_id: str, session: str = "") -> list:
     header, cut, frames = message
-    header = {k: (worker_id if v == "$W" else v) for k, v in header.items()}
+    real = {"$W": worker_id, "$C": session}
+    header = {k: real.get(v, v) if isinstance(v, str) else v for k, v in header.items()}
     raw = msgpack.packb(header, use_bin_type=True)
     return [raw if cut is None else raw[: int(cut * len(raw))], *frames]
 
@@ -89,11 +90,15 @@ def serve(service: MasterService, parts: list) -> None:
 
 def full_epoch(service: MasterService, spec: DatasetSpec, epoch: int) -> list[int]:
     """A worker and a client, in process: every row of the epoch, through the real processor."""
-    w = service.handle({"t": "register", "addr": "tcp://127.0.0.1:9", "pid": 1})[1]["worker_id"]
-    t, reply = service.handle({"t": "hello", "client_id": "good", "rank": 0, "world_size": 1,
-                               "spec": spec.to_dict(), "fingerprint": spec.fingerprint()})
+    w = service.handle({"t": "register", "addr": "tcp://127.0.0.1:9", "pid": 1,
+                        "fingerprint": spec.fingerprint()})[1]["worker_id"]
+    t, reply = service.handle({"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
+                               "fingerprint": spec.fingerprint()})
     assert t == "welcome", reply
-    assert service.handle({"t": "start_epoch", "client_id": "good", "epoch": epoch})[0] == "epoch"
+    session = reply["session"]
+    t, reply = service.handle({"t": "start_epoch", "session": session, "epoch": epoch})
+    assert t == "epoch"
+    seq = reply["seq"]
     processor, rows = SplitProcessor(service.bound), []
     while (reply := service.handle({"t": "get_split", "worker_id": w}))[0] == "split":
         task = SplitTask.from_wire(reply[1]["split"])
@@ -102,7 +107,7 @@ def full_epoch(service: MasterService, spec: DatasetSpec, epoch: int) -> list[in
         pieces = list(processor.pieces(task))
         rows += [int(r) for p in pieces for r in p.arrays["pt.row_id"]]
         service.handle({"t": "split_produced", "worker_id": w, "epoch": epoch, "split_id": task.split_id})
-        service.handle({"t": "client_heartbeat", "client_id": "good", "epoch": epoch,
+        service.handle({"t": "client_heartbeat", "session": session, "seq": seq,
                         "acks": [[task.split_id, len(pieces)]]})
     return rows
 
@@ -114,12 +119,13 @@ def test_generated_messages_neither_crash_nor_poison_the_master(spec, tmp_path_f
     directory = tmp_path_factory.mktemp("journal")
     service = MasterService(MasterConfig(allowed_tables=(str(spec.table.path),)), Journal(directory))
     service.submit(spec)
-    worker_id = service.handle({"t": "register", "addr": "tcp://127.0.0.1:8", "pid": 2})[1]["worker_id"]
-    service.handle({"t": "hello", "client_id": "c0", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
-                    "fingerprint": spec.fingerprint()})
-    service.handle({"t": "start_epoch", "client_id": "c0", "epoch": 0})
+    worker_id = service.handle({"t": "register", "addr": "tcp://127.0.0.1:8", "pid": 2,
+                                "fingerprint": spec.fingerprint()})[1]["worker_id"]
+    session = service.handle({"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
+                              "fingerprint": spec.fingerprint()})[1]["session"]
+    service.handle({"t": "start_epoch", "session": session, "epoch": 0})
     for message in messages:
-        serve(service, packed(message, worker_id))
+        serve(service, packed(message, worker_id, session))
         service.tick()
     service.journal.close()
     # Whatever was journaled replays, and the master still serves an exact epoch.
@@ -148,16 +154,13 @@ def worker_messages(draw) -> list:
     if kind == "bytes":
         return [draw(st.binary(max_size=200))]
     if kind == "oversize":
-        return [msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "rank": 1, "epoch": 0, "batches": 1, "bytes": 1}), b"x" * (70 << 10)]
+        return [msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "session": "s-0", "seq": 0, "batches": 1,
+                               "bytes": 1}), b"x" * (70 << 10)]
     t = "credit" if kind in ("credit", "frames") else draw(st.sampled_from(sorted(wire.SCHEMAS)))
     fields = {name: draw(hostile_value(types)) for name, (types, required) in wire.SCHEMAS[t].items()
               if required or draw(st.booleans())}
-    if type(fields.get("rank")) is int and fields["rank"] == 0:
-        # Rank 0 is the job's one real rank: a peer that asks for its batches gets them,
-        # and the rank then waits for rows it never receives. Only a key holder can do
-        # that (members are trusted with data, docs/security.md); what is fuzzed here is
-        # whether a message can break the worker, so hostile peers ask for other ranks.
-        fields["rank"] = 1
+    # A hostile peer does not know the real client's session (master-issued, random):
+    # "$C" becomes the empty session, which nobody holds.
     message = packed(({"v": wire.PROTOCOL_VERSION, "t": t, **fields},
                       draw(st.one_of(st.none(), st.floats(0, 1))) if draw(st.integers(0, 5)) == 0 else None, []), "")
     if kind == "frames":

@@ -40,13 +40,25 @@ def call(service: MasterService, t: str, **fields) -> tuple[str, dict]:
 
 
 def register(service: MasterService, n: int = 1) -> list[str]:
-    return [call(service, "register", addr=f"tcp://127.0.0.1:{7000 + i}", pid=100 + i)[1]["worker_id"]
-            for i in range(n)]
+    fingerprint = service.state.job.fingerprint
+    return [call(service, "register", addr=f"tcp://127.0.0.1:{7000 + i}", pid=100 + i,
+                 fingerprint=fingerprint)[1]["worker_id"] for i in range(n)]
+
+
+SESSIONS: dict[tuple[int, str], str] = {}  # (service, the test's name for a client) -> the session its hello got
 
 
 def hello(service: MasterService, spec: DatasetSpec, client: str = "c0", rank: int = 0, world_size: int = 1):
-    return call(service, "hello", client_id=client, rank=rank, world_size=world_size, spec=spec.to_dict(),
-                fingerprint=spec.fingerprint())
+    t, reply = call(service, "hello", rank=rank, world_size=world_size, spec=spec.to_dict(),
+                    fingerprint=spec.fingerprint())
+    if t == "welcome":
+        SESSIONS[id(service), client] = reply["session"]
+    return t, reply
+
+
+def session(service: MasterService, client: str = "c0") -> str:
+    """The session the master issued to ``client`` (a name no hello got: itself, unknown to the master)."""
+    return SESSIONS.get((id(service), client), client)
 
 
 def heartbeat(service: MasterService, worker: str, **stats) -> str:
@@ -59,7 +71,7 @@ def test_drained_worker_is_told_to_stop_once_its_splits_are_consumed(spec):
     service = make_service(spec, Clock())
     (w,) = register(service)
     hello(service, spec)
-    _, epoch = call(service, "start_epoch", client_id="c0", epoch=0)
+    _, epoch = call(service, "start_epoch", session=session(service, "c0"), epoch=0)
     t, reply = call(service, "get_split", worker_id=w)
     assert t == "split"
     split = reply["split"]
@@ -67,7 +79,7 @@ def test_drained_worker_is_told_to_stop_once_its_splits_are_consumed(spec):
     assert heartbeat(service, w) == "drain"                   # still holds a split
     assert call(service, "get_split", worker_id=w)[0] == "no_split"
     pieces = -(-(split["row_hi"] - split["row_lo"]) // 100)
-    call(service, "client_heartbeat", client_id="c0", epoch=0, acks=[[split["split_id"], pieces]])
+    call(service, "client_heartbeat", session=session(service, "c0"), seq=0, acks=[[split["split_id"], pieces]])
     assert heartbeat(service, w) == "stop"
     assert w not in service.state.workers
     assert heartbeat(service, w) == "unknown"                 # a late heartbeat: register again
@@ -78,7 +90,7 @@ def test_stale_reports_of_a_reassigned_split_are_ignored(spec):
     service = make_service(spec, clock, heartbeat_timeout=5.0)
     a, b = register(service, 2)
     hello(service, spec)
-    call(service, "start_epoch", client_id="c0", epoch=0)
+    call(service, "start_epoch", session=session(service, "c0"), epoch=0)
     split = call(service, "get_split", worker_id=a)[1]["split"]
     clock.now += 10                                             # a misses its heartbeats
     heartbeat(service, b)
@@ -104,7 +116,7 @@ def test_released_splits_are_handed_out_again_and_full_ranks_avoided(spec):
     (w,) = register(service)
     for rank in (0, 1):
         hello(service, spec, client=f"c{rank}", rank=rank, world_size=2)
-        call(service, "start_epoch", client_id=f"c{rank}", epoch=0)
+        call(service, "start_epoch", session=session(service, f"c{rank}"), epoch=0)
     first = call(service, "get_split", worker_id=w)[1]["split"]
     other = 1 - first["rank"]
     # The worker holds its share for the first rank: it asks only for the other's splits.
@@ -128,18 +140,19 @@ def test_a_silent_client_is_forgotten_and_can_rejoin(spec, tmp_path):
     register(service)
     for rank in (0, 1):
         hello(service, spec, client=f"c{rank}", rank=rank, world_size=2)
-        call(service, "start_epoch", client_id=f"c{rank}", epoch=0)
+        call(service, "start_epoch", session=session(service, f"c{rank}"), epoch=0)
     clock.now += 400
-    call(service, "client_heartbeat", client_id="c0", epoch=0, acks=[])  # c0 is alive, c1 is not
+    call(service, "client_heartbeat", session=session(service, "c0"), seq=0, acks=[])  # c0 is alive, c1 is not
     clock.now += 300
     service.tick()
     service.sync()  # what the server does after each pass
-    assert set(service.state.clients) == {"c0"} and set(service.state.client_stats) == {"c0"}
-    assert call(service, "client_heartbeat", client_id="c1", epoch=0, acks=[])[1]["code"] == "unknown_client"
+    c0 = session(service, "c0")
+    assert set(service.state.clients) == {c0} and set(service.state.client_stats) == {c0}
+    assert call(service, "client_heartbeat", session=session(service, "c1"), seq=0, acks=[])[1]["code"] == "unknown_client"
     restarted = MasterService(MasterConfig(), Journal(str(tmp_path)), clock)  # the journal forgets it too
-    assert set(restarted.state.clients) == {"c0"}
+    assert set(restarted.state.clients) == {c0}
     hello(service, spec, client="c1", rank=1, world_size=2)  # what a returning loader does
-    assert call(service, "start_epoch", client_id="c1", epoch=0)[0] == "epoch"
+    assert call(service, "start_epoch", session=session(service, "c1"), epoch=0)[0] == "epoch"
 
 
 def test_one_peer_cannot_flood_joins():
@@ -159,7 +172,7 @@ def test_next_epoch_prefetch_takes_one_split_ahead_per_worker(spec):
     service = make_service(spec, Clock())
     (w,) = register(service)
     hello(service, spec)
-    call(service, "start_epoch", client_id="c0", epoch=0)
+    call(service, "start_epoch", session=session(service, "c0"), epoch=0)
     while (reply := call(service, "get_split", worker_id=w))[0] == "split" and reply[1]["split"]["epoch"] == 0:
         pass
     # Nothing left of epoch 0: the worker read one split of epoch 1 ahead, and no more
@@ -169,7 +182,7 @@ def test_next_epoch_prefetch_takes_one_split_ahead_per_worker(spec):
     heartbeat(service, w, ahead=0)                              # a stale heartbeat says nothing held
     assert call(service, "get_split", worker_id=w)[0] == "no_split"
     # Once the trainer is in epoch 1 the worker takes the rest.
-    call(service, "start_epoch", client_id="c0", epoch=1)
+    call(service, "start_epoch", session=session(service, "c0"), epoch=1)
     t, reply = call(service, "get_split", worker_id=w)
     assert t == "split" and reply["split"]["epoch"] == 1
     # A worker told to drain hands back what it read ahead: a trainer may never start that
@@ -177,7 +190,7 @@ def test_next_epoch_prefetch_takes_one_split_ahead_per_worker(spec):
     second = make_service(spec, Clock())
     (w2,) = register(second)
     hello(second, spec)
-    call(second, "start_epoch", client_id="c0", epoch=0)
+    call(second, "start_epoch", session=session(second, "c0"), epoch=0)
     while (reply := call(second, "get_split", worker_id=w2))[1]["split"]["epoch"] == 0:
         pass
     ahead = (1, reply[1]["split"]["split_id"])
@@ -189,7 +202,7 @@ def test_next_epoch_prefetch_takes_one_split_ahead_per_worker(spec):
     other = make_service(spec, Clock(), prefetch_next_epoch=False)
     (w,) = register(other)
     hello(other, spec)
-    call(other, "start_epoch", client_id="c0", epoch=0)
+    call(other, "start_epoch", session=session(other, "c0"), epoch=0)
     while call(other, "get_split", worker_id=w)[0] == "split":
         pass
     heartbeat(other, w, ahead=0)
@@ -200,17 +213,18 @@ def test_hello_checks_spec_rank_and_world_size(spec, tables):
     service = MasterService(MasterConfig(), None, Clock())
     bad = spec_dict(tables["orc"])
     bad["features"]["dense"] = ["no_such_column"]
-    t, reply = call(service, "hello", client_id="c0", rank=0, world_size=2, spec=bad, fingerprint="x")
+    t, reply = call(service, "hello", rank=0, world_size=2, spec=bad, fingerprint="x")
     assert t == "error" and reply["code"] == "bad_spec" and "no_such_column" in reply["message"]
     assert service.state.job is None                            # nothing was submitted
     assert hello(service, spec, rank=0, world_size=2)[0] == "welcome"
     assert hello(service, spec, client="c1", rank=2, world_size=2)[1]["code"] == "bad_rank"
-    assert hello(service, spec, client="c1", rank=1, world_size=3)[1]["code"] == "bad_rank"
+    t, reply = hello(service, spec, client="c1", rank=1, world_size=3)   # another job while this one is live
+    assert reply["code"] == "busy" and "world size 2" in reply["message"] and "--client-timeout" in reply["message"]
     other = DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=7))
     assert hello(service, other, client="c1", rank=1, world_size=2)[1]["code"] == "spec_mismatch"
     t, reply = hello(service, spec, client="c1", rank=1, world_size=2)
     assert t == "welcome" and reply["job"]["world_size"] == 2 and reply["job"]["plan"]
-    assert call(service, "start_epoch", client_id="nobody", epoch=0)[1]["code"] == "unknown_client"
+    assert call(service, "start_epoch", session=session(service, "nobody"), epoch=0)[1]["code"] == "unknown_client"
 
 
 def durable_view(service: MasterService) -> dict:
@@ -236,8 +250,8 @@ def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path, compact
     a, b, c = register(live, 3)
     hello(live, spec, client="c0", rank=0, world_size=2)
     hello(live, spec, client="c1", rank=1, world_size=2)
-    call(live, "start_epoch", client_id="c0", epoch=0)
-    call(live, "start_epoch", client_id="c1", epoch=0)
+    call(live, "start_epoch", session=session(live, "c0"), epoch=0)
+    call(live, "start_epoch", session=session(live, "c1"), epoch=0)
     held = []
     for w in (a, b, c, a):
         clock.now += 0.5
@@ -247,7 +261,7 @@ def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path, compact
         heartbeat(live, w, rows=100, ahead=0, split=[0, 0, 1])   # transient: not journaled
     w0, s0 = held[0]
     call(live, "split_produced", worker_id=w0, epoch=0, split_id=s0["split_id"])
-    call(live, "client_heartbeat", client_id=f"c{s0['rank']}", epoch=0, acks=[[s0["split_id"], 1]],
+    call(live, "client_heartbeat", session=session(live, f"c{s0['rank']}"), seq=0, acks=[[s0["split_id"], 1]],
          stats={"batches": 1, "wait_s": 0.1})
     call(live, "drain", worker_id=c)
     live.sync()  # with journal_compact_bytes 0: the journal is now one Snapshot record
@@ -257,7 +271,9 @@ def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path, compact
 
     restarted = MasterService(MasterConfig(), Journal(tmp_path), clock)
     # Consumption is not journaled: the client reports it again when it sees a new master.
-    t, reply = call(restarted, "client_heartbeat", client_id=f"c{s0['rank']}", epoch=0, acks=[[s0["split_id"], 1]])
+    # The session is journaled: the client goes on with it.
+    t, reply = call(restarted, "client_heartbeat", session=session(live, f"c{s0['rank']}"), seq=0,
+                    acks=[[s0["split_id"], 1]])
     assert reply["master"] != live.incarnation
     assert durable_view(restarted) == durable_view(live)
     # Workers get a fresh grace period from the restart, not their pre-restart last_seen.
@@ -274,9 +290,9 @@ def encoded(t: str, **fields) -> list:
     (encoded("heartbeat", worker_id="w", buffered=0, stats={"split": [0, 1]}), "stats 'split'"),
     (encoded("heartbeat", worker_id="w", buffered=0, stats={"cpu": float("nan")}), "stats 'cpu'"),
     (encoded("heartbeat", worker_id="w", buffered=0, stats={"evil": 1}), "unknown stats key"),
-    (encoded("start_epoch", client_id="c", epoch=-1), "must be >= 0"),
+    (encoded("start_epoch", session="c", epoch=-1), "must be >= 0"),
     (encoded("register", addr="tcp://" + "a" * 10_000, pid=1), "characters long"),
-    (encoded("client_heartbeat", client_id="c", epoch=0, acks=[], stats={"wait_s": -1.0}), "stats 'wait_s'"),
+    (encoded("client_heartbeat", session="c", seq=0, acks=[], stats={"wait_s": -1.0}), "stats 'wait_s'"),
 ])
 def test_malformed_fields_are_refused_at_the_edge(parts, match):
     with pytest.raises(ProtocolError, match=match):
@@ -290,18 +306,18 @@ def test_requests_out_of_bounds_are_refused_before_the_journal(spec, tmp_path):
     t, reply = hello(service, spec, world_size=30_000_000)
     assert t == "error" and "maximum 64" in reply["message"]
     assert hello(service, spec, world_size=2)[0] == "welcome"
-    t, reply = call(service, "start_epoch", client_id="c0", epoch=2**40)
+    t, reply = call(service, "start_epoch", session=session(service, "c0"), epoch=2**40)
     assert t == "error" and reply["code"] == "bad_epoch"
-    call(service, "start_epoch", client_id="c0", epoch=0)
-    assert call(service, "finish_epoch", client_id="c0", epoch=5)[1]["code"] == "bad_epoch"
+    call(service, "start_epoch", session=session(service, "c0"), epoch=0)
+    assert call(service, "finish_epoch", session=session(service, "c0"), seq=5)[1]["code"] == "bad_epoch"
     register(service, 2)
     assert call(service, "register", addr="tcp://127.0.0.1:9", pid=1)[1]["code"] == "full"
     assert call(service, "register", addr="ipc:///x", pid=1)[0] == "error"
     grown = journal.path.stat().st_size - size
     before = grown
     # Acks of splits or epochs the rank does not have are not journaled.
-    call(service, "client_heartbeat", client_id="c0", epoch=0, acks=[[10**6, 1]])
-    call(service, "client_heartbeat", client_id="c0", epoch=3, acks=[[0, 1]])
+    call(service, "client_heartbeat", session=session(service, "c0"), seq=0, acks=[[10**6, 1]])
+    call(service, "client_heartbeat", session=session(service, "c0"), seq=3, acks=[[0, 1]])
     assert journal.path.stat().st_size - size == before
 
 
@@ -334,7 +350,7 @@ def test_client_specs_read_only_allowed_tables(spec, tables, tmp_path):
     for table in ("/etc/shadow", "/no/such/table"):               # same answer: not an existence oracle
         service = MasterService(MasterConfig(allowed_tables=(root,)), None, Clock())
         other = dict(spec.to_dict(), table={"path": table})
-        t, reply = call(service, "hello", client_id="c0", rank=0, world_size=1, spec=other, fingerprint="x")
+        t, reply = call(service, "hello", rank=0, world_size=1, spec=other, fingerprint="x")
         assert (t, reply["code"]) == ("error", "bad_spec")
         assert reply["message"] == "table.path: this master does not serve that table (see --allow-table)"
     service = MasterService(MasterConfig(allowed_tables=(root,)), None, Clock())
@@ -353,7 +369,7 @@ def test_a_slow_bind_does_not_hold_the_loop(spec, monkeypatch):
     t, reply = hello(service, spec)
     assert (t, reply["code"]) == ("error", "binding")             # answered within BIND_WAIT_S
     assert call(service, "status")[0] == "status_reply"           # the loop serves others meanwhile
-    register(service)
+    assert call(service, "get_spec")[1]["code"] == "no_job"
     release.set()
     deadline = time.monotonic() + 30
     while (reply := hello(service, spec))[0] == "error" and time.monotonic() < deadline:
@@ -386,14 +402,14 @@ def test_the_journal_is_compacted_at_each_epoch_end(spec, tmp_path):
     hello(service, spec)
     sizes = []
     for epoch in range(3):
-        call(service, "start_epoch", client_id="c0", epoch=epoch)
+        call(service, "start_epoch", session=session(service, "c0"), epoch=epoch)
         while (reply := call(service, "get_split", worker_id=w))[0] == "split":
             split = reply[1]["split"]
             pieces = -(-(split["row_hi"] - split["row_lo"]) // 100)
             call(service, "split_produced", worker_id=w, epoch=epoch, split_id=split["split_id"])
             for done in range(1, pieces + 1):  # an ack per piece: none of them is journaled
-                call(service, "client_heartbeat", client_id="c0", epoch=epoch, acks=[[split["split_id"], done]])
-        assert call(service, "finish_epoch", client_id="c0", epoch=epoch) == ("ok", {})
+                call(service, "client_heartbeat", session=session(service, "c0"), seq=epoch, acks=[[split["split_id"], done]])
+        assert call(service, "finish_epoch", session=session(service, "c0"), seq=epoch) == ("ok", {})
         service.sync()
         assert [type(u).__name__ for u in Journal(tmp_path).replay()] == ["Snapshot"]
         sizes.append(service.journal.size)

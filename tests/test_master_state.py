@@ -10,6 +10,16 @@ SPEC = {"batch_size": 10, "seed": 0, "shuffle": False, "drop_last": False, "even
 FILES = [DataFile("f0", "orc", "", 100, 1000, (Unit(0, 0, 50, 500), Unit(1, 50, 50, 500))).to_wire()]
 
 
+_MEMBERSHIP = (U.WorkerRegistered, U.WorkerLost, U.WorkerDraining, U.ClientJoined, U.ClientLeft)
+
+
+def apply(st: JobState, update: U.Update, cap: int = 32) -> None:
+    """Apply as the service commits: a membership change is followed by its partition decision."""
+    st.apply(update)
+    if isinstance(update, _MEMBERSHIP):
+        st.apply(U.PartitionsChanged(sorted([r, m] for r, m in st.balanced_partitions(cap).items())))
+
+
 def history():
     return [
         U.MasterStarted(0.0),
@@ -18,8 +28,8 @@ def history():
         U.WorkerRegistered("w2", "tcp://b", 2, 0.0),
         U.ClientJoined("c0", 0, 2, 0.0),
         U.ClientJoined("c1", 1, 2, 0.0),
-        U.EpochStarted(0, 0),
-        U.EpochStarted(1, 0),
+        U.EpochStarted(0, 0, "c0", 0),
+        U.EpochStarted(1, 0, "c1", 0),
         U.SplitAssigned(0, 0, "w1", 0.0),
         U.SplitAssigned(0, 1, "w2", 0.0),
         U.SplitsConsumed(0, 0, [[0, 2]]),
@@ -29,12 +39,12 @@ def history():
 def test_worker_lost_requeues_its_unfinished_splits_with_consumed_progress():
     st = JobState()
     for u in history():
-        st.apply(u)
+        apply(st, u)
     assert st.partitions == {0: ["w1", "w2"], 1: ["w1", "w2"]}
     assert st.choose_split("w1") is None  # everything assigned
-    st.apply(U.WorkerLost("w1", "test"))
-    epoch, p = st.choose_split("w2")
-    assert epoch == 0 and p.split.id == 0 and p.consumed == 2 and p.worker is None
+    apply(st, U.WorkerLost("w1", "test"))
+    run, p = st.choose_split("w2")
+    assert run.epoch == 0 and p.split.id == 0 and p.consumed == 2 and p.worker is None
     assert st.partitions == {0: ["w2"], 1: ["w2"]}
     st.apply(U.SplitAssigned(0, 0, "w2", 0.0))
     st.apply(U.SplitsConsumed(0, 0, [[0, 5]]))
@@ -57,13 +67,13 @@ def test_journal_survives_a_torn_tail(tmp_path):
 
 
 def test_rebalance_caps_workers_per_client():
-    st = JobState(max_workers_per_client=2)
+    st = JobState()
     for u in history()[:2]:
-        st.apply(u)
+        apply(st, u, cap=2)
     for i in range(4):
-        st.apply(U.WorkerRegistered(f"w{i}", "a", i, 0.0))
+        apply(st, U.WorkerRegistered(f"w{i}", "a", i, 0.0), cap=2)
     for r in range(4):
-        st.apply(U.ClientJoined(f"c{r}", r, 4, 0.0))
+        apply(st, U.ClientJoined(f"c{r}", r, 4, 0.0), cap=2)
     assert all(len(m) == 2 for m in st.partitions.values())
     load = {}
     for m in st.partitions.values():
@@ -75,18 +85,20 @@ def test_rebalance_caps_workers_per_client():
 def test_prefetched_next_epoch_is_taken_over_with_its_progress():
     st = JobState()
     for u in history():
-        st.apply(u)
-    assert st.prefetch_candidates("w1") == [(0, 1), (1, 1)]  # nothing pending in epoch 0
-    st.apply(U.EpochPrefetched(0, 1))
-    epoch, p = st.choose_split("w1")
-    assert epoch == 1 and p.split.rank == 0
-    st.apply(U.SplitAssigned(1, p.split.id, "w1", 0.0))
-    st.apply(U.EpochStarted(0, 1))  # the trainer reaches epoch 1: the head start stands
+        apply(st, u)
+    # Nothing pending in epoch 0: both ranks' next epoch, each reserving its session's next run.
+    assert st.prefetch_candidates("w1") == [U.EpochPrefetched(0, 1, "c0", 1), U.EpochPrefetched(1, 1, "c1", 1)]
+    apply(st, U.EpochPrefetched(0, 1, "c0", 1))
+    run, p = st.choose_split("w1")
+    assert (run.epoch, run.session, run.seq) == (1, "c0", 1) and p.split.rank == 0
+    apply(st, U.SplitAssigned(1, p.split.id, "w1", 0.0))
+    apply(st, U.EpochStarted(0, 1, "c0", 1))  # the trainer reaches epoch 1: the head start stands
     assert st.ranks[0].epoch == 1 and st.ranks[0].splits[p.split.id].worker == "w1"
     assert 0 not in st.prefetched
-    st.apply(U.EpochPrefetched(1, 1))
-    st.apply(U.EpochStarted(1, 0))  # rank 1 restarts epoch 0 instead: the prefetch is dropped
-    assert st.ranks[1].epoch == 0 and 1 not in st.prefetched
+    apply(st, U.EpochPrefetched(1, 1, "c1", 1))
+    apply(st, U.EpochStarted(1, 0, "c1", 2))  # rank 1 restarts epoch 0 instead: the prefetch is dropped
+    assert (st.ranks[1].epoch, st.ranks[1].seq) == (0, 2) and 1 not in st.prefetched
+    assert st.next_seq["c1"] == 3
 
 
 def test_damaged_record_is_quarantined_and_the_rest_replayed(tmp_path, caplog):
@@ -117,7 +129,7 @@ def _choose_by_full_scan(st: JobState, worker_id: str):
                 continue
             in_flight = sum(1 for p in re.splits.values() if p.worker is not None and not p.done)
             if best is None or in_flight < best[0]:
-                best = (in_flight, re.epoch, re.splits[re.pending[0]])
+                best = (in_flight, re, re.splits[re.pending[0]])
         if best is not None:
             return best[1], best[2]
     return None
@@ -128,13 +140,15 @@ def test_indexed_split_choice_matches_a_full_scan_through_random_histories():
     many = [[0, i, i + 1, 20, 20, 20 * i] for i in range(12)]
     for seed in range(20):
         rng = random.Random(seed)
-        st = JobState(max_workers_per_client=2)
+        st = JobState()
         st.apply(U.JobSubmitted(SPEC, "fp", {"x": "float"}, FILES, many, []))
         for i in range(3):
-            st.apply(U.WorkerRegistered(f"w{i}", "a", i, 0.0))
+            apply(st, U.WorkerRegistered(f"w{i}", "a", i, 0.0), cap=2)
+        sessions = {}
         for r in range(4):
-            st.apply(U.ClientJoined(f"c{r}", r, 4, 0.0))
-            st.apply(U.EpochStarted(r, 0))
+            sessions[r] = f"c{r}"
+            apply(st, U.ClientJoined(sessions[r], r, 4, 0.0), cap=2)
+            apply(st, U.EpochStarted(r, 0, sessions[r], 0), cap=2)
         n_workers = 3
         for _ in range(300):
             wid = rng.choice(sorted(st.workers))
@@ -143,12 +157,14 @@ def test_indexed_split_choice_matches_a_full_scan_through_random_histories():
                 chosen = st.choose_split(wid)
                 assert chosen == _choose_by_full_scan(st, wid)
                 if chosen is not None:
-                    st.apply(U.SplitAssigned(chosen[0], chosen[1].split.id, wid, 0.0))
+                    st.apply(U.SplitAssigned(chosen[0].epoch, chosen[1].split.id, wid, 0.0))
             elif roll < 0.75:
                 rank = rng.randrange(4)
-                re = st.ranks[rank]
+                re = st.ranks.get(rank)
+                if re is None:
+                    continue
                 sid = rng.choice(sorted(re.splits))
-                st.apply(U.SplitsConsumed(rank, re.epoch, [[sid, rng.randrange(1, 3)]]))
+                st.apply(U.SplitsConsumed(rank, re.seq, [[sid, rng.randrange(1, 3)]]))
             elif roll < 0.8 and st.workers[wid].assigned:
                 epoch, sid = sorted(st.workers[wid].assigned)[0]
                 st.apply(U.SplitRevoked(epoch, sid, wid, "test"))
@@ -156,22 +172,27 @@ def test_indexed_split_choice_matches_a_full_scan_through_random_histories():
                 epoch, sid = sorted(st.workers[wid].assigned)[0]
                 st.apply(U.SplitFailed(epoch, sid, wid, "bad", True))
             elif roll < 0.86 and len(st.workers) > 1:
-                st.apply(U.WorkerLost(wid, "test"))
+                apply(st, U.WorkerLost(wid, "test"), cap=2)
             elif roll < 0.89:
-                st.apply(U.WorkerRegistered(f"w{n_workers}", "a", n_workers, 0.0))
+                apply(st, U.WorkerRegistered(f"w{n_workers}", "a", n_workers, 0.0), cap=2)
                 n_workers += 1
-            elif roll < 0.92:
+            elif roll < 0.92:  # a new process of the rank: a new session, which starts the epoch again
                 rank = rng.randrange(4)
-                st.apply(U.ClientJoined(f"c{rank}-{rng.random()}", rank, 4, 0.0))
+                epoch = st.ranks[rank].epoch if rank in st.ranks else 0
+                sessions[rank] = f"c{rank}-{rng.random()}"
+                apply(st, U.ClientJoined(sessions[rank], rank, 4, 0.0), cap=2)
+                apply(st, U.EpochStarted(rank, epoch, sessions[rank], 0), cap=2)
             elif roll < 0.95:
                 rank = rng.randrange(4)
-                st.apply(U.EpochPrefetched(rank, st.ranks[rank].epoch + 1))
+                session = sessions[rank]
+                st.apply(U.EpochPrefetched(rank, st.ranks[rank].epoch + 1, session, st.next_seq[session]))
             else:
                 rank = rng.randrange(4)
-                st.apply(U.EpochStarted(rank, st.ranks[rank].epoch + 1))
+                session = sessions[rank]
+                st.apply(U.EpochStarted(rank, st.ranks[rank].epoch + 1, session, st.next_seq[session]))
             for re in [*st.ranks.values(), *st.prefetched.values()]:
                 assert re.in_flight == {s for s, p in re.splits.items() if p.worker is not None and not p.done}
-        rebuilt = JobState(max_workers_per_client=2)
+        rebuilt = JobState()
         rebuilt.apply(U.Snapshot(st.snapshot()))
         for wid in st.workers:
             assert rebuilt.choose_split(wid) == st.choose_split(wid)
@@ -184,13 +205,13 @@ def test_snapshot_keeps_a_resumed_epoch_of_a_rank_behind_the_others():
     many = [[0, i, i + 1, 20, 20, 20 * i] for i in range(6)]
     st = JobState()
     st.apply(U.JobSubmitted(SPEC, "fp", {"x": "float"}, FILES, many, []))
-    st.apply(U.WorkerRegistered("w1", "a", 1, 0.0))
+    apply(st, U.WorkerRegistered("w1", "a", 1, 0.0))
     for r in range(2):
-        st.apply(U.ClientJoined(f"c{r}", r, 2, 0.0))
+        apply(st, U.ClientJoined(f"c{r}", r, 2, 0.0))
     st.apply(U.EpochResumed(3, [[0, 0, 20], [1, 0, 10]]))  # rows consumed before an elastic resume
     for r in range(2):
-        st.apply(U.EpochStarted(r, 3))
-    st.apply(U.EpochStarted(0, 4))  # rank 0 moves on; rank 1 is still in the resumed epoch
+        st.apply(U.EpochStarted(r, 3, f"c{r}", 0))
+    st.apply(U.EpochStarted(0, 4, "c0", 1))  # rank 0 moves on; rank 1 is still in the resumed epoch
     rebuilt = JobState()
     rebuilt.apply(U.Snapshot(st.snapshot()))
     assert {s: p.split for s, p in rebuilt.ranks[1].splits.items()} == \

@@ -25,7 +25,7 @@ def _run(rows: list[int], keys: int = 2, seed: int = 0):
 
 def _message(arrays: dict, rows: list[int], **fields) -> dict:
     descs, frames = wire.pack_arrays(arrays)
-    header = {"rank": 0, "epoch": 1, "split_id": 7, "piece": 3, "rows": rows, "held": 0, "tensors": descs, **fields}
+    header = {"session": "s-1", "seq": 1, "split_id": 7, "piece": 3, "rows": rows, "held": 0, "tensors": descs, **fields}
     parts = wire.encode("batch", frames, **header)
     return wire.decode([bytes(p) for p in parts])
 
@@ -86,7 +86,7 @@ def test_descriptors_and_frames_must_match():
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "pickle_me"})], "unknown message type"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split"})], "missing"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split", "worker_id": 5})], "must be str"),
-    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "rank": True, "epoch": 0})], "got bool"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "session": "s", "seq": True})], "got bool"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok", "extra": 1})], "unknown fields"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok"})] + [b""] * 65, "frames"),
 ])

@@ -116,7 +116,7 @@ class MasterService:
         self.config = config
         self.journal = journal
         self.clock = clock
-        self.state = JobState(config.max_workers_per_client)
+        self.state = JobState()
         self.rates = RateWindow(config.rate_window_s)
         self.decision_log: Callable[[], list[dict]] = list  # the autoscaler's recent decisions, for status (set by it)
         self.bound: Optional[BoundDataset] = None
@@ -146,6 +146,10 @@ class MasterService:
             self.journal.append(update)  # durable at the next sync, before any reply goes out
             self._compact_due |= isinstance(update, U.EpochFinished)
         self.state.apply(update)
+        if isinstance(update, _MEMBERSHIP):
+            partitions = self.state.balanced_partitions(self.config.max_workers_per_client)
+            if partitions != self.state.partitions:
+                self._commit(U.PartitionsChanged(sorted([rank, members] for rank, members in partitions.items())))
 
     def sync(self) -> None:
         """Make every committed update durable (one fsync for all of them: the server calls
@@ -194,10 +198,11 @@ class MasterService:
                 log.warning("worker %s (%s) missed heartbeats for %.1f s: presumed dead",
                             w.worker_id, w.addr, now - w.last_seen)
                 self._commit(U.WorkerLost(w.worker_id, "heartbeat timeout"))
-        for cid, seen in list(self.state.client_seen.items()):
+        for session, seen in list(self.state.client_seen.items()):
             if seen < now - self.config.client_timeout:
-                log.warning("client %s (rank %d) silent for %.0f s: forgotten", cid, self.state.clients[cid], now - seen)
-                self._commit(U.ClientLeft(cid, "client timeout"))
+                log.warning("client %s (rank %d) silent for %.0f s: forgotten", session, self.state.clients[session],
+                            now - seen)
+                self._commit(U.ClientLeft(session, "client timeout"))
         for epoch, split_id, worker_id, reason in self.state.stalled_splits(
                 now, self.config.heartbeat_interval, self.config.split_timeout):
             log.warning("worker %s: split %d of epoch %d revoked: %s", worker_id, split_id, epoch, reason)
@@ -211,10 +216,10 @@ class MasterService:
         if worker_id not in self.state.workers:
             raise RequestError(f"unknown worker {worker_id}", code="unknown_worker")
 
-    def _require_client(self, client_id: str) -> int:
-        if client_id not in self.state.clients:
-            raise RequestError(f"unknown client {client_id}; say hello again", code="unknown_client")
-        return self.state.clients[client_id]
+    def _require_client(self, session: str) -> int:
+        if session not in self.state.clients:
+            raise RequestError(f"unknown client session {session[:80]}; say hello again", code="unknown_client")
+        return self.state.clients[session]
 
     # -- workers ----------------------------------------------------------------------
     def _on_register(self, m: dict) -> Reply:
@@ -222,10 +227,17 @@ class MasterService:
             raise RequestError(f"the master already has {len(self.state.workers)} workers (max_workers)", code="full")
         if not m["addr"].startswith("tcp://") or len(m["addr"]) > 256:
             raise RequestError(f"register: addr must be a tcp:// endpoint, got {m['addr'][:80]!r}")
+        self._require_job()
+        if m["fingerprint"] != self.state.job.fingerprint:
+            # A worker still compiled for a job this master no longer serves (a master
+            # restarted on the same address with another spec): it fetches the spec again.
+            raise RequestError(f"this master serves job {self.state.job.fingerprint}, not {m['fingerprint'][:80]}",
+                               code="wrong_job")
         worker_id = "w-" + uuid.uuid4().hex[:10]
         self._commit(U.WorkerRegistered(worker_id, m["addr"], m["pid"], self.clock()))
         log.info("worker %s registered from %s (pid %d)", worker_id, m["addr"], m["pid"])
-        return "registered", {"worker_id": worker_id, "heartbeat_interval": self.config.heartbeat_interval}
+        return "registered", {"worker_id": worker_id, "heartbeat_interval": self.config.heartbeat_interval,
+                              "fingerprint": self.state.job.fingerprint}
 
     def _on_get_spec(self, m: dict) -> Reply:
         self._require_job()
@@ -235,17 +247,19 @@ class MasterService:
     def _on_heartbeat(self, m: dict) -> Reply:
         w = self.state.workers.get(m["worker_id"])
         if w is None:
-            return "heartbeat_ok", {"state": "unknown"}
+            return "heartbeat_ok", {"state": "unknown", "sessions": []}
         stats = m.get("stats", {})
         self._commit(U.WorkerHeartbeat(m["worker_id"], self.clock(), m["buffered"], stats))
         self.rates.update("w:" + m["worker_id"], self.clock(), stats)
+        # The live client sessions: pieces a worker holds for any other session are stale.
+        sessions = list(self.state.clients)
         if not w.draining:
-            return "heartbeat_ok", {"state": "run"}
+            return "heartbeat_ok", {"state": "run", "sessions": sessions}
         if w.assigned:
-            return "heartbeat_ok", {"state": "drain"}
+            return "heartbeat_ok", {"state": "drain", "sessions": sessions}
         # Drained: every split it held has been consumed; it may go.
         self._commit(U.WorkerLost(w.worker_id, "drained"))
-        return "heartbeat_ok", {"state": "stop"}
+        return "heartbeat_ok", {"state": "stop", "sessions": sessions}
 
     def _on_drain(self, m: dict) -> Reply:
         self._require_worker(m["worker_id"])
@@ -279,16 +293,17 @@ class MasterService:
         # trainer gets there.
         if (choice is None and self.config.prefetch_next_epoch and self.state.job is not None
                 and not self.state.splits_ahead(m["worker_id"])):
-            for rank, epoch in self.state.prefetch_candidates(m["worker_id"]):
-                self._commit(U.EpochPrefetched(rank, epoch))
+            for prefetch in self.state.prefetch_candidates(m["worker_id"]):
+                self._commit(prefetch)
             choice = self.state.choose_split(m["worker_id"], avoid)
         if choice is None:
             return "no_split", {"retry_ms": self.config.no_split_retry_ms, "reason": "no pending split for this worker"}
-        epoch, progress = choice
+        run, progress = choice
         s = progress.split
-        self._commit(U.SplitAssigned(epoch, s.id, m["worker_id"], self.clock()))
+        self._commit(U.SplitAssigned(run.epoch, s.id, m["worker_id"], self.clock()))
         job = self.state.job
-        task = make_task(job.files, job.splits[s.base], s, epoch, skip=progress.consumed)
+        task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
+                         seq=run.seq, fingerprint=job.fingerprint)
         return "split", {"split": task.to_wire()}
 
     def _on_split_produced(self, m: dict) -> Reply:
@@ -340,15 +355,25 @@ class MasterService:
         if not 0 <= m["rank"] < m["world_size"]:
             raise RequestError(f"rank {m['rank']} is outside world size {m['world_size']}", code="bad_rank")
         if job.world_size is not None and m["world_size"] != job.world_size:
-            raise RequestError(f"world size {m['world_size']} differs from the job's {job.world_size}", code="bad_rank")
-        self._commit(U.ClientJoined(m["client_id"], m["rank"], m["world_size"], self.clock()))
+            raise RequestError(self._busy_message(m["world_size"]), code="busy")
+        session = "s-" + uuid.uuid4().hex[:12]
+        self._commit(U.ClientJoined(session, m["rank"], m["world_size"], self.clock()))
         shares = self.state.shares()
-        return "welcome", {"job": {
+        return "welcome", {"session": session, "job": {
             "fingerprint": job.fingerprint, "total_rows": job.total_rows,
             "rank_rows": shares.rows[m["rank"]] + shares.padding[m["rank"]], "dropped_rows": shares.dropped,
             "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys,
             "sparse_scored": self.bound.pipeline.sparse_scored, "plan": job.plan_fingerprint,
             "dense_width": self.bound.pipeline.dense_width}}
+
+    def _busy_message(self, world_size: int) -> str:
+        """Why a client of another world size cannot join now: the job of the live clients."""
+        st, now = self.state, self.clock()
+        last = max(st.client_seen.values(), default=now)
+        return (f"world size {world_size}: this master is serving a job of world size {st.job.world_size} "
+                f"({len(st.clients)} live client{'s' if len(st.clients) != 1 else ''}, last heard {now - last:.0f} s "
+                f"ago); it takes another world size once they have closed their loaders, or after "
+                f"{self.config.client_timeout:g} s of silence (remoteloader-master --client-timeout)")
 
     def _bind_first_spec(self, spec_dict: dict) -> None:
         """The first client's spec becomes the job. Binding lists files and reads footers,
@@ -379,7 +404,8 @@ class MasterService:
         self._submit_bound(pending.spec, *pending.result)
 
     def _on_start_epoch(self, m: dict) -> Reply:
-        rank = self._require_client(m["client_id"])
+        session = m["session"]
+        rank = self._require_client(session)
         epoch = m["epoch"]
         if not 0 <= epoch < self.config.max_epoch:
             raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code="bad_epoch")
@@ -390,13 +416,18 @@ class MasterService:
                 raise RequestError(f"epoch {epoch} already started with other rows consumed before the resume: "
                                    "every rank must load the same checkpoint", code="resume_mismatch")
             self._commit(U.EpochResumed(epoch, done))
-        self._commit(U.EpochStarted(rank, epoch))
-        consumed = self._current_acks(rank, epoch, consumed)
+        ahead = self.state.prefetched.get(rank)
+        if ahead is not None and (ahead.session, ahead.epoch) == (session, epoch):
+            seq = ahead.seq  # the run workers started early: its pieces are this epoch's
+        else:
+            seq = self.state.next_seq[session]
+        self._commit(U.EpochStarted(rank, epoch, session, seq))
+        consumed = self._current_acks(rank, seq, consumed)
         if consumed:  # a resumed client: what it consumed before is not produced again
-            self._commit(U.SplitsConsumed(rank, epoch, consumed))
+            self._commit(U.SplitsConsumed(rank, seq, consumed))
         splits = [[p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding]
                   for p in self.state.epoch_splits(rank, epoch)]
-        return "epoch", {"epoch": epoch, "splits": splits}
+        return "epoch", {"epoch": epoch, "seq": seq, "splits": splits}
 
     def _check_done(self, done: list) -> list:
         """Rows consumed before an elastic resume: ``[[base split, lo, hi], ...]``, disjoint."""
@@ -412,38 +443,48 @@ class MasterService:
         return done
 
     def _on_client_heartbeat(self, m: dict) -> Reply:
-        rank = self._require_client(m["client_id"])
-        acks = self._current_acks(rank, m["epoch"], _check_acks(m["acks"]))
+        session = m["session"]
+        rank = self._require_client(session)
+        acks = self._current_acks(rank, m["seq"], _check_acks(m["acks"]))
         if acks:
-            self._commit(U.SplitsConsumed(rank, m["epoch"], acks))
-        self._commit(U.ClientHeartbeat(m["client_id"], self.clock(), m.get("stats", {})))
-        self.rates.update("c:" + m["client_id"], self.clock(), m.get("stats", {}))
+            self._commit(U.SplitsConsumed(rank, m["seq"], acks))
+        self._commit(U.ClientHeartbeat(session, self.clock(), m.get("stats", {})))
+        self.rates.update("c:" + session, self.clock(), m.get("stats", {}))
         workers = [[wid, self.state.workers[wid].addr] for wid in self.state.partitions.get(rank, [])]
-        return "membership", {"workers": workers, "errors": self.state.errors_for(rank, m["epoch"]),
-                              "master": self.incarnation}
+        run = self.state.ranks.get(rank)
+        errors = self.state.errors_for(rank, run.epoch) if run is not None and run.seq == m["seq"] else []
+        return "membership", {"workers": workers, "errors": errors, "master": self.incarnation}
 
     def _on_finish_epoch(self, m: dict) -> Reply:
-        rank = self._require_client(m["client_id"])
+        rank = self._require_client(m["session"])
         current = self.state.ranks.get(rank)
-        if current is None or current.epoch != m["epoch"]:
-            raise RequestError(f"rank {rank} is not in epoch {m['epoch']}", code="bad_epoch")
-        self._commit(U.EpochFinished(rank, m["epoch"]))
+        if current is None or current.seq != m["seq"]:
+            raise RequestError(f"rank {rank} is not in epoch run {m['seq']}", code="bad_epoch")
+        self._commit(U.EpochFinished(rank, m["seq"]))
         return "ok", {}
 
-    def _current_acks(self, rank: int, epoch: int, acks: list) -> list:
-        """Acks for splits of the rank's current epoch; others are stale (an epoch changed
-        under a heartbeat in flight) and are not journaled."""
+    def _on_goodbye(self, m: dict) -> Reply:
+        """The client closed its loader: its session ends now, not after the client timeout."""
+        if m["session"] in self.state.clients:
+            self._commit(U.ClientLeft(m["session"], "goodbye"))
+        return "ok", {}
+
+    def _current_acks(self, rank: int, seq: int, acks: list) -> list:
+        """Acks for splits of the rank's current run; others are stale (a run changed under
+        a heartbeat in flight) and are not journaled."""
         current = self.state.ranks.get(rank)
-        if current is None or current.epoch != epoch:
+        if current is None or current.seq != seq:
             return []
         return [a for a in acks if a[0] in current.splits and a[1] >= 0]
 
     def _on_status(self, m: dict) -> Reply:
         return "status_reply", {"status": self.status()}
 
-    def client_stall(self, client_id: str) -> float:
-        """Share of the window the client's training loop spent waiting for batches."""
-        return min(1.0, self.rates.rate("c:" + client_id, "wait_s"))
+    def client_stall(self, session: str) -> float:
+        """Share of the window the client's training loop spent waiting for batches, the
+        wait for an epoch's first batch included (a rank stuck at an epoch's start stalls)."""
+        key = "c:" + session
+        return min(1.0, self.rates.rate(key, "wait_s") + self.rates.rate(key, "epoch_start_s"))
 
     def client_starved(self, client_id: str) -> Optional[float]:
         """Share of the window the client waited while no worker held a batch for it; None
@@ -458,7 +499,7 @@ class MasterService:
         ranks = {}
         for rank, re in sorted(st.ranks.items()):
             done = sum(1 for p in re.splits.values() if p.done)
-            ranks[str(rank)] = {"epoch": re.epoch, "splits": len(re.splits), "done": done,
+            ranks[str(rank)] = {"epoch": re.epoch, "session": re.session, "seq": re.seq, "splits": len(re.splits), "done": done,
                                 "pending": len(re.pending), "finished": re.finished}
         return {
             "job": None if job is None else {"fingerprint": job.fingerprint, "table": job.spec["table"]["path"],
@@ -496,7 +537,10 @@ _HANDLERS: dict[str, Callable[[MasterService, dict], Reply]] = {
     "start_epoch": MasterService._on_start_epoch,
     "client_heartbeat": MasterService._on_client_heartbeat,
     "finish_epoch": MasterService._on_finish_epoch,
+    "goodbye": MasterService._on_goodbye,
     "status": MasterService._on_status,
 }
+# Updates after which the service decides the partitions again (and journals them).
+_MEMBERSHIP = (U.WorkerRegistered, U.WorkerLost, U.WorkerDraining, U.ClientJoined, U.ClientLeft)
 if set(_HANDLERS) != MASTER_REQUESTS:
     raise ImportError(f"MasterService handlers {sorted(_HANDLERS)} do not match the protocol's {sorted(MASTER_REQUESTS)}")

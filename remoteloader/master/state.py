@@ -57,7 +57,11 @@ class SplitProgress:
 
 @dataclass
 class RankEpoch:
+    """One run of an epoch by a rank's client session: ``seq`` numbers the session's runs."""
+
     epoch: int
+    session: str
+    seq: int
     splits: dict[int, SplitProgress]
     pending: deque  # split ids waiting for a worker, in plan order
     finished: bool = False
@@ -94,14 +98,17 @@ class Job:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+SNAPSHOT_VERSION = 2  # 2: client sessions and epoch runs (session, seq), partitions journaled
+
+
 class JobState:
-    def __init__(self, max_workers_per_client: int = 32) -> None:
-        self.max_workers_per_client = max_workers_per_client
+    def __init__(self) -> None:
         self.job: Optional[Job] = None
         self.workers: dict[str, WorkerInfo] = {}
-        self.clients: dict[str, int] = {}  # client id -> rank
+        self.clients: dict[str, int] = {}  # client session -> rank
         self.client_stats: dict[str, dict] = {}
-        self.client_seen: dict[str, float] = {}  # client id -> its last hello or heartbeat
+        self.client_seen: dict[str, float] = {}  # client session -> its last hello or heartbeat
+        self.next_seq: dict[str, int] = {}  # client session -> the seq its next epoch run gets
         self.partitions: dict[int, list[str]] = {}  # rank -> worker ids it reads from
         self._served: Optional[dict[str, list[int]]] = None  # worker id -> its ranks; None: rebuild
         self.ranks: dict[int, RankEpoch] = {}
@@ -127,7 +134,9 @@ class JobState:
     def _on_Snapshot(self, u: U.Snapshot) -> None:
         """The state as ``snapshot()`` wrote it (a compacted journal starts with one)."""
         snap = u.state
-        self.__init__(self.max_workers_per_client)  # type: ignore[misc]
+        if snap.get("version") != SNAPSHOT_VERSION:  # refused whole, before anything changes
+            raise ValueError(f"snapshot version {snap.get('version')!r}, this master reads {SNAPSHOT_VERSION}")
+        self.__init__()  # type: ignore[misc]
         job = snap["job"]
         if job is not None:
             self._on_JobSubmitted(U.JobSubmitted(job["spec"], job["fingerprint"], job["schema"], job["files"],
@@ -137,8 +146,8 @@ class JobState:
         for wid, addr, pid, seq, last_seen, draining, assigned in snap["workers"]:
             self.workers[wid] = WorkerInfo(wid, addr, pid, seq, last_seen, draining=draining,
                                            assigned={tuple(a) for a in assigned})
-        for cid, rank, seen in snap["clients"]:
-            self.clients[cid], self.client_seen[cid] = rank, seen
+        for session, rank, seen, next_seq in snap["clients"]:
+            self.clients[session], self.client_seen[session], self.next_seq[session] = rank, seen, next_seq
         self.partitions = {rank: list(members) for rank, members in snap["partitions"]}
         self.resumed = {epoch: {base: [tuple(r) for r in ranges] for base, ranges in done}
                         for epoch, done in snap["resumed"]}
@@ -146,8 +155,8 @@ class JobState:
         # resumes they were planned with) may be pruned as older than the ranks restored so far.
         self._plan_floor = min((row[1] for key in ("ranks", "prefetched") for row in snap[key]), default=None)
         for key, target in (("ranks", self.ranks), ("prefetched", self.prefetched)):
-            for rank, epoch, finished, pending, progress in snap[key]:
-                rank_epoch = self._new_rank_epoch(rank, epoch)
+            for rank, epoch, session, seq, finished, pending, progress in snap[key]:
+                rank_epoch = self._new_rank_epoch(rank, epoch, session, seq)
                 rank_epoch.finished, rank_epoch.pending = finished, deque(pending)
                 for split_id, consumed, worker, assigned_at, produced, failed in progress:
                     p = rank_epoch.splits[split_id]
@@ -165,12 +174,13 @@ class JobState:
         job = self.job
 
         def rank_epochs(epochs: dict[int, RankEpoch]) -> list:
-            return [[rank, re.epoch, re.finished, list(re.pending),
+            return [[rank, re.epoch, re.session, re.seq, re.finished, list(re.pending),
                      [[sid, p.consumed, p.worker, p.assigned_at, p.produced, p.failed]
                       for sid, p in re.splits.items() if p.consumed or p.worker is not None or p.failed is not None]]
                     for rank, re in sorted(epochs.items())]
 
         return {
+            "version": SNAPSHOT_VERSION,
             "job": None if job is None else {
                 "spec": job.spec, "fingerprint": job.fingerprint, "schema": job.schema,
                 "files": [f.to_wire() for f in job.files], "splits": [s.to_wire() for s in job.splits],
@@ -178,7 +188,8 @@ class JobState:
             "worker_seq": self._worker_seq,
             "workers": [[w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(list(a) for a in w.assigned)]
                         for w in self.workers.values()],
-            "clients": [[cid, rank, self.client_seen.get(cid, 0.0)] for cid, rank in self.clients.items()],
+            "clients": [[session, rank, self.client_seen.get(session, 0.0), self.next_seq.get(session, 0)]
+                        for session, rank in self.clients.items()],
             "partitions": [[rank, members] for rank, members in sorted(self.partitions.items())],
             "resumed": [[epoch, [[base, [list(r) for r in ranges]] for base, ranges in done.items()]]
                         for epoch, done in sorted(self.resumed.items())],
@@ -198,7 +209,6 @@ class JobState:
     def _on_WorkerRegistered(self, u: U.WorkerRegistered) -> None:
         self._worker_seq += 1
         self.workers[u.worker_id] = WorkerInfo(u.worker_id, u.addr, u.pid, self._worker_seq, u.time)
-        self._rebalance()
 
     def _on_WorkerHeartbeat(self, u: U.WorkerHeartbeat) -> None:
         w = self.workers.get(u.worker_id)
@@ -235,56 +245,89 @@ class JobState:
         for members in self.partitions.values():
             if u.worker_id in members:
                 members.remove(u.worker_id)
-        self._rebalance()
+        self._served = None
 
     def _on_ClientJoined(self, u: U.ClientJoined) -> None:
         assert self.job is not None
         if self.job.world_size is None:
             self.job.world_size = u.world_size
-        replaced = [cid for cid, rank in self.clients.items() if rank == u.rank and cid != u.client_id]
-        for cid in replaced:
-            self._forget_client(cid)
-        if replaced and u.rank in self.ranks:
-            # A rank back in a new process (resume): pieces already sent to the old client
-            # may be lost with it, so every split it had not consumed is produced again
-            # (from what was consumed, which the new client reports at start_epoch).
-            self._requeue(lambda p: True, [e for e in (self.ranks.get(u.rank), self.prefetched.get(u.rank)) if e])
-        self.clients[u.client_id] = u.rank
-        self.client_seen[u.client_id] = u.time
+        for session in [s for s, rank in self.clients.items() if rank == u.rank and s != u.session]:
+            self._forget_client(session)  # a new process of the rank replaces the old one
+        # Runs of another session: their pieces at workers are for a client that will not
+        # ask for them. The new session says what it consumed when it starts its epoch.
+        self._drop_runs(u.rank, keep=u.session)
+        self.clients[u.session] = u.rank
+        self.client_seen[u.session] = u.time
+        self.next_seq.setdefault(u.session, 0)
         self.partitions.setdefault(u.rank, [])
-        self._rebalance()
+        self._served = None
 
     def _on_ClientHeartbeat(self, u: U.ClientHeartbeat) -> None:
-        if u.client_id in self.clients:
-            self.client_stats[u.client_id] = dict(u.stats, time=u.time)
-            self.client_seen[u.client_id] = u.time
+        if u.session in self.clients:
+            self.client_stats[u.session] = dict(u.stats, time=u.time)
+            self.client_seen[u.session] = u.time
 
     def _on_ClientLeft(self, u: U.ClientLeft) -> None:
-        self._forget_client(u.client_id)
+        rank = self.clients.get(u.session)
+        self._forget_client(u.session)
+        if rank is not None:
+            self._drop_runs(rank, keep=None, session=u.session)
+        if not self.clients:
+            self._end_job_run()
 
-    def _forget_client(self, client_id: str) -> None:
-        self.clients.pop(client_id, None)
-        self.client_stats.pop(client_id, None)
-        self.client_seen.pop(client_id, None)
+    def _on_PartitionsChanged(self, u: U.PartitionsChanged) -> None:
+        self.partitions = {rank: [w for w in members if w in self.workers] for rank, members in u.partitions}
+        self._served = None
+
+    def _forget_client(self, session: str) -> None:
+        self.clients.pop(session, None)
+        self.client_stats.pop(session, None)
+        self.client_seen.pop(session, None)
+        self.next_seq.pop(session, None)
+
+    def _drop_runs(self, rank: int, keep: Optional[str], session: Optional[str] = None) -> None:
+        """Release the rank's epoch runs (current and prefetched) of sessions other than
+        ``keep`` (or only those of ``session``): their splits leave the workers' books."""
+        for runs in (self.ranks, self.prefetched):
+            run = runs.get(rank)
+            if run is not None and run.session != keep and session in (None, run.session):
+                self._release(run)
+                del runs[rank]
+
+    def _end_job_run(self) -> None:
+        """Every client has left: the next client starts a new run of the job, with a world
+        size of its own. The job (spec, files, splits) and the workers stay."""
+        for run in self._rank_epochs():
+            self._release(run)
+        self.ranks.clear()
+        self.prefetched.clear()
+        self.partitions.clear()
+        self._served = None
+        self.resumed.clear()
+        self._plans.clear()
+        self.errors = [e for e in self.errors if e["epoch"] < 0]
+        if self.job is not None:
+            self.job.world_size = None
 
     def _on_EpochStarted(self, u: U.EpochStarted) -> None:
-        # A fresh start from the plan, unless workers already started this epoch ahead of
-        # time (prefetch): its pieces are deterministic, so they stand whatever the client
-        # then reports it has consumed (SplitsConsumed, right after), whether it is new,
-        # resumed from a checkpoint, or rejoining a master that lost its state.
+        # A fresh start from the plan, unless workers already started this run ahead of
+        # time (prefetch of the same session and epoch): its pieces are deterministic, so
+        # they stand whatever the client then reports it has consumed (SplitsConsumed,
+        # right after), whether it is new, resumed from a checkpoint, or rejoining.
         current = self.ranks.get(u.rank)
         if current is not None:
             self._release(current)
+        self.next_seq[u.session] = max(self.next_seq.get(u.session, 0), u.seq + 1)
         ahead = self.prefetched.pop(u.rank, None)
-        if ahead is not None and ahead.epoch == u.epoch:
+        if ahead is not None and (ahead.session, ahead.epoch, ahead.seq) == (u.session, u.epoch, u.seq):
             self.ranks[u.rank] = ahead
             return
         if ahead is not None:
             self._release(ahead)
-        self.ranks[u.rank] = self._new_rank_epoch(u.rank, u.epoch)
+        self.ranks[u.rank] = self._new_rank_epoch(u.rank, u.epoch, u.session, u.seq)
         # Errors of epochs no rank is in any more have been reported: keep the list bounded.
-        oldest = min(r.epoch for r in self.ranks.values())
-        self.errors = [e for e in self.errors if e["epoch"] < 0 or e["epoch"] >= oldest]
+        epochs = {r.epoch for r in self.ranks.values()}
+        self.errors = [e for e in self.errors if e["epoch"] < 0 or e["epoch"] in epochs]
 
     def _on_EpochResumed(self, u: U.EpochResumed) -> None:
         done: dict[int, list[tuple[int, int]]] = {}
@@ -295,13 +338,14 @@ class JobState:
 
     def _on_EpochPrefetched(self, u: U.EpochPrefetched) -> None:
         if u.rank not in self.prefetched:
-            self.prefetched[u.rank] = self._new_rank_epoch(u.rank, u.epoch)
+            self.prefetched[u.rank] = self._new_rank_epoch(u.rank, u.epoch, u.session, u.seq)
+            self.next_seq[u.session] = max(self.next_seq.get(u.session, 0), u.seq + 1)
 
-    def _new_rank_epoch(self, rank: int, epoch: int) -> RankEpoch:
+    def _new_rank_epoch(self, rank: int, epoch: int, session: str, seq: int) -> RankEpoch:
         assert self.job is not None and self.job.world_size is not None
         batch_size = self.job.spec["batch_size"]
         mine = self._plan(epoch).by_rank.get(rank, [])
-        return RankEpoch(epoch, {s.id: SplitProgress(s, pieces_of(s.rows, batch_size)) for s in mine},
+        return RankEpoch(epoch, session, seq, {s.id: SplitProgress(s, pieces_of(s.rows, batch_size)) for s in mine},
                          deque(s.id for s in mine))
 
     def _on_SplitAssigned(self, u: U.SplitAssigned) -> None:
@@ -318,7 +362,7 @@ class JobState:
 
     def _on_SplitsConsumed(self, u: U.SplitsConsumed) -> None:
         rank_epoch = self.ranks.get(u.rank)
-        if rank_epoch is None or rank_epoch.epoch != u.epoch:
+        if rank_epoch is None or rank_epoch.seq != u.seq:
             return
         for split_id, consumed in u.acks:
             progress = rank_epoch.splits.get(split_id)
@@ -326,7 +370,7 @@ class JobState:
                 continue
             progress.consumed = max(progress.consumed, min(consumed, progress.pieces))
             if progress.done:
-                self._finish(u.epoch, progress)
+                self._finish(rank_epoch.epoch, progress)
 
     def _on_SplitFailed(self, u: U.SplitFailed) -> None:
         progress = self._progress(u.epoch, u.split_id)
@@ -340,7 +384,7 @@ class JobState:
 
     def _on_EpochFinished(self, u: U.EpochFinished) -> None:
         rank_epoch = self.ranks.get(u.rank)
-        if rank_epoch is not None and rank_epoch.epoch == u.epoch:
+        if rank_epoch is not None and rank_epoch.seq == u.seq:
             self._release(rank_epoch)
             rank_epoch.finished = True
 
@@ -403,29 +447,31 @@ class JobState:
             if progress.worker in self.workers:
                 self.workers[progress.worker].assigned.discard((rank_epoch.epoch, progress.split.id))
 
-    def _rebalance(self) -> None:
+    def balanced_partitions(self, max_workers_per_client: int) -> dict[int, list[str]]:
         """Partitioned round robin: each rank reads from at most ``max_workers_per_client``
         workers. Live members stay put (a client never loses a worker that holds its data);
-        free slots are filled from the workers serving the fewest ranks. Every change of
-        membership comes through here, so this is where the served-ranks index is dropped."""
-        self._served = None
+        free slots are filled from the workers serving the fewest ranks. A query: the
+        service commits the result as ``PartitionsChanged`` whenever membership changes."""
+        partitions = {rank: list(members) for rank, members in self.partitions.items()}
         live = sorted((w for w in self.workers.values() if not w.draining), key=lambda w: w.seq)
-        target = min(self.max_workers_per_client, len(live))
+        target = min(max_workers_per_client, len(live))
         load = {w.worker_id: 0 for w in self.workers.values()}
-        for members in self.partitions.values():
+        for members in partitions.values():
             for wid in members:
                 load[wid] += 1
-        for rank in sorted(self.partitions):
-            members = self.partitions[rank]
+        for rank in sorted(partitions):
+            members = partitions[rank]
             while sum(1 for m in members if not self.workers[m].draining) < target:
                 wid = min((w.worker_id for w in live if w.worker_id not in members),
                           key=lambda i: (load[i], self.workers[i].seq))
                 members.append(wid)
                 load[wid] += 1
+        return partitions
 
     def _served_ranks(self, worker_id: str) -> list[int]:
         """The ranks whose partition holds this worker, from an index rebuilt only after
-        partitions change (rarely: membership), so split choice never scans every rank."""
+        partitions change (rarely: membership), so split choice never scans every rank.
+        Every change of partitions drops the index (``_served = None``)."""
         if self._served is None:
             self._served = {}
             for rank, members in sorted(self.partitions.items()):
@@ -435,8 +481,8 @@ class JobState:
 
     # -- queries ---------------------------------------------------------------------------
     def choose_split(self, worker_id: str, avoid: frozenset = frozenset(),
-                     ahead: bool = True) -> Optional[tuple[int, SplitProgress]]:
-        """(epoch, split) next for this worker: from the ranks it serves (but those in
+                     ahead: bool = True) -> Optional[tuple[RankEpoch, SplitProgress]]:
+        """(epoch run, split) next for this worker: from the ranks it serves (but those in
         ``avoid``, whose share of the worker's buffer is full), the one with the fewest
         splits in flight, so every trainer's queue fills evenly; with ``ahead``, a
         prefetched next epoch when no current epoch has work for it."""
@@ -450,7 +496,7 @@ class JobState:
                 if rank in avoid or rank_epoch is None or rank_epoch.finished or not rank_epoch.pending:
                     continue
                 if best is None or len(rank_epoch.in_flight) < best[0]:
-                    best = (len(rank_epoch.in_flight), rank_epoch.epoch, rank_epoch.splits[rank_epoch.pending[0]])
+                    best = (len(rank_epoch.in_flight), rank_epoch, rank_epoch.splits[rank_epoch.pending[0]])
             if best is not None:
                 return best[1], best[2]
         return None
@@ -461,11 +507,14 @@ class JobState:
         return [(rank_epoch.epoch, split_id) for rank_epoch in self.prefetched.values()
                 for split_id in rank_epoch.in_flight if rank_epoch.splits[split_id].worker == worker_id]
 
-    def prefetch_candidates(self, worker_id: str) -> list[tuple[int, int]]:
-        """(rank, next epoch) for ranks this worker serves whose current epoch has nothing
-        left to hand out and whose next epoch has not been started yet."""
-        return [(rank, re.epoch + 1) for rank, re in sorted(self.ranks.items())
-                if worker_id in self.partitions.get(rank, ()) and not re.pending and rank not in self.prefetched]
+    def prefetch_candidates(self, worker_id: str) -> list[U.EpochPrefetched]:
+        """The next epoch of ranks this worker serves whose current run has nothing left to
+        hand out, whose client session is still there, and whose next epoch has not been
+        started yet; as the updates that start them (each reserving its session's next seq)."""
+        return [U.EpochPrefetched(rank, re.epoch + 1, re.session, self.next_seq[re.session])
+                for rank, re in sorted(self.ranks.items())
+                if worker_id in self.partitions.get(rank, ()) and not re.pending and rank not in self.prefetched
+                and re.session in self.clients]
 
     def stalled_splits(self, now: float, heartbeat_interval: float, split_timeout: float) -> list[tuple]:
         """(epoch, split_id, worker_id, reason) of assigned splits that make no progress:
@@ -520,6 +569,7 @@ _APPLY: dict[type, Callable[[JobState, Any], None]] = {
     U.ClientJoined: JobState._on_ClientJoined,
     U.ClientHeartbeat: JobState._on_ClientHeartbeat,
     U.ClientLeft: JobState._on_ClientLeft,
+    U.PartitionsChanged: JobState._on_PartitionsChanged,
     U.Snapshot: JobState._on_Snapshot,
     U.EpochStarted: JobState._on_EpochStarted,
     U.EpochPrefetched: JobState._on_EpochPrefetched,

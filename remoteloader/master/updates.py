@@ -83,7 +83,9 @@ class SplitRevoked(Update):
 
 @dataclass(frozen=True)
 class ClientJoined(Update):
-    client_id: str
+    """A client session (issued by the master at ``hello``) joins for ``rank``; a session
+    that held the rank before is replaced (a new process of that rank)."""
+    session: str
     rank: int
     world_size: int
     time: float
@@ -92,23 +94,35 @@ class ClientJoined(Update):
 @dataclass(frozen=True)
 class ClientHeartbeat(Update):
     TRANSIENT: ClassVar[bool] = True
-    client_id: str
+    session: str
     time: float
     stats: dict
 
 
 @dataclass(frozen=True)
 class ClientLeft(Update):
-    """A client silent past the client timeout is forgotten (its rank's progress stays:
-    a client of that rank that comes back says hello and continues)."""
-    client_id: str
+    """A client said goodbye, or was silent past the client timeout. Its rank's epoch runs
+    are released (a client of that rank that comes back is a new session: it reports what
+    it consumed). When the last session leaves, the job's ranks are reset, so the next job
+    may have another world size."""
+    session: str
     reason: str
 
 
 @dataclass(frozen=True)
+class PartitionsChanged(Update):
+    """Which workers each rank reads from, as the service decided it: journaled, so that
+    replay does not depend on ``--max-workers-per-client``."""
+    partitions: list  # [[rank, [worker id, ...]], ...]
+
+
+@dataclass(frozen=True)
 class EpochStarted(Update):
+    """Run ``seq`` of ``session``: the rank starts (or restarts) ``epoch``."""
     rank: int
     epoch: int
+    session: str
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -123,9 +137,12 @@ class EpochResumed(Update):
 @dataclass(frozen=True)
 class EpochPrefetched(Update):
     """Workers with nothing left of a rank's epoch may start its next one, so the trainer
-    does not wait at the epoch boundary; the rank takes it over at its next start_epoch."""
+    does not wait at the epoch boundary; the rank takes it over at its next start_epoch
+    (same session and epoch), which reserves ``seq`` for it."""
     rank: int
     epoch: int
+    session: str
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -149,7 +166,7 @@ class SplitsConsumed(Update):
     reports all it has consumed again when it sees a new master (``membership.master``)."""
     TRANSIENT: ClassVar[bool] = True
     rank: int
-    epoch: int
+    seq: int  # the rank's run the acks are for; acks of another run are stale
     acks: list  # [[split_id, pieces consumed so far], ...]
 
 
@@ -165,7 +182,7 @@ class SplitFailed(Update):
 @dataclass(frozen=True)
 class EpochFinished(Update):
     rank: int
-    epoch: int
+    seq: int
 
 
 UPDATE_TYPES: dict[str, type] = {cls.__name__: cls for cls in Update.__subclasses__()}
