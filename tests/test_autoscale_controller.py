@@ -49,8 +49,9 @@ class Fleet:
 
     def __init__(self, service: MasterService, rates: list[float]) -> None:
         self.service, self.rates = service, rates
-        self.ids = [service.handle({"t": "register", "addr": f"tcp://127.0.0.1:{7000 + i}", "pid": 100 + i})[1]
-                    ["worker_id"] for i in range(len(rates))]
+        fingerprint = ""  # no job: workers of any job may register
+        self.ids = [service.handle({"t": "register", "addr": f"tcp://127.0.0.1:{7000 + i}", "pid": 100 + i,
+                                    "fingerprint": fingerprint})[1]["worker_id"] for i in range(len(rates))]
         self.rows = [0.0] * len(rates)
 
     def heartbeat(self, wobble: float = 0.0) -> None:

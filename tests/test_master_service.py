@@ -40,7 +40,7 @@ def call(service: MasterService, t: str, **fields) -> tuple[str, dict]:
 
 
 def register(service: MasterService, n: int = 1) -> list[str]:
-    fingerprint = service.state.job.fingerprint
+    fingerprint = service.state.job.fingerprint if service.state.job else ""
     return [call(service, "register", addr=f"tcp://127.0.0.1:{7000 + i}", pid=100 + i,
                  fingerprint=fingerprint)[1]["worker_id"] for i in range(n)]
 
@@ -369,7 +369,7 @@ def test_a_slow_bind_does_not_hold_the_loop(spec, monkeypatch):
     t, reply = hello(service, spec)
     assert (t, reply["code"]) == ("error", "binding")             # answered within BIND_WAIT_S
     assert call(service, "status")[0] == "status_reply"           # the loop serves others meanwhile
-    assert call(service, "get_spec")[1]["code"] == "no_job"
+    register(service)
     release.set()
     deadline = time.monotonic() + 30
     while (reply := hello(service, spec))[0] == "error" and time.monotonic() < deadline:
@@ -417,3 +417,102 @@ def test_the_journal_is_compacted_at_each_epoch_end(spec, tmp_path):
     service.journal.close()
     restarted = MasterService(MasterConfig(), Journal(tmp_path), clock)
     assert restarted.state.ranks[0].epoch == 2 and restarted.state.ranks[0].finished
+
+
+def test_runs_of_a_session_grow_and_acks_of_an_older_run_are_ignored(spec):
+    """Epochs 0, 1, 0 in one loader: three runs; a late ack of the first never marks the third."""
+    service = make_service(spec, Clock(), prefetch_next_epoch=False)
+    register(service)
+    hello(service, spec)
+    s = session(service)
+    seqs = [call(service, "start_epoch", session=s, epoch=e)[1]["seq"] for e in (0, 1, 0)]
+    assert seqs == [0, 1, 2]
+    run = service.state.ranks[0]
+    assert (run.epoch, run.seq) == (0, 2)
+    first = sorted(run.splits)[0]
+    call(service, "client_heartbeat", session=s, seq=0, acks=[[first, 1]])      # a late ack of run 0
+    assert run.splits[first].consumed == 0
+    call(service, "client_heartbeat", session=s, seq=2, acks=[[first, 1]])
+    assert run.splits[first].consumed == 1
+    assert call(service, "finish_epoch", session=s, seq=1)[1]["code"] == "bad_epoch"
+
+
+def test_a_prefetched_epoch_keeps_its_run_and_split_tasks_name_it(spec):
+    service = make_service(spec, Clock())
+    (w,) = register(service)
+    hello(service, spec)
+    s = session(service)
+    call(service, "start_epoch", session=s, epoch=0)
+    tasks = []
+    while (reply := call(service, "get_split", worker_id=w))[0] == "split":
+        tasks.append(reply[1]["split"])
+        if tasks[-1]["epoch"] == 1:
+            break
+    assert {(t["session"], t["seq"], t["fingerprint"]) for t in tasks if t["epoch"] == 0} == {(s, 0, spec.fingerprint())}
+    assert (tasks[-1]["epoch"], tasks[-1]["seq"]) == (1, 1)               # read ahead: the next run, reserved
+    assert call(service, "start_epoch", session=s, epoch=1)[1]["seq"] == 1  # taken over
+    assert call(service, "start_epoch", session=s, epoch=0)[1]["seq"] == 2
+
+
+def test_jobs_follow_one_another_with_another_world_size(spec):
+    """A standing master: job A (1 rank) says goodbye, job B (2 ranks) starts; while B is live,
+    a job of another world size is refused."""
+    service = make_service(spec, Clock())
+    (w,) = register(service)
+    hello(service, spec, client="a")
+    call(service, "start_epoch", session=session(service, "a"), epoch=1)
+    assert call(service, "goodbye", session=session(service, "a")) == ("ok", {})
+    assert service.state.clients == {} and service.state.ranks == {} and service.state.job.world_size is None
+    assert call(service, "goodbye", session=session(service, "a")) == ("ok", {})  # twice is harmless
+    for rank in (0, 1):
+        assert hello(service, spec, client=f"b{rank}", rank=rank, world_size=2)[0] == "welcome"
+        assert call(service, "start_epoch", session=session(service, f"b{rank}"), epoch=0)[0] == "epoch"
+    assert hello(service, spec, client="c", rank=0, world_size=1)[1]["code"] == "busy"
+    task = call(service, "get_split", worker_id=w)[1]["split"]
+    assert task["session"] == session(service, f"b{task['rank']}") and task["seq"] == 0
+
+
+def test_a_new_session_of_a_rank_replaces_the_old_and_its_runs(spec):
+    service = make_service(spec, Clock())
+    (w,) = register(service)
+    hello(service, spec, client="old")
+    call(service, "start_epoch", session=session(service, "old"), epoch=0)
+    call(service, "get_split", worker_id=w)
+    assert service.state.workers[w].assigned
+    hello(service, spec, client="new")  # a new process of rank 0
+    assert set(service.state.clients) == {session(service, "new")}
+    assert not service.state.workers[w].assigned and 0 not in service.state.ranks
+    assert call(service, "start_epoch", session=session(service, "old"), epoch=0)[1]["code"] == "unknown_client"
+    assert call(service, "start_epoch", session=session(service, "new"), epoch=0)[1]["seq"] == 0
+
+
+def test_a_worker_of_another_job_is_told_so(spec):
+    service = make_service(spec, Clock())
+    t, reply = call(service, "register", addr="tcp://127.0.0.1:9", pid=1, fingerprint="another-job")
+    assert (t, reply["code"]) == ("error", "wrong_job") and spec.fingerprint() in reply["message"]
+    assert service.state.workers == {}
+
+
+def test_replay_keeps_the_partitions_whatever_the_cap(spec, tmp_path):
+    """Defect 8: partitions were decided inside apply from --max-workers-per-client, so a master
+    restarted with another value replayed to other partitions."""
+    live = make_service(spec, Clock(), Journal(tmp_path), max_workers_per_client=1)
+    register(live, 3)
+    for rank in (0, 1, 2):
+        hello(live, spec, client=f"c{rank}", rank=rank, world_size=3)
+    live.sync()
+    assert all(len(m) == 1 for m in live.state.partitions.values())
+    live.journal.close()
+    restarted = MasterService(MasterConfig(max_workers_per_client=32), Journal(tmp_path), Clock())
+    assert restarted.state.partitions == live.state.partitions
+
+
+def test_a_snapshot_of_another_version_is_refused_before_the_state_changes(spec):
+    service = make_service(spec, Clock())
+    register(service)
+    before = durable_view(service)
+    snapshot = service.state.snapshot()
+    snapshot["version"] = 1
+    with pytest.raises(ValueError, match="snapshot version 1"):
+        service.state.apply(U.Snapshot(snapshot))
+    assert durable_view(service) == before

@@ -15,7 +15,7 @@ from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
 
 # Every label a remoteloader metric may carry: none of them takes a random id or an epoch.
-STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "table", "version", "le"}
+STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "table", "version", "le", "reason"}
 WEIRD = 'tables/"quoted"\\back\\slash\nnew line'
 
 
@@ -62,8 +62,10 @@ SNAPSHOT = {
                      "cpu": 0.5, "mem": 1e8, "last_seen_s": 0.2, "draining": False}),
                 (1, {"id": "w-88c0", "buffered": 0, "capacity": 16, "assigned": 0, "rows_per_s": 0.0,
                      "cpu": 0.0, "mem": 9e7, "last_seen_s": 0.1, "draining": True})],
-    "worker_totals": {"rows": 9000, "batches": 40, "busy_s": 3.5, "io.requests": 12, "io.bytes_requested": 4096},
-    "clients": {0: {"stall": 0.02, "batches_per_s": 20.0, "queued": 2}},
+    "worker_totals": {"rows": 9000, "batches": 40, "busy_s": 3.5, "io.requests": 12, "io.bytes_requested": 4096,
+                      "discarded.stale_run": 7},
+    "clients": {0: {"stall": 0.02, "batches_per_s": 20.0, "queued": 2, "last_batch_age_s": 0.4},
+                1: {"stall": 0.0, "batches_per_s": 0.0, "queued": 0, "last_batch_age_s": None}},
     "client_totals": {0: {"wait_s": 1.5, "starved_s": 0.5, "batches": 120, "rows": 30000, "wait_buckets.0": 100, "wait_buckets.1": 15,
                           "wait_buckets.2": 5}},
     "client_wait_le": {0: [0.01, 0.1]},
@@ -112,7 +114,9 @@ def test_families_follow_the_naming_conventions():
         "remoteloader_worker_rows": ("counter", set()),
         "remoteloader_worker_busy_seconds": ("counter", set()),
         "remoteloader_worker_read_bytes": ("counter", set()),
+        "remoteloader_worker_pieces_discarded": ("counter", {"reason"}),
         "remoteloader_client_stall_ratio": ("gauge", {"rank"}),
+        "remoteloader_client_last_batch_age_seconds": ("gauge", {"rank"}),
         "remoteloader_client_wait_seconds": ("counter", {"rank"}),
         "remoteloader_client_starved_seconds": ("counter", {"rank"}),
         "remoteloader_client_batches": ("counter", {"rank"}),
@@ -142,6 +146,9 @@ def test_families_follow_the_naming_conventions():
     assert [value("remoteloader_rank_splits", rank="0", state=s) for s in ("pending", "in_progress", "done")] \
         == [2, 2, 4]
     assert value("remoteloader_errors_total", outcome="skipped") == 2
+    assert value("remoteloader_worker_pieces_discarded_total", reason="stale_run") == 7
+    assert value("remoteloader_worker_pieces_discarded_total", reason="yielded") == 0
+    assert [s.labels["rank"] for s in parsed["remoteloader_client_last_batch_age_seconds"].samples] == ["0"]
     assert [value("remoteloader_client_batch_wait_seconds_bucket", rank="0", le=le)
             for le in ("0.01", "0.1", "+Inf")] == [100, 115, 120]
     assert value("remoteloader_client_batch_wait_seconds_count", rank="0") == 120
@@ -169,20 +176,22 @@ def _report(service: MasterService) -> list[str]:
     """Two workers and a client report through the service, as over the socket."""
     now, spec = service.now, service.spec
     call = service.handle
-    ids = [call({"t": "register", "addr": f"tcp://127.0.0.1:{7000 + i}", "pid": 10 + i})[1]["worker_id"]
-           for i in range(2)]
+    ids = [call({"t": "register", "addr": f"tcp://127.0.0.1:{7000 + i}", "pid": 10 + i,
+                 "fingerprint": spec.fingerprint()})[1]["worker_id"] for i in range(2)]
     for step in range(1, 4):
         now[0] += 1
         for wid in ids:
             call({"t": "heartbeat", "worker_id": wid, "buffered": step,
                   "stats": {"rows": 100 * step, "batches": step, "busy_s": 0.5 * step, "cpu": 0.25,
                             "capacity": 16, "io": {"requests": step, "bytes_requested": 1000 * step}}})
-    assert call({"t": "hello", "client_id": "c-1", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
-                 "fingerprint": spec.fingerprint()})[0] == "welcome"
-    call({"t": "start_epoch", "client_id": "c-1", "epoch": 0})
+    t, reply = call({"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
+                     "fingerprint": spec.fingerprint()})
+    assert t == "welcome"
+    service.session = reply["session"]  # the client's, for tests that report as it
+    call({"t": "start_epoch", "session": service.session, "epoch": 0})
     for step in range(1, 4):
         now[0] += 1
-        call({"t": "client_heartbeat", "client_id": "c-1", "epoch": 0, "acks": [],
+        call({"t": "client_heartbeat", "session": service.session, "seq": 0, "acks": [],
               "stats": {"wait_s": 0.5 * step, "starved_s": step / 6, "batches": 10 * step, "rows": 1000 * step, "queued": 1}})
     call({"t": "get_split", "worker_id": "w-nobody"})  # answered with an error (unknown_worker)
     return ids
@@ -269,7 +278,7 @@ def test_a_busy_loop_does_not_hang_the_scrape(service):
 
 
 def test_client_wait_histogram_from_what_the_loader_reports(service):
-    from remoteloader.client.loader import WAIT_BUCKETS_S, ClientStats
+    from remoteloader.client.stats import WAIT_BUCKETS_S, ClientStats
     from remoteloader.protocol import wire
 
     metrics = MasterMetrics(service)
@@ -278,7 +287,7 @@ def test_client_wait_histogram_from_what_the_loader_reports(service):
     stats.wait_buckets[0], stats.wait_buckets[4] = 5, 2                # 5 waits <= 1 ms, 2 <= 100 ms
     for _ in range(2):
         service.now[0] += 1
-        header, _ = wire.decode(wire.encode("client_heartbeat", client_id="c-1", epoch=0, acks=[],
+        header, _ = wire.decode(wire.encode("client_heartbeat", session=service.session, seq=0, acks=[],
                                             stats=stats.to_wire(0)))   # what goes over the socket
         service.handle(header)
     parsed = _parse(generate_latest(metrics.registry).decode())

@@ -227,17 +227,18 @@ class MasterService:
             raise RequestError(f"the master already has {len(self.state.workers)} workers (max_workers)", code="full")
         if not m["addr"].startswith("tcp://") or len(m["addr"]) > 256:
             raise RequestError(f"register: addr must be a tcp:// endpoint, got {m['addr'][:80]!r}")
-        self._require_job()
-        if m["fingerprint"] != self.state.job.fingerprint:
+        job = self.state.job
+        if job is not None and m["fingerprint"] != job.fingerprint:
             # A worker still compiled for a job this master no longer serves (a master
             # restarted on the same address with another spec): it fetches the spec again.
-            raise RequestError(f"this master serves job {self.state.job.fingerprint}, not {m['fingerprint'][:80]}",
+            raise RequestError(f"this master serves job {job.fingerprint}, not {m['fingerprint'][:80]}",
                                code="wrong_job")
         worker_id = "w-" + uuid.uuid4().hex[:10]
         self._commit(U.WorkerRegistered(worker_id, m["addr"], m["pid"], self.clock()))
         log.info("worker %s registered from %s (pid %d)", worker_id, m["addr"], m["pid"])
+        # Split tasks name the job too: a worker that registered before one existed checks each.
         return "registered", {"worker_id": worker_id, "heartbeat_interval": self.config.heartbeat_interval,
-                              "fingerprint": self.state.job.fingerprint}
+                              "fingerprint": m["fingerprint"] if job is None else job.fingerprint}
 
     def _on_get_spec(self, m: dict) -> Reply:
         self._require_job()
