@@ -20,7 +20,9 @@ os.environ["NUMBA_CACHE_DIR"] = kernel_cache_dir()
 from ..formats import DEFAULT_COALESCE_GAP  # noqa: E402
 from ..protocol import auth as cluster_auth  # noqa: E402
 from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address  # noqa: E402
-from .server import Faults, TableRefused, Worker  # noqa: E402
+from .faults import Faults  # noqa: E402
+from .lifecycle import TableRefused, WorkerFailed  # noqa: E402
+from .server import Worker  # noqa: E402
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -93,6 +95,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TableRefused as e:
         print(f"remoteloader-worker: {e}", file=sys.stderr)
         return 2
+    except WorkerFailed as e:  # logged with its traceback where it happened; the launcher replaces us
+        print(f"remoteloader-worker: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

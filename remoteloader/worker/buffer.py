@@ -1,92 +1,117 @@
-"""The worker's bounded buffer of finished batches, between the producer and the server.
+"""The worker's bounded buffer of pieces, between the producer and the pusher.
 
-Keyed by (rank, epoch): a piece is only ever handed to the trainer rank whose split it
-came from. A full buffer blocks the producer (backpressure: no reading ahead of demand).
+Keyed by run, ``(session, seq)``: a piece is only ever handed to the client session and
+epoch run its split was produced for. Which runs are still wanted is ``runs.Sessions``'s
+call; a piece of a run that is not is never stored (``put`` says ``dropped``), and pieces
+already stored when their run goes stale are discarded, counted by reason, and their
+splits queued to be handed back to the master (which requeues those still needed). So a
+discarded piece is never reported stored.
 
-No rank can starve another (security.md, "fair share"):
+A full buffer blocks the producer (backpressure: no reading ahead of demand). No rank can
+starve another (security.md, "fair share"):
 
 * each rank the worker serves holds at most its **share** of the capacity (the capacity
-  split evenly over the ranks that asked recently), so a rank that stops reading fills
-  its share and no more. A rank that filled a larger share before others arrived keeps
-  it until it reads; meanwhile the others may take the buffer up to twice its capacity;
-* the producer, blocked on a full share while another rank waits with nothing buffered,
+  split evenly over the sessions heard from recently; a rank has one live session), so a
+  rank that stops reading fills its share and no more. One that filled a larger share
+  before others arrived keeps it until it reads; meanwhile the others may take the buffer
+  up to twice its capacity;
+* the producer, blocked on a full share while another run waits with nothing buffered,
   **yields** the split (the master hands it out again, from what was consumed);
-* a rank **silent** past ``silent_after_s`` (no request since its pieces arrived) is
-  released: its pieces are dropped and its splits handed back to the master, to be
-  produced again should it return. The rank's next request takes it back.
+* a session **silent** past ``silent_after_s`` (no credit since its pieces arrived) is
+  released: its pieces are discarded and its splits handed back. Its next credit takes it back.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from typing import Callable, Optional
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable, Collection, Optional
 
 from ..core.processor import Piece
+from .runs import SESSION_GONE, Run, RunId, Sessions
 
-Key = tuple[int, int]  # (rank, epoch)
-
-# What ``put`` reports.
-STORED = "stored"
-STOPPED = "stopped"  # the worker is stopping
-RELEASED = "released"  # the rank is silent: this split goes back to the master
-YIELDED = "yielded"  # the rank's share is full while another rank starves: hand the split back
-YIELD_AFTER_S = 0.5  # how long a full share may block the producer while another rank starves
+SILENT, YIELDED, WRONG_JOB = "silent", "yielded", "wrong_job"
+YIELD_AFTER_S = 0.5  # how long a full share may block the producer while another run starves
 # A rank under its share may add pieces past the capacity while one over it (holding
 # more than it is owed since others arrived) drains: this bounds that overshoot.
 HARD_LIMIT = 2
 
 
-class BatchBuffer:
+@dataclass(frozen=True)
+class Outcome:
+    """What ``put`` did with a piece: ``stored``, ``stopped`` (the worker is stopping) or
+    ``dropped`` (``reason``, one of ``wire.DISCARD_REASONS``: the split goes back to the master)."""
+
+    kind: str
+    reason: str = ""
+
+    @property
+    def dropped(self) -> bool:
+        return self.kind == "dropped"
+
+
+STORED, STOPPED = Outcome("stored"), Outcome("stopped")
+
+
+class PieceBuffer:
     def __init__(self, capacity: int, silent_after_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
         self.silent_after_s = silent_after_s
         self._clock = clock
-        self._queues: dict[Key, deque] = {}
+        self._sessions = Sessions()
+        self._queues: dict[RunId, deque] = {}
+        self._runs: dict[RunId, Run] = {}  # rank and epoch of each queued run
         self._count = 0
-        self._latest: dict[int, int] = {}  # rank -> newest epoch a client asked for
-        self._heard: dict[int, float] = {}  # rank we hold work for -> when it last asked (or its first piece came)
-        self._released: set[int] = set()  # silent ranks: nothing is kept for them until they ask again
-        self._hungry: frozenset = frozenset()  # ranks holding credit with nothing buffered
+        self._hungry: frozenset = frozenset()  # sessions holding credit with nothing buffered
+        self._discarded: Counter = Counter()  # reason -> pieces, cumulative
+        self._unreleased: dict[str, set[tuple[int, int]]] = {}  # reason -> (epoch, split id)s to hand back
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
         return self._count
 
     # -- producer side -----------------------------------------------------------------
-    def put(self, key: Key, piece: Piece, stop: threading.Event) -> str:
-        """Add a piece, waiting while its rank's share (or the whole buffer) is full."""
-        rank = key[0]
+    def admit(self, run: Run) -> Optional[str]:
+        """A task of ``run`` arrived; why it must not be produced, or None."""
         with self._cond:
-            self._heard.setdefault(rank, self._clock())
-            # Pieces of an epoch the rank has not asked for yet (a prefetched next epoch)
-            # never wait: blocking on them could starve the epoch the trainer is in. The
-            # master hands a worker a next-epoch split only while it holds none ahead, so
-            # this overshoots the capacity by about one split.
-            ahead = self._is_ahead(key)
+            for session in self._sessions.admit(run, self._clock()):
+                self._discard(session, SESSION_GONE)
+            return self._sessions.stale(run.id)
+
+    def put(self, run: Run, piece: Piece, stop: threading.Event) -> Outcome:
+        """Add a piece, waiting while its rank's share (or the whole buffer) is full."""
+        with self._cond:
             blocked_since = None
-            while not ahead and not stop.is_set() and rank not in self._released and self._full_for(rank):
+            while True:
+                reason = self._unwanted(run)
+                if stop.is_set() or reason is not None or self._sessions.is_ahead(run.id) \
+                        or not self._full_for(run.session):
+                    break
+                # Pieces a client has not asked for yet (a prefetched next epoch) never wait
+                # (above): blocking on them could starve the epoch the trainer is in.
                 now = self._clock()
                 blocked_since = now if blocked_since is None else blocked_since
-                if self._hungry - {rank} and now - blocked_since >= YIELD_AFTER_S:
-                    return YIELDED
+                if self._hungry - {run.session} and now - blocked_since >= YIELD_AFTER_S:
+                    reason = YIELDED
+                    break
                 self._cond.wait(0.1)
             if stop.is_set():
                 return STOPPED
-            if rank in self._released:
-                return RELEASED
-            if key[1] < self._latest.get(rank, key[1]):
-                return STORED  # that client has moved on to a later epoch: nobody will ask for this
-            self._queues.setdefault(key, deque()).append(piece)
+            if reason is not None:
+                self._discarded[reason] += 1
+                return Outcome("dropped", reason)
+            self._queues.setdefault(run.id, deque()).append(piece)
+            self._runs[run.id] = run
             self._count += 1
             return STORED
 
     def wait_for_room(self, stop: threading.Event) -> bool:
-        """Wait until pieces of epochs that clients are reading leave room, or a rank waits
-        with nothing buffered (the rank holding the room is over its share: the new split
-        is for another). Pieces held for a next epoch do not count, so they can never keep
-        the worker from the current one."""
+        """Wait until pieces of runs that clients are reading leave room, or a run waits
+        with nothing buffered (the one holding the room is over its share: the new split
+        is for another). Pieces held ahead do not count, so they can never keep the
+        worker from the current epoch."""
         with self._cond:
             while not stop.is_set() and (self._current_count() >= HARD_LIMIT * self.capacity
                                          or (self._current_count() >= self.capacity and not self._hungry)):
@@ -96,92 +121,149 @@ class BatchBuffer:
     def blocked_ranks(self) -> list[int]:
         """Ranks the producer should not take a split of now: silent, or at their share."""
         with self._cond:
-            ranks = {k[0] for k in self._queues} | self._released
-            return sorted(r for r in ranks if r in self._released or self._full_for(r))
+            held = self._held_sessions()
+            return sorted({state.rank for session, state in self._sessions.items() if state.rank is not None
+                           and (state.silent or (session in held and self._full_for(session)))})
 
-    # -- server side -------------------------------------------------------------------
-    def heard_from(self, rank: int) -> None:
-        """A request of ``rank`` arrived: it is reading, and is owed its share again."""
+    # -- pusher side -------------------------------------------------------------------
+    def credited(self, run: RunId) -> bool:
+        """A client granted credit for ``run``: it reads that run, so its session's older
+        runs are stale and it is owed its share again. False if the run is not wanted."""
         with self._cond:
-            if rank in self._heard:  # only ranks the master gave us work for count (a flood of made-up ranks does not)
-                self._heard[rank] = self._clock()
-            self._released.discard(rank)
+            if not self._sessions.credit(run, self._clock()):
+                return False
+            self._discard_stale(run[0])
+            return True
 
-    def set_hungry(self, ranks: frozenset) -> None:
+    def stale(self, run: RunId) -> bool:
         with self._cond:
-            self._hungry = ranks
+            return self._sessions.stale(run) is not None
 
-    def release_silent(self) -> list[tuple[int, int]]:
-        """Drop the pieces of ranks silent past ``silent_after_s``; their (epoch, split id)s,
-        which the master must hand out again."""
+    def set_hungry(self, runs: Collection[RunId]) -> None:
         with self._cond:
-            cutoff = self._clock() - self.silent_after_s
-            silent = {k[0] for k, q in self._queues.items() if q and self._heard.get(k[0], cutoff) <= cutoff}
-            released: set[tuple[int, int]] = set()
-            for key in [k for k in self._queues if k[0] in silent]:
-                queue = self._queues.pop(key)
-                released.update((key[1], p.split_id) for p in queue)
-                self._count -= len(queue)
-            self._released |= silent
-            held = {k[0] for k in self._queues}
-            self._heard = {r: t for r, t in self._heard.items() if t > cutoff or r in held}
-            if silent:
-                self._cond.notify_all()
-            return sorted(released)
+            self._hungry = frozenset(session for session, _ in runs)
 
-    def ahead_count(self) -> int:
-        """Pieces held for epochs their rank has not started reading (prefetched)."""
+    def pop(self, run: RunId) -> Optional[Piece]:
         with self._cond:
-            return self._count - self._current_count()
-
-    def pop(self, key: Key) -> Optional[Piece]:
-        with self._cond:
-            queue = self._queues.get(key)
+            queue = self._queues.get(run)
             if not queue:
                 return None
             self._count -= 1
             self._cond.notify_all()
             return queue.popleft()
 
-    def held(self, key: Key) -> int:
-        """Pieces queued for (rank, epoch)."""
+    def held(self, run: RunId) -> int:
         with self._cond:
-            queue = self._queues.get(key)
+            queue = self._queues.get(run)
             return len(queue) if queue else 0
 
-    def put_back(self, key: Key, pieces: list[Piece]) -> None:
-        """Return pieces that could not be delivered to the front of their queue, in order."""
+    def put_back(self, run: RunId, pieces: list[Piece]) -> None:
+        """Return pieces that could not be delivered to the front of their queue, in order
+        (or discard them, if their run went stale meanwhile)."""
         with self._cond:
-            self._queues.setdefault(key, deque()).extendleft(reversed(pieces))
+            if run not in self._runs:  # its session went away meanwhile: nobody needs these pieces
+                self._discarded[SESSION_GONE] += len(pieces)
+                return
+            self._queues.setdefault(run, deque()).extendleft(reversed(pieces))
             self._count += len(pieces)
+            self._discard_stale(run[0])
 
-    def drop_before(self, rank: int, epoch: int) -> int:
-        """Forget pieces of a rank's earlier epochs: that client has moved on, so they are stale."""
+    # -- control side ------------------------------------------------------------------
+    def mark(self) -> int:
+        """Call before sending a heartbeat; pass the result to ``keep_sessions`` with its reply."""
         with self._cond:
-            self._latest[rank] = max(epoch, self._latest.get(rank, epoch))
-            stale = [k for k in self._queues if k[0] == rank and k[1] < epoch]
-            dropped = sum(len(self._queues.pop(k)) for k in stale)
-            self._count -= dropped
-            if dropped:
-                self._cond.notify_all()
-            return dropped
+            return self._sessions.mark()
+
+    def keep_sessions(self, live: Collection[str], mark: int) -> None:
+        """The master's live sessions: pieces of every other session seen before ``mark`` go."""
+        with self._cond:
+            for session in self._sessions.keep(live, mark):
+                self._discard(session, SESSION_GONE)
+
+    def release_silent(self) -> None:
+        """Discard the pieces of sessions silent past ``silent_after_s``; forget sessions
+        silent twice that long with nothing held."""
+        with self._cond:
+            now = self._clock()
+            held = self._held_sessions()
+            silent = [s for s, state in self._sessions.items()
+                      if s in held and state.heard <= now - self.silent_after_s]
+            for session in silent:
+                self._sessions.get(session).silent = True
+                self._discard(session, SILENT)
+            self._sessions.expire([s for s, state in self._sessions.items()
+                                   if s not in held and state.heard <= now - 2 * self.silent_after_s])
+            # A dropped run's epoch stays known until here, for pieces the pusher puts back.
+            self._runs = {run: r for run, r in self._runs.items() if run in self._queues}
+
+    def discard_all(self, reason: str) -> None:
+        """Discard every piece (the worker now serves another job). Nothing is queued to be
+        handed back: those splits belong to a job the master no longer runs."""
+        with self._cond:
+            for queue in self._queues.values():
+                self._discarded[reason] += len(queue)
+            self._queues.clear()
+            self._runs.clear()
+            self._count = 0
+            self._cond.notify_all()
+
+    def take_released(self) -> dict[str, list[tuple[int, int]]]:
+        """Reason -> (epoch, split id)s of discarded pieces, for ``splits_released``."""
+        with self._cond:
+            released, self._unreleased = self._unreleased, {}
+            return {reason: sorted(splits) for reason, splits in released.items()}
+
+    def discarded(self) -> dict[str, int]:
+        """Pieces discarded so far, by reason (heartbeat ``stats.discarded``)."""
+        with self._cond:
+            return dict(self._discarded)
+
+    def ahead_count(self) -> int:
+        """Pieces held for runs their client has not started reading (prefetched)."""
+        with self._cond:
+            return self._count - self._current_count()
 
     # -- internals (called holding the lock) ----------------------------------------------
-    def _is_ahead(self, key: Key) -> bool:
-        rank, epoch = key
-        return rank in self._latest and epoch > self._latest[rank]
+    def _unwanted(self, run: Run) -> Optional[str]:
+        state = self._sessions.get(run.session)
+        if state is not None and state.silent:
+            return SILENT
+        return self._sessions.stale(run.id)
+
+    def _discard_stale(self, session: str) -> None:
+        for run in [r for r in self._queues if r[0] == session]:
+            reason = self._sessions.stale(run)
+            if reason is not None:
+                self._drop_queue(run, reason)
+
+    def _discard(self, session: str, reason: str) -> None:
+        for run in [r for r in self._queues if r[0] == session]:
+            self._drop_queue(run, reason)
+
+    def _drop_queue(self, run: RunId, reason: str) -> None:
+        queue = self._queues.pop(run)
+        epoch = self._runs[run].epoch
+        if queue:
+            self._discarded[reason] += len(queue)
+            self._unreleased.setdefault(reason, set()).update((epoch, p.split_id) for p in queue)
+            self._count -= len(queue)
+            self._cond.notify_all()
+
+    def _held_sessions(self) -> set[str]:
+        return {run[0] for run, queue in self._queues.items() if queue}
 
     def _current_count(self) -> int:
-        return self._count - sum(len(q) for k, q in self._queues.items() if self._is_ahead(k))
+        return self._count - sum(len(q) for r, q in self._queues.items() if self._sessions.is_ahead(r))
 
-    def _rank_current(self, rank: int) -> int:
-        return sum(len(q) for k, q in self._queues.items() if k[0] == rank and not self._is_ahead(k))
+    def _session_current(self, session: str) -> int:
+        return sum(len(q) for r, q in self._queues.items() if r[0] == session and not self._sessions.is_ahead(r))
 
     def _share(self) -> int:
-        """The capacity split evenly over the ranks heard from recently (at least one piece)."""
+        """The capacity split evenly over the sessions heard from recently (at least one piece)."""
         cutoff = self._clock() - self.silent_after_s
-        live = sum(1 for r, t in self._heard.items() if t > cutoff and r not in self._released)
+        live = sum(1 for _, state in self._sessions.items()
+                   if state.rank is not None and state.heard > cutoff and not state.silent)
         return max(1, self.capacity // max(1, live))
 
-    def _full_for(self, rank: int) -> bool:
-        return self._rank_current(rank) >= self._share() or self._current_count() >= HARD_LIMIT * self.capacity
+    def _full_for(self, session: str) -> bool:
+        return self._session_current(session) >= self._share() or self._current_count() >= HARD_LIMIT * self.capacity

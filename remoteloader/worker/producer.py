@@ -1,0 +1,156 @@
+"""The producer thread: asks the master for a split, processes it, and puts its pieces
+into the buffer (blocking while it is full)."""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Callable, Optional
+
+import zmq
+
+from ..core.allowlist import TableAllowlist
+from ..core.processor import SplitError, SplitTask
+from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from .buffer import STOPPED, WRONG_JOB, PieceBuffer
+from .faults import Faults
+from .lifecycle import Lifecycle
+from .runs import Run
+from .session import CurrentSession, WorkerSession
+
+log = logging.getLogger(__name__)
+NOTIFY = "inproc://worker-notify"  # the producer wakes the pusher here
+
+
+class ProducerStats:
+    """Cumulative counters for heartbeats; written by the producer only."""
+
+    def __init__(self) -> None:
+        self.rows = self.batches = self.splits = 0
+        self.busy_s = 0.0
+        self.producing: Optional[list[int]] = None  # [epoch, split_id, pieces produced]
+
+    def to_dict(self) -> dict:
+        stats = {"rows": self.rows, "batches": self.batches, "splits": self.splits, "busy_s": self.busy_s}
+        producing = self.producing
+        if producing is not None:
+            stats["split"] = list(producing)
+        return stats
+
+
+class Producer:
+    def __init__(self, lifecycle: Lifecycle, current: CurrentSession, buffer: PieceBuffer, ctx: zmq.Context,
+                 connect: Callable[[], RpcClient], allowlist: TableAllowlist, faults: Faults) -> None:
+        self.lifecycle = lifecycle
+        self.current = current
+        self.buffer = buffer
+        self.ctx = ctx
+        self.connect = connect
+        self.allowlist = allowlist
+        self.faults = faults
+        self.stats = ProducerStats()
+
+    def run(self) -> None:
+        stop = self.lifecycle.stop
+        rpc = self.connect()
+        notify = self.ctx.socket(zmq.PUSH)
+        notify.connect(NOTIFY)
+        retired: Optional[WorkerSession] = None  # a session found to serve another job
+        try:
+            while self.buffer.wait_for_room(stop):
+                session = self.current.wait(stop, not_this=retired)
+                if session is None:
+                    return
+                if self.lifecycle.draining.is_set():
+                    stop.wait(0.1)
+                    continue
+                task = self._next_task(rpc, session)
+                if task is None:
+                    continue
+                if task.fingerprint != session.fingerprint:
+                    log.warning("%s is for job %s, this worker's pipeline for %s", task.describe(),
+                                task.fingerprint, session.fingerprint)
+                    self._release(rpc, session, task, WRONG_JOB)
+                    self.current.report_wrong_job(session)
+                    retired = session
+                elif not self.allowlist.allows(task.file.path):
+                    self._report_failure(rpc, session, task, f"{task.describe()}: file {task.file.path!r} is "
+                                                             "outside this worker's --allow-table prefixes")
+                else:
+                    self._process(rpc, session, task, notify)
+        finally:
+            rpc.close()
+            notify.close(linger=0)
+
+    def _next_task(self, rpc: RpcClient, session: WorkerSession) -> Optional[SplitTask]:
+        stop = self.lifecycle.stop
+        try:
+            reply = rpc.call("get_split", worker_id=session.worker_id, avoid_ranks=self.buffer.blocked_ranks(),
+                             stop=stop)
+        except (MasterUnavailable, RemoteError) as e:  # an unknown worker: the control thread registers again
+            log.warning("get_split: %s", e)
+            stop.wait(0.5)
+            return None
+        if reply["t"] == "no_split":
+            stop.wait(reply["retry_ms"] / 1000)
+            return None
+        try:
+            return SplitTask.from_wire(reply["split"])
+        except ValueError as e:  # the master re-queues it when the split times out
+            log.error("dropped a malformed split from the master: %s", e)
+            stop.wait(0.5)
+            return None
+
+    def _process(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, notify: zmq.Socket) -> None:
+        run = Run.of(task)
+        unwanted = self.buffer.admit(run)
+        if unwanted is not None:
+            self._release(rpc, session, task, unwanted)
+            return
+        stop = self.lifecycle.stop
+        start = time.perf_counter()
+        self.stats.producing = [task.epoch, task.split_id, 0]
+        try:
+            for piece in session.processor.pieces(task):
+                self.faults.before_piece(stop)
+                outcome = self.buffer.put(run, piece, stop)
+                if outcome is STOPPED:
+                    return
+                if outcome.dropped:
+                    self._release(rpc, session, task, outcome.reason)
+                    return
+                self.stats.producing[2] += 1
+                self.stats.rows += piece.rows
+                self.stats.batches += 1
+                # Wake the pusher only when it may have found this queue empty: with pieces
+                # already queued it is sending them (or waits for credit, whose arrival wakes
+                # it), and a wake-up per piece costs both threads the GIL.
+                if self.buffer.held(run.id) == 1:
+                    notify.send(b"")
+            self.stats.splits += 1
+            # Still reported as producing until the master knows it is produced, so a
+            # heartbeat in between never makes the split look abandoned.
+            self._call_quietly(rpc, "split_produced", worker_id=session.worker_id, epoch=task.epoch,
+                               split_id=task.split_id)
+        except SplitError as e:
+            self._report_failure(rpc, session, task, str(e))
+        except Exception:  # a bug in processing one split must surface in its client, not hang the job
+            self._report_failure(rpc, session, task, f"{task.describe()}: worker error:\n{traceback.format_exc()}")
+        finally:
+            self.stats.producing = None
+            self.stats.busy_s += time.perf_counter() - start
+
+    def _release(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, reason: str) -> None:
+        self._call_quietly(rpc, "splits_released", worker_id=session.worker_id, splits=[[task.epoch, task.split_id]],
+                           reason=reason)
+
+    def _report_failure(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, message: str) -> None:
+        log.error("%s", message)
+        self._call_quietly(rpc, "split_failed", worker_id=session.worker_id, epoch=task.epoch,
+                           split_id=task.split_id, error=message[:8000])
+
+    def _call_quietly(self, rpc: RpcClient, t: str, **fields) -> None:
+        try:
+            rpc.call(t, stop=self.lifecycle.stop, **fields)
+        except (MasterUnavailable, RemoteError) as e:
+            log.warning("%s: %s", t, e)

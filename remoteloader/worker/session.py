@@ -1,0 +1,131 @@
+"""The worker's session with its master: who it is there, which job, and the pipeline for it.
+
+One immutable ``WorkerSession`` that only the control thread replaces (``CurrentSession``);
+the producer and the pusher read the current reference, so no thread ever sees a worker id
+of one registration with the pipeline of another, or no worker id at all: while the worker
+(re-)registers there is no session, and the producer waits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from ..core.allowlist import TableAllowlist
+from ..core.binding import bind_schema
+from ..core.processor import SplitProcessor
+from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from ..spec import DatasetSpec
+from .lifecycle import Lifecycle, TableRefused
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSession:
+    worker_id: str
+    fingerprint: str  # the job (spec fingerprint) the processor was compiled for
+    processor: SplitProcessor
+    heartbeat_interval: float
+
+
+class CurrentSession:
+    """The session now in force. ``publish`` and ``retract`` belong to the control thread;
+    the producer may only say that the session it holds serves another job."""
+
+    def __init__(self) -> None:
+        self._session: Optional[WorkerSession] = None
+        self._wrong_job: Optional[WorkerSession] = None
+        self._cond = threading.Condition()
+
+    def get(self) -> Optional[WorkerSession]:
+        return self._session
+
+    def wait(self, stop: threading.Event, not_this: Optional[WorkerSession] = None) -> Optional[WorkerSession]:
+        """The current session once there is one (other than ``not_this``); None on stop."""
+        with self._cond:
+            while not stop.is_set() and (self._session is None or self._session is not_this):
+                self._cond.wait(0.1)
+            return None if stop.is_set() else self._session
+
+    def publish(self, session: WorkerSession) -> None:
+        with self._cond:
+            self._session, self._wrong_job = session, None
+            self._cond.notify_all()
+
+    def retract(self) -> None:
+        with self._cond:
+            self._session = None
+
+    def report_wrong_job(self, session: WorkerSession) -> None:
+        """A split of ``session``'s master is for another job than its pipeline."""
+        with self._cond:
+            if self._session is session:
+                self._wrong_job = session
+
+    def wrong_job(self) -> bool:
+        return self._wrong_job is not None and self._wrong_job is self._session
+
+
+class Registrar:
+    """Fetches the job's spec, compiles its pipeline, then registers, in that order so
+    that the master only counts on a worker that is ready (compiling kernels holds the GIL
+    for seconds, long enough to miss heartbeats). A master may have no job yet, restart
+    and forget us, or run another job: every step retries until it succeeds or the worker
+    is asked to leave."""
+
+    def __init__(self, addr: str, allowlist: TableAllowlist, coalesce_gap: int, lifecycle: Lifecycle) -> None:
+        self.addr = addr
+        self.allowlist = allowlist
+        self.coalesce_gap = coalesce_gap
+        self.lifecycle = lifecycle
+
+    def join(self, rpc: RpcClient, previous: Optional[WorkerSession] = None,
+             rebuild: bool = False) -> Optional[WorkerSession]:
+        """A new session (the pipeline kept when the job is the same); None if the worker
+        is asked to leave first. Raises TableRefused for a job outside --allow-table."""
+        processor = None if previous is None or rebuild else previous.processor
+        fingerprint = "" if processor is None else previous.fingerprint
+        while not self.lifecycle.leaving():
+            try:
+                if processor is None:
+                    processor, fingerprint = self._build(rpc, previous)
+                reply = rpc.call("register", addr=self.addr, pid=os.getpid(), fingerprint=fingerprint,
+                                 stop=self.lifecycle.stop)
+                if reply["fingerprint"] != fingerprint:
+                    log.warning("the master runs job %s, not %s: rebuilding", reply["fingerprint"], fingerprint)
+                    self._leave(rpc, reply["worker_id"])
+                    processor = None
+                    continue
+                log.info("worker %s serving on %s (job %s)", reply["worker_id"], self.addr, fingerprint)
+                return WorkerSession(reply["worker_id"], fingerprint, processor, float(reply["heartbeat_interval"]))
+            except MasterUnavailable as e:
+                log.warning("%s; retrying", e)
+            except RemoteError as e:
+                if e.code == "wrong_job":
+                    log.warning("%s: rebuilding for the master's job", e)
+                    processor = None
+                else:  # no job yet, or the master is full: ask again shortly
+                    self.lifecycle.stop.wait(0.2)
+        return None
+
+    def _build(self, rpc: RpcClient, previous: Optional[WorkerSession]) -> tuple[SplitProcessor, str]:
+        reply = rpc.call("get_spec", stop=self.lifecycle.stop)
+        if previous is not None and reply["fingerprint"] == previous.fingerprint:
+            return previous.processor, previous.fingerprint
+        spec = DatasetSpec.from_dict(reply["spec"])
+        if not self.allowlist.allows(spec.table.path):
+            raise TableRefused(f"the master's job reads table {spec.table.path!r}, outside this "
+                               "worker's --allow-table prefixes; refusing to serve it")
+        processor = SplitProcessor(bind_schema(spec, reply["schema"]), self.coalesce_gap)
+        processor.warm_up()
+        return processor, reply["fingerprint"]
+
+    def _leave(self, rpc: RpcClient, worker_id: str) -> None:
+        """Undo a registration made with the wrong pipeline, so it never gets a split."""
+        try:
+            rpc.call("bye", worker_id=worker_id, timeout_s=1.0, stop=self.lifecycle.stop)
+        except (MasterUnavailable, RemoteError):
+            pass  # it times out on the master instead
