@@ -45,6 +45,41 @@ def encode_request(version: int, t: str, **fields) -> bytes:
     return msgpack.packb({"v": version, "t": t, **fields}, use_bin_type=True)
 
 
+class Peers:
+    """The simulated peers' requests in the protocol version of the master under test (from 7
+    on, the master issues client sessions and runs, and workers name their job)."""
+
+    def __init__(self, version: int, fingerprint: str) -> None:
+        self.version, self.fingerprint = version, fingerprint
+        self.request = partial(encode_request, version)
+        self.sessions: dict[int, str] = {}
+        self.seqs: dict[int, int] = {}
+
+    def register(self, i: int) -> bytes:
+        extra = {"fingerprint": self.fingerprint} if self.version >= 7 else {}
+        return self.request("register", addr=f"tcp://127.0.0.1:{10000 + i}", pid=1000 + i, **extra)
+
+    def hello(self, r: int, ranks: int, spec: dict) -> bytes:
+        extra = {} if self.version >= 7 else {"client_id": f"c{r}"}
+        return self.request("hello", rank=r, world_size=ranks, spec=spec, fingerprint=self.fingerprint, **extra)
+
+    def welcomed(self, r: int, reply: dict) -> None:
+        self.sessions[r] = reply.get("session", f"c{r}")
+
+    def start_epoch(self, r: int) -> bytes:
+        return self.request("start_epoch", epoch=0, **self._client(r))
+
+    def started(self, r: int, reply: dict) -> None:
+        self.seqs[r] = reply.get("seq", 0)
+
+    def client_heartbeat(self, r: int, acks: list, stats: dict) -> bytes:
+        run = {"seq": self.seqs[r]} if self.version >= 7 else {"epoch": 0}
+        return self.request("client_heartbeat", acks=acks, stats=stats, **self._client(r), **run)
+
+    def _client(self, r: int) -> dict:
+        return {"session": self.sessions[r]} if self.version >= 7 else {"client_id": self.sessions[r]}
+
+
 def protocol_version(src: Path) -> int:
     """The protocol version the master under ``src`` speaks (the baseline may be older)."""
     text = (src / "remoteloader" / "protocol" / "wire.py").read_text()
@@ -92,7 +127,6 @@ class Load:
 
 
 def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: float) -> dict:
-    request = partial(encode_request, protocol_version(src))
     journal = Path(tempfile.mkdtemp(prefix="rl-cp-journal-"))
     env = {**os.environ, "PYTHONPATH": str(src)}
     master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
@@ -103,13 +137,15 @@ def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: floa
     load = Load(addr)
     try:
         spec = DatasetSpec.from_file(spec_path)
-        ids = [load.call(i, request("register", addr=f"tcp://127.0.0.1:{10000 + i}", pid=1000 + i))["worker_id"]
-               for i in range(workers)]
+        peers = Peers(protocol_version(src), spec.fingerprint())
+        request = peers.request
+        ids = [load.call(i, peers.register(i))["worker_id"] for i in range(workers)]
         splits = {}
         for r in range(ranks):
-            load.call(r, request("hello", client_id=f"c{r}", rank=r, world_size=ranks, spec=spec.to_dict(),
-                                 fingerprint=spec.fingerprint()))
-            splits[r] = [s[0] for s in load.call(r, request("start_epoch", client_id=f"c{r}", epoch=0))["splits"]]
+            peers.welcomed(r, load.call(r, peers.hello(r, ranks, spec.to_dict())))
+            reply = load.call(r, peers.start_epoch(r))
+            peers.started(r, reply)
+            splits[r] = [s[0] for s in reply["splits"]]
         stats = {"rows": 0, "batches": 0, "splits": 0, "busy_s": 0.0, "cpu": 0.5, "capacity": 16, "ahead": 0,
                  "mem": 1e8, "time": 0.0}
         size0 = sum(f.stat().st_size for f in journal.iterdir())
@@ -125,8 +161,8 @@ def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: floa
                 next_worker[i] += 0.5
             for r in np.flatnonzero(next_rank <= now):
                 acked[r] += 1  # one more piece of the rank's first split consumed, as a training loop does
-                load.send(r, request("client_heartbeat", client_id=f"c{r}", epoch=0,
-                                     acks=[[splits[r][0], acked[r]]], stats={"batches": acked[r], "wait_s": 0.0}))
+                load.send(r, peers.client_heartbeat(r, [[splits[r][0], acked[r]]],
+                                                    {"batches": acked[r], "wait_s": 0.0}))
                 next_rank[r] += 0.25
             load.drain(1)
         elapsed = time.perf_counter() - start  # the load's period: the last replies are collected after it

@@ -134,7 +134,7 @@ def spec_for(path: str) -> dict:
 
 
 def hello(spec: dict, world_size: int = 1, rank: int = 0) -> list:
-    return msg("hello", client_id="redteam", rank=rank, world_size=world_size, spec=spec,
+    return msg("hello", rank=rank, world_size=world_size, spec=spec,
                fingerprint=DatasetSpec.from_dict(spec).fingerprint())
 
 
@@ -182,7 +182,7 @@ def spec_files(t: Target) -> dict[str, Callable[[], Outcome]]:
 
 def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]]:
     def outsider_master() -> Outcome:
-        asks = [msg("status"), msg("get_spec"), msg("register", addr="tcp://127.0.0.1:9", pid=1)]
+        asks = [msg("status"), msg("get_spec"), msg("register", addr="tcp://127.0.0.1:9", pid=1, fingerprint="x")]
         return Outcome(all(t.ask(t.addr, m, c) is None for m in asks for c in (None, t.rogue)))
 
     def outsider_worker() -> Outcome:
@@ -190,7 +190,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         for creds in (None, t.rogue):
             sock = t.socket(worker_addr, creds)
             for _ in range(40):
-                send(sock, msg("credit", rank=0, epoch=0, batches=1, bytes=1 << 30))
+                send(sock, msg("credit", session="s-0", seq=0, batches=1, bytes=1 << 30))
             while sock.poll(500):
                 sock.recv_multipart()
                 rows += 1
@@ -221,7 +221,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         sock = t.socket(t.addr, t.keys)
         codes = []
         for i in range(150):
-            send(sock, msg("register", addr=f"tcp://127.0.0.1:{20000 + i}", pid=1))
+            send(sock, msg("register", addr=f"tcp://127.0.0.1:{20000 + i}", pid=1, fingerprint="x"))
             if sock.poll(2000):
                 codes.append(wire.decode(sock.recv_multipart())[0].get("code"))
         sock.close()
@@ -232,7 +232,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         sock = t.socket(worker_addr, t.keys)
         sock.setsockopt(zmq.RCVHWM, 10)
         for _ in range(5000):
-            send(sock, msg("credit", rank=5, epoch=0, batches=1, bytes=1 << 30))
+            send(sock, msg("credit", session="s-5", seq=0, batches=1, bytes=1 << 30))
         time.sleep(1.0)
         sock.close()
         return Outcome(True)
@@ -240,13 +240,13 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
     return {
         "outsider: status / get_spec / register at the master": outsider_master,
         "outsider: credit x40 and drain at a worker": outsider_worker,
-        "insider: credit for epoch 2**62": lambda: Outcome(
-            t.ask(worker_addr, msg("credit", rank=0, epoch=2**62, batches=1, bytes=1 << 30), t.keys, 0.5) is None),
+        "insider: credit for run 2**62": lambda: Outcome(
+            t.ask(worker_addr, msg("credit", session="s-0", seq=2**62, batches=1, bytes=1 << 30), t.keys, 0.5) is None),
         "insider: heartbeat stats cpu='x'": bad_stats({"cpu": "x"}),
         "insider: heartbeat stats rows='x'": bad_stats({"rows": "x"}),
         "insider: heartbeat stats split of two items": bad_stats({"split": [0, 1]}),
         "insider: start_epoch -1": lambda: Outcome(is_error(t.ask(t.addr, msg(
-            "start_epoch", client_id="redteam", epoch=-1), t.keys))),
+            "start_epoch", session="redteam", epoch=-1), t.keys))),
         "insider: hello with world_size 3e7": lambda: Outcome(is_error(t.ask(t.addr, hello(
             spec_for(str(t.table)), world_size=30_000_000), t.keys), "bad_rank", "spec_mismatch")),
         "insider: split_failed for a split it does not hold": lambda: Outcome(is_error(t.ask(t.addr, msg(

@@ -33,16 +33,21 @@ def measure(workers: int, ranks: int, splits_per_rank: int) -> dict:
     n = ranks * splits_per_rank
     units = tuple(Unit(i, i * 640, 640, 1) for i in range(n))
     files = [DataFile("f0", "orc", "", n * 640, n, units).to_wire()]
-    st = JobState(max_workers_per_client=32)
+    # From protocol 7 on, the service decides partitions (journaled) and epochs are runs of a
+    # client session; the baseline tree decided partitions inside apply.
+    sessions = hasattr(U, "PartitionsChanged")
+    st = JobState() if sessions else JobState(max_workers_per_client=32)
     st.apply(U.JobSubmitted(SPEC, "fp", {"x": "float"}, files,
                             [[0, i, i + 1, 640, 640, 640 * i] for i in range(n)], []))
     for w in range(workers):
         st.apply(U.WorkerRegistered(f"w{w}", "tcp://127.0.0.1:1", w, 0.0))
     for r in range(ranks):
         st.apply(U.ClientJoined(f"c{r}", r, ranks, 0.0))
+    if sessions:
+        st.apply(U.PartitionsChanged(sorted([r, m] for r, m in st.balanced_partitions(32).items())))
     t = time.perf_counter()
     for r in range(ranks):
-        st.apply(U.EpochStarted(r, 0))
+        st.apply(U.EpochStarted(r, 0, f"c{r}", 0) if sessions else U.EpochStarted(r, 0))
     start_s = time.perf_counter() - t
 
     decisions, t = 0, time.perf_counter()
@@ -56,8 +61,8 @@ def measure(workers: int, ranks: int, splits_per_rank: int) -> dict:
             if chosen is None:
                 idle += 1
                 continue
-            epoch, progress = chosen
-            st.apply(U.SplitAssigned(epoch, progress.split.id, f"w{w}", 0.0))
+            run, progress = chosen
+            st.apply(U.SplitAssigned(run.epoch if sessions else run, progress.split.id, f"w{w}", 0.0))
             assigned.append((progress.split.rank, progress.split.id, progress.pieces))
     choose_s = time.perf_counter() - t
 
