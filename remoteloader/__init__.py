@@ -11,7 +11,16 @@ imported at run time). ``spec`` and ``columns`` are the vocabulary all of them s
 """
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from .core.procs import kernel_cache_dir
+
+# Every entry point (a training script's loader, LocalDataset, master, worker, tools) imports
+# this package before any module of it imports numba, which reads its cache directory then:
+# so compiled kernels land in one per-user cache (or the user's $NUMBA_CACHE_DIR), never in
+# the source tree.
+os.environ["NUMBA_CACHE_DIR"] = kernel_cache_dir()
 
 
 def _version() -> str:

@@ -1,4 +1,5 @@
-"""Child processes that never outlive the process that started them."""
+"""Process set-up: child processes that never outlive their parent, and where compiled
+kernels are cached."""
 from __future__ import annotations
 
 import ctypes
@@ -11,9 +12,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def kernel_cache_dir() -> str:
-    """Where a worker keeps compiled kernels: ``$NUMBA_CACHE_DIR`` if set, else a
-    per-user directory, so every worker after the first on a machine loads them instead
-    of compiling (also when the package is installed read-only)."""
+    """Where remoteloader's processes keep numba's compiled kernels: ``$NUMBA_CACHE_DIR``
+    if set, else a per-user directory, so every process after the first on a machine
+    loads them instead of compiling (also when the package is installed read-only)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(base, "remoteloader", "numba")
 

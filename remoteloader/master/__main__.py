@@ -18,13 +18,14 @@ from ..protocol.address import DefaultsHelpFormatter, address_type
 from ..spec import DatasetSpec, SpecError
 from .autoscale import AutoscaleConfig, Autoscaler, CpuTargetConfig, CpuTargetPolicy
 from .journal import Journal
-from .launcher import make_launcher
+from .launcher import LauncherThread, make_launcher
 from .metrics import MasterMetrics
 from .server import MasterServer
 from .service import MasterConfig, MasterService
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+log = logging.getLogger("remoteloader.master")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,17 +135,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     served = [*args.allow_table, *([service.state.job.spec["table"]["path"]] if service.state.job else [])]
     worker_args = [*(a for prefix in served for a in ("--allow-table", prefix)), *shlex.split(args.worker_args)]
     try:
-        launcher = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
-                                 ray_auth_token_path=args.ray_auth_token_file,
-                                 ray_detached_prefix=args.ray_detached_workers,
-                                 worker_args=worker_args, buffer_batches=args.worker_buffer,
-                                 auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
+        engine = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
+                               ray_auth_token_path=args.ray_auth_token_file,
+                               ray_detached_prefix=args.ray_detached_workers,
+                               worker_args=worker_args, buffer_batches=args.worker_buffer,
+                               auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
     except (ValueError, ImportError, ConnectionError) as e:
         print(f"remoteloader-master: {e}", file=sys.stderr)
         if metrics is not None:
             metrics.close()
         server.close()
         return 2
+    # Built above before the loop serves (Ray connects, adopts detached workers), then owned by
+    # its own thread: the loop only queues commands and reads the counts it posts.
+    launcher = LauncherThread(engine)
     scaling = _autoscale_config(args, service)
     autoscaler = None
     if scaling is not None:
@@ -164,6 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if launcher.reap():
                 launcher.start(args.workers - launcher.running())
         server.periodic.append(keep_workers)
+    elif not launcher.running():  # otherwise a client would wait out its timeout in silence
+        log.warning("this master starts no workers (--workers 0, no autoscaling): start them by hand with "
+                    "remoteloader-worker --master %s%s", server.addr, " --auth DIR" if creds is not None else "")
 
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())

@@ -6,6 +6,10 @@ master like any other worker. Scale-down never
 goes through the launcher: the master drains a worker (``MasterService.drain``), the
 worker leaves by itself once clients consumed what it holds, and ``reap`` notices.
 
+Launchers block (a Ray call waits on Ray's control store, a local start forks a
+process), so the master's loop never calls one: ``LauncherThread`` owns the launcher on
+a thread of its own and gives the loop a launcher whose calls return at once.
+
 To add an engine (e.g. a Kubernetes Deployment: ``start`` raises the replica count
 and ``reap`` counts pods that terminated), implement the four methods of ``Launcher``
 and register it in ``make_launcher``.
@@ -14,8 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import subprocess
 import sys
+import threading
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 log = logging.getLogger(__name__)
@@ -40,6 +47,93 @@ class Launcher(Protocol):
 
     def stop_all(self) -> None:
         """Master shutdown: end every worker now (they are stateless: nothing to drain)."""
+
+
+@dataclass(frozen=True)
+class LauncherCounts:
+    """What the launcher thread last posted for the loop (one immutable value, swapped whole)."""
+
+    running: int       # the launcher's running() after its last command or reap
+    starts_done: int   # workers asked for with start() that the thread has handled
+    failed: int        # workers that ended without being asked to, since the thread began
+
+
+class LauncherThread:
+    """A ``Launcher`` for the master's loop: every call returns at once.
+
+    One thread owns the wrapped launcher (nothing else touches it once it is handed
+    over): it runs the ``start`` commands the loop queues, reaps every
+    ``reap_interval_s``, and after each posts a ``LauncherCounts`` that the loop reads.
+    ``running`` adds the starts still queued, so the autoscaler never asks twice for
+    the same workers while the thread is busy. ``stop_all`` (master shutdown) drops the
+    queued starts, has the thread stop every worker and waits for it, bounded.
+    """
+
+    def __init__(self, launcher: Launcher, reap_interval_s: float = 1.0) -> None:
+        self.reap_interval_s = reap_interval_s
+        self._launcher = launcher
+        self._counts = LauncherCounts(launcher.running(), 0, 0)  # read before the thread owns it
+        self._commands: queue.SimpleQueue[Optional[int]] = queue.SimpleQueue()  # n to start; None: stop all
+        self._stopping = threading.Event()
+        self._starts_asked = 0  # loop side only
+        self._failed_seen = 0   # loop side only
+        # One thread for the master's life, not one per call: Linux sends a worker's parent-death
+        # signal when the *thread* that started it ends, and local workers ask for that signal.
+        self._thread = threading.Thread(target=self._run, name="launcher", daemon=True)
+        self._thread.start()
+
+    # -- on the master's loop: never blocks ---------------------------------------------------
+    def start(self, n: int) -> None:
+        if n > 0:
+            self._starts_asked += n
+            self._commands.put(n)
+
+    def running(self) -> int:
+        counts = self._counts
+        return counts.running + self._starts_asked - counts.starts_done
+
+    def reap(self) -> int:
+        """Workers that failed since the previous call (the thread reaps on its own)."""
+        failed = self._counts.failed - self._failed_seen
+        self._failed_seen += failed
+        return failed
+
+    def stop_all(self, timeout_s: float = 30.0) -> None:
+        """Master shutdown: have the thread stop every worker; wait at most ``timeout_s``
+        (a launcher stuck in a call is given up on: local workers die with the master by
+        their parent-death signal, and Ray ends actors of a driver that exits)."""
+        self._stopping.set()
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("the launcher did not stop its workers within %.0f s; exiting without waiting", timeout_s)
+
+    # -- on the launcher thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        starts_done = failed = 0
+        while True:
+            try:
+                command = self._commands.get(timeout=self.reap_interval_s)
+            except queue.Empty:
+                command = 0
+            if command is None:
+                self._call(self._launcher.stop_all)
+                return
+            if command and not self._stopping.is_set():
+                self._call(self._launcher.start, command)
+            starts_done += command
+            failed += self._call(self._launcher.reap) or 0
+            self._counts = LauncherCounts(self._launcher.running(), starts_done, failed)
+
+    @staticmethod
+    def _call(method, *args):
+        """One launcher call; a failure is logged and the thread goes on (a start that
+        failed shows as fewer workers running, which the autoscaler or pool retries)."""
+        try:
+            return method(*args)
+        except Exception:
+            log.exception("launcher %s failed", method.__name__)
+            return None
 
 
 class LocalLauncher:

@@ -34,20 +34,23 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from ..protocol.wire import MASTER_REQUESTS
+from ..protocol.wire import DISCARD_REASONS, MASTER_REQUESTS
 
 # Cumulative counters in worker and client heartbeat stats (nested dicts are flattened
 # with dots: ``io.requests``). ``wait_buckets.N``: per-bucket counts of per-batch waits,
 # if a client reports them (with the bucket bounds in ``wait_le``).
 CUMULATIVE = frozenset({"rows", "batches", "splits", "busy_s", "wait_s", "starved_s", "epoch_start_s",
                         "io.requests", "io.bytes_requested", "io.bytes_needed", "io.splits"})
+# ``discarded.<reason>``: pieces a worker threw away, by reason (the wire admits only
+# ``DISCARD_REASONS``), exported at zero from the start so that ``rate()`` sees the first one.
+_DISCARDED = frozenset(f"discarded.{reason}" for reason in DISCARD_REASONS)
 REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0)
 _CODE = re.compile(r"[a-z_]{1,32}")
 
 
 def _is_cumulative(name: str) -> bool:
-    return name in CUMULATIVE or (name.startswith("wait_buckets.") and name[13:].isdigit())
+    return name in CUMULATIVE or name in _DISCARDED or (name.startswith("wait_buckets.") and name[13:].isdigit())
 
 
 def _flatten(stats: dict, prefix: str = "") -> Iterable[tuple[str, float]]:
@@ -80,6 +83,7 @@ class RateWindow:
         self._totals: dict[str, dict[str, float]] = {}  # key -> increase since first seen
         self._group: dict[str, str] = {}  # key -> its group, fixed at its first report
         self._retired: dict[str, dict[str, float]] = {}  # group -> totals of forgotten keys
+        self._changed: dict[str, dict[str, float]] = {}  # key -> counter -> time it last changed (or first came)
 
     def update(self, key: str, time: float, counters: dict) -> None:
         samples = self._samples.setdefault(key, deque())
@@ -91,9 +95,12 @@ class RateWindow:
         if key not in self._group:
             self._group[key] = self.group_of(key)
         last, totals = self._last.setdefault(key, {}), self._totals.setdefault(key, {})
+        changed = self._changed.setdefault(key, {})
         for name, value in _flatten(counters):
             if not _is_cumulative(name):
                 continue
+            if name not in last or value != last[name]:
+                changed[name] = time
             before = last.get(name, 0.0)
             # Below the last value: the reporter restarted its count (a reset), so all of it is new.
             totals[name] = totals.get(name, 0.0) + (value - before if value >= before else value)
@@ -107,10 +114,21 @@ class RateWindow:
         (t0, c0), (t1, c1) = samples[0], samples[-1]
         return max(0.0, (c1.get(counter, 0) - c0.get(counter, 0)) / (t1 - t0))
 
+    def last_report(self, key: str) -> Optional[tuple[float, dict]]:
+        """The reporter's latest (time, report), or None if it never reported (or was forgotten)."""
+        samples = self._samples.get(key)
+        return samples[-1] if samples else None
+
+    def unchanged_for(self, key: str, counter: str, now: float) -> Optional[float]:
+        """Seconds since ``counter`` last changed (or was first reported); None if never reported."""
+        since = self._changed.get(key, {}).get(counter)
+        return None if since is None else max(0.0, now - since)
+
     def forget(self, live: set) -> None:
         for key in [k for k in self._samples if k not in live]:
             del self._samples[key]
             self._last.pop(key, None)
+            self._changed.pop(key, None)
             group = self._group.pop(key, None)
             totals = self._totals.pop(key, {})
             if group is not None:
@@ -208,6 +226,9 @@ def families(snap: dict) -> list[Metric]:
          "(read_bytes / needed_bytes is the over-read).", "io.bytes_needed"),
     ]:
         counter(name, doc, samples=[(wt.get(field, 0.0),)])
+    counter("remoteloader_worker_pieces_discarded", "Batch pieces workers threw away instead of delivering "
+            "(their splits are handed back and produced again if still needed), by reason.", ["reason"],
+            [(reason, wt.get(f"discarded.{reason}", 0.0)) for reason in DISCARD_REASONS])
 
     # Clients, by rank (a rank's client is replaced when the rank restarts; the rank stays).
     clients = snap.get("clients", {})
@@ -218,6 +239,9 @@ def families(snap: dict) -> list[Metric]:
           ["rank"], [(r, c["batches_per_s"]) for r, c in sorted(clients.items())])
     gauge("remoteloader_client_queued_batches", "Assembled batches waiting in the rank's client.",
           ["rank"], [(r, c["queued"]) for r, c in sorted(clients.items())])
+    gauge("remoteloader_client_last_batch_age_seconds", "Seconds since the rank's training loop last got a "
+          "batch (it grows while the rank waits, at an epoch's start too).", ["rank"],
+          [(r, c["last_batch_age_s"]) for r, c in sorted(clients.items()) if c.get("last_batch_age_s") is not None])
     ct = snap.get("client_totals", {})
     for name, doc, field in [
         ("remoteloader_client_wait_seconds", "Seconds the rank's training loop waited for a batch "
@@ -316,12 +340,28 @@ class MasterMetrics:
         self.registry.register(_StatusCollector(self))
 
     # -- on the master's loop --------------------------------------------------------------
+    # What is read of the client sessions, in one place: the service keys a client's reports
+    # ``c:<session>`` and its state maps each live session to its rank.
     def _group_of(self, key: str) -> str:
-        kind, _, ident = key.partition(":")
+        kind, _, session = key.partition(":")
         if kind == "c":
-            rank = self.service.state.clients.get(ident)
+            rank = self.service.state.clients.get(session)
             return f"c:{rank}" if rank is not None else "c:?"
         return kind
+
+    def _last_batch_age(self, session: str, now: float) -> Optional[float]:
+        """Seconds since the session's training loop last got a batch: what the client last
+        reported (``since_batch_s``) plus that report's age; for a client that does not
+        report it, since its ``batches`` count last grew. None before its first report."""
+        rates, key = self.service.rates, "c:" + session
+        report = rates.last_report(key)
+        if report is None:
+            return None
+        at, stats = report
+        reported = stats.get("since_batch_s")  # the wire admits only an amount (a float >= 0)
+        if reported is not None:
+            return reported + max(0.0, now - at)
+        return rates.unchanged_for(key, "batches", now)
 
     def _instrument(self) -> None:
         """Time ``service.handle``; the server calls it through the service instance."""
@@ -362,9 +402,14 @@ class MasterMetrics:
         status = service.status()
         slots = self._slots.assign(w["id"] for w in status["workers"])
         clients: dict[int, dict] = {}
+        now = service.clock()
         for c in status["clients"]:
-            agg = clients.setdefault(c["rank"], {"stall": 0.0, "batches_per_s": 0.0, "queued": 0})
+            agg = clients.setdefault(c["rank"], {"stall": 0.0, "batches_per_s": 0.0, "queued": 0,
+                                                 "last_batch_age_s": None})
             agg["stall"] = max(agg["stall"], c.get("stall", 0.0))
+            age = self._last_batch_age(c["id"], now)
+            if age is not None:
+                agg["last_batch_age_s"] = max(age, agg["last_batch_age_s"] or 0.0)
             agg["batches_per_s"] += c.get("batches_per_s", 0.0)
             agg["queued"] += c.get("queued", 0) or 0
             bounds = c.get("wait_le")

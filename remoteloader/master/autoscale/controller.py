@@ -3,8 +3,11 @@
 Each second it turns the master's view (heartbeat rates, buffers, client stall) into a
 ``Snapshot``, asks the policy (``rules.py``), and acts: ``add`` launches workers,
 ``remove`` drains the workers the policy names (they leave by themselves once clients
-have consumed what they hold, so nothing is lost). The policy's ``decisions`` are the
-log of what it did and why; ``recent_decisions`` shows them in ``remoteloader status``.
+have consumed what they hold, so nothing is lost). In a master the launcher is a
+``LauncherThread``: starting, counting and reaping workers never block the loop, and a
+start shows in ``running()`` at once, so no tick asks twice for the same workers. The
+policy's ``decisions`` are the log of what it did and why; ``recent_decisions`` shows
+them in ``remoteloader status``.
 
 With a ``state_path`` (the master's journal directory), a policy that has
 ``state_dict`` (``AutoscalePolicy``) is restored from that file when the autoscaler is
