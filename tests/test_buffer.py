@@ -49,7 +49,7 @@ def test_current_run_blocks_when_full_prefetched_run_does_not():
 
 
 def test_epochs_0_1_0_of_one_session_never_discard_the_live_run():
-    buf, stop = PieceBuffer(8), threading.Event()
+    buf = PieceBuffer(8)
     runs = [Run("s", seq, rank=0, epoch=epoch) for seq, epoch in enumerate((0, 1, 0))]
     for run in runs:
         assert buf.credited(run.id)

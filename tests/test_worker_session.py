@@ -107,7 +107,7 @@ def test_a_split_of_another_job_is_handed_back_and_the_worker_registers_for_that
         worker.stop()
 
 
-def test_a_new_job_outside_allow_table_stops_the_worker(tables, tmp_path, master, job):
+def test_a_new_job_outside_allow_table_stops_the_worker(tables, master):
     worker = RunningWorker(master.addr, allowed_tables=(str(tables["orc"]),))
     master.wait_for(lambda m: m["t"] == "heartbeat")
     master.job = Job(tables["parquet"])  # a table this worker may not read

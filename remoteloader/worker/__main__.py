@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from typing import Optional, Sequence
@@ -11,18 +10,13 @@ from typing import Optional, Sequence
 import zmq
 
 from .. import __version__
-from ..core.procs import die_with_parent, kernel_cache_dir
-
-# numba reads its cache directory when it is first imported (by the modules below): every
-# worker, however launched (locally, as a Ray actor, by hand), shares the per-user cache.
-os.environ["NUMBA_CACHE_DIR"] = kernel_cache_dir()
-
-from ..formats import DEFAULT_COALESCE_GAP  # noqa: E402
-from ..protocol import auth as cluster_auth  # noqa: E402
-from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address  # noqa: E402
-from .faults import Faults  # noqa: E402
-from .lifecycle import TableRefused, WorkerFailed  # noqa: E402
-from .server import Worker  # noqa: E402
+from ..core.procs import die_with_parent
+from ..formats import DEFAULT_COALESCE_GAP
+from ..protocol import auth as cluster_auth
+from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address
+from .faults import Faults
+from .lifecycle import TableRefused, WorkerFailed
+from .server import Worker
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

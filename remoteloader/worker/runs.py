@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Collection, Optional
+from typing import Collection, ItemsView, Optional
 
 from ..core.plan import SplitTask
 
@@ -68,7 +68,7 @@ class Sessions:
     def get(self, session: str) -> Optional[SessionState]:
         return self._live.get(session)
 
-    def items(self):
+    def items(self) -> ItemsView[str, SessionState]:
         return self._live.items()
 
     def stale(self, run: RunId) -> Optional[str]:

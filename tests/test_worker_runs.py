@@ -1,0 +1,109 @@
+"""Runs through a whole worker, in process against a scripted fake master: pieces go to
+the run they were produced for, and pieces discarded for any reason are handed back and
+counted, never reported stored. Plus the credit book on its own."""
+from __future__ import annotations
+
+import pytest
+
+from remoteloader.worker.credit import CreditBook
+
+from .test_worker_fakes import Client, FakeMaster, Job, RunningWorker
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture()
+def job(tables) -> Job:
+    return Job(tables["orc"])
+
+
+@pytest.fixture()
+def master(job):
+    m = FakeMaster(job)
+    yield m
+    m.close()
+
+
+def discarded(master: FakeMaster, reason: str) -> int:
+    beat = master.wait_for(lambda m: m["t"] == "heartbeat" and reason in m["stats"].get("discarded", {}))
+    return beat["stats"]["discarded"][reason]
+
+
+def test_pieces_go_to_their_run_and_a_newer_run_of_the_session_hands_the_older_back(master, job):
+    worker = RunningWorker(master.addr)
+    client = Client(worker.worker.addr)
+    try:
+        master.splits.put(job.task(0, session="s-1", seq=0, epoch=0))
+        master.wait_for(lambda m: m["t"] == "split_produced" and m["split_id"] == 0)
+        master.splits.put(job.task(1, session="s-1", seq=1, epoch=1))  # read ahead: the next run
+        master.wait_for(lambda m: m["t"] == "split_produced" and m["split_id"] == 1)
+        client.credit("s-1", 1, batches=1)  # the client skipped run 0 (e.g. set_epoch 0, 1)
+        header, _ = client.batch()
+        assert (header["session"], header["seq"], header["split_id"], header["piece"]) == ("s-1", 1, 1, 0)
+        released = master.wait_for(lambda m: m["t"] == "splits_released")
+        assert released["splits"] == [[0, 0]] and released["reason"] == "stale_run"
+        assert discarded(master, "stale_run") == -(-job.splits[0].rows // job.batch_size)
+    finally:
+        client.close()
+        worker.stop()
+
+
+def test_a_session_the_master_no_longer_lists_loses_its_pieces_and_its_splits_go_back(master, job):
+    master.sessions = ["s-1"]
+    worker = RunningWorker(master.addr)
+    try:
+        master.splits.put(job.task(2, session="s-1", epoch=4))
+        master.wait_for(lambda m: m["t"] == "split_produced")
+        master.sessions = []  # the client said goodbye (or timed out) on the master
+        released = master.wait_for(lambda m: m["t"] == "splits_released")
+        assert released["splits"] == [[4, 2]] and released["reason"] == "session_gone"
+        assert discarded(master, "session_gone") > 0
+        assert worker.worker.buffer.held(("s-1", 0)) == 0
+    finally:
+        worker.stop()
+
+
+def test_a_task_of_a_new_session_of_a_rank_hands_back_the_old_sessions_splits(master, job):
+    worker = RunningWorker(master.addr)
+    client = Client(worker.worker.addr)
+    try:
+        master.splits.put(job.task(0, session="job-a", epoch=1))
+        master.wait_for(lambda m: m["t"] == "split_produced")
+        master.splits.put(job.task(0, session="job-b", epoch=0))  # job B's rank 0, epoch 0 after epoch 1
+        master.wait_for(lambda m: m["t"] == "split_produced")
+        released = master.wait_for(lambda m: m["t"] == "splits_released")
+        assert released["splits"] == [[1, 0]] and released["reason"] == "session_gone"
+        client.credit("job-b", 0, batches=1)
+        header, _ = client.batch()
+        assert (header["session"], header["split_id"], header["piece"]) == ("job-b", 0, 0)
+    finally:
+        client.close()
+        worker.stop()
+
+
+def test_credit_for_a_run_with_no_task_yet_waits_for_it():
+    book = CreditBook(expire_after_s=30, clock=FakeClock())
+    book.grant(("s", 0), b"c", 4, 1 << 20)
+    book.grant(("s", 0), b"c", 2, 1 << 10)  # totals: a late, smaller grant changes nothing
+    [(run, creditors)] = book.runs()
+    assert run == ("s", 0) and (creditors[b"c"].pieces, creditors[b"c"].bytes) == (4, 1 << 20)
+
+
+def test_credit_of_an_older_run_goes_when_the_session_credits_a_newer_one_and_silent_credit_expires():
+    clock = FakeClock()
+    book = CreditBook(expire_after_s=30, clock=clock)
+    book.grant(("s", 0), b"c", 4, 100)
+    book.grant(("t", 0), b"d", 4, 100)
+    book.grant(("s", 2), b"c", 1, 100)
+    assert sorted(run for run, _ in book.runs()) == [("s", 2), ("t", 0)]
+    clock.now = 20
+    book.grant(("t", 0), b"d", 5, 100)
+    clock.now = 31
+    book.expire()  # the client of session s said nothing for 30 s
+    assert [run for run, _ in book.runs()] == [("t", 0)]
