@@ -1,13 +1,17 @@
-"""Torch-native edges with real processes: equal batches per rank, rank-keyed state, elastic resume, set_epoch."""
+"""Torch-native edges: equal batches per rank, the state's forms (rank parts, the job's position),
+elastic resume, resume with another batch size, set_epoch; real processes unless said otherwise."""
 from __future__ import annotations
 
 import io
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from remoteloader import RemoteDataLoader
+from remoteloader.client import resume
+from remoteloader.spec import load_spec
 from tests.conftest import ROWS, spec_dict
 
 # 5,000 rows on 3 ranks in batches of 833: near-equal shares (1,666 / 1,667 / 1,667 rows)
@@ -183,3 +187,113 @@ def test_local_dataset_set_epoch_reaches_persistent_workers(tables):
         epochs.append({frozenset(b.passthrough["row_id"].tolist()) for b in loader})
     del loader
     assert epochs[0] == epochs[2] and not epochs[0] & epochs[1]
+
+
+# -- the state's forms, without processes --------------------------------------------------------
+def spec_of(**overrides):
+    return load_spec(spec_dict(Path("/data/t"), **overrides))
+
+
+def rank_part(spec, rank: int, world: int, consumed: list, epoch: int = 0, done: list | None = None) -> dict:
+    return resume.part(spec, "plan-a", rank, world, epoch, done or [], consumed, len(consumed))
+
+
+def two_rank_parts(spec) -> dict[int, dict]:
+    # Rank 0 read base split 3 rows [0, 250) and half of a tail; rank 1 rows [400, 650) of the
+    # same base split, and a padding row (a repeat, not a row of its own).
+    return {0: rank_part(spec, 0, 2, [[0, 2, 50, 3, 0, 250, 0]]),
+            1: rank_part(spec, 1, 2, [[4, 2, 50, 3, 400, 650 - 400, 0], [9, 0, 1, 3, 0, 1, 1]])}
+
+
+def test_the_job_position_merges_every_rank_and_no_key_names_a_rank():
+    spec = spec_of(batch_size=100)
+    position = resume.job_position(two_rank_parts(spec))
+    assert position == {"version": resume.STATE_VERSION, "spec": resume.spec_keys(spec), "plan": "plan-a",
+                        "epoch": 0, "done": [[3, 0, 250], [3, 400, 650]]}
+    assert save_load(position) == position
+
+
+def test_the_job_position_resumes_any_rank_of_any_world_size():
+    spec = spec_of(batch_size=100)
+    position = resume.job_position(two_rank_parts(spec))
+    for world in (1, 3):
+        for rank in range(world):
+            r = resume.resume_of(position, spec, rank, world)
+            assert (r.epoch, r.plan, r.done, r.consumed) == (0, "plan-a", [[3, 0, 250], [3, 400, 650]], {})
+            # state_dict() before the epoch starts: this rank's part, and the job's position again.
+            assert (r.part["rank"], r.part["world_size"]) == (rank, world)
+            assert resume.job_position({0: r.part}) == position
+
+
+def test_a_resume_may_change_batch_size():
+    old, new = spec_of(batch_size=100), spec_of(batch_size=250)
+    parts = two_rank_parts(old)
+    r = resume.resume_of(resume.job_position(parts), new, 0, 2)
+    assert r.done == [[3, 0, 250], [3, 400, 650]] and r.part["batch_size"] == 250
+    # Every rank's part: the rows they consumed, left out of an epoch planned for the new batches.
+    r = resume.resume_of({f"rank_{k}": p for k, p in parts.items()}, new, 1, 2)
+    assert (r.done, r.consumed) == ([[3, 0, 250], [3, 400, 650]], {})
+    # One rank's own splits are counted in pieces of the old batch size: not enough alone.
+    with pytest.raises(ValueError, match="batch_size of 250 instead of 100 or all 2 parts"):
+        resume.resume_of({"rank_1": parts[1]}, new, 1, 2)
+    r = resume.resume_of({"rank_1": parts[1]}, old, 1, 2)
+    assert (r.done, r.consumed) == ([], {4: (2, 50), 9: (0, 1)})
+
+
+@pytest.mark.parametrize("change, key", [(dict(seed=1), "seed"), (dict(shuffle=True), "shuffle"),
+                                         (dict(split_rows=1000), "split_rows"),
+                                         (dict(passthrough=["row_id", "label"]), "features")])
+def test_another_incompatible_spec_is_refused_naming_the_key(change, key):
+    old = spec_of(batch_size=100)
+    features = dict(spec_dict(Path("/data/t"))["features"], passthrough=change.pop("passthrough", ["row_id"]))
+    new = spec_of(batch_size=100, features=features, **change)
+    position = resume.job_position(two_rank_parts(old))
+    with pytest.raises(ValueError, match=f"another dataset spec: '{key}' was .*only batch_size may change"):
+        resume.resume_of(position, new, 0, 1)
+    with pytest.raises(ValueError, match=f"state of rank 0 is of another dataset spec: '{key}'"):
+        resume.resume_of({"rank_0": two_rank_parts(old)[0]}, new, 0, 2)
+
+
+def test_states_this_version_cannot_read_are_refused():
+    spec = spec_of()
+    with pytest.raises(ValueError, match="version 2, this remoteloader reads version 3"):
+        resume.resume_of({"version": 2, "fingerprint": "f", "plan": "p", "epoch": 0, "done": []}, spec, 0, 1)
+    with pytest.raises(ValueError, match=r"missing \['done'\]"):
+        resume.resume_of({"version": 3, "spec": resume.spec_keys(spec), "plan": "p", "epoch": 0}, spec, 0, 1)
+    with pytest.raises(ValueError, match="disagree on 'epoch'"):
+        resume.job_position({0: rank_part(spec, 0, 2, []), 1: rank_part(spec, 1, 2, [], epoch=1)})
+
+
+def test_dcp_keeps_one_job_position_that_a_template_of_any_progress_loads(tmp_path):
+    """DCP saves a leaf per key; the job position's keys do not depend on the world size or
+    progress, so a fresh loader's state (the template ``dcp.load`` fills) has the same keys."""
+    import torch.distributed.checkpoint as dcp
+
+    spec = spec_of(batch_size=100)
+    saved = resume.job_position(two_rank_parts(spec))
+    dcp.save({"dataloader": saved}, checkpoint_id=str(tmp_path), no_dist=True)
+    fresh = resume.job_position({0: rank_part(spec, 0, 1, [], epoch=4)})
+    template = {"dataloader": fresh}
+    dcp.load(template, checkpoint_id=str(tmp_path), no_dist=True)
+    assert template["dataloader"] == saved
+    assert resume.read_rank_states(tmp_path) == saved
+
+
+def test_a_resume_with_another_batch_size_is_exact_and_other_spec_changes_are_refused(tables, cluster):
+    master = cluster.master(workers=2)
+    spec = spec_dict(tables["orc"], batch_size=100, shuffle=True)
+    with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(15)]
+        state = save_load(loader.state_dict())
+    with RemoteDataLoader(dict(spec, seed=1), master=master.addr, timeout=60) as loader:
+        with pytest.raises(ValueError, match="another dataset spec: 'seed' was 0, this loader's is 1"):
+            loader.load_state_dict(state)
+    other = cluster.master(workers=2)                              # a master serves one spec
+    with RemoteDataLoader(dict(spec, batch_size=250), master=other.addr, timeout=60) as loader:
+        loader.load_state_dict(state)
+        loader.set_epoch(0)                                        # the position's own epoch
+        rest = list(loader)
+    assert {len(b) for b in rest[:-1]} == {250}
+    rows = real_rows(first) + real_rows(rest)
+    assert sorted(rows) == list(range(ROWS)) and max(rows.values()) == 1

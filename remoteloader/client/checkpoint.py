@@ -1,15 +1,16 @@
 """The loader's checkpoint (torchdata StatefulDataLoader protocol): its position, and loading one.
 
-The loader's ``state_dict``/``load_state_dict`` delegate here. What this reads of the loader:
-``rank``, ``world_size``, ``batch_size``, ``_hello()`` (the job: ``fingerprint``, ``plan``),
+The loader's ``state_dict``/``load_state_dict``/``set_epoch`` delegate here; the state's
+forms and what a loaded one resumes are ``resume``'s. What this reads of the loader:
+``spec``, ``rank``, ``world_size``, ``batch_size``, ``_hello()`` (the job: ``plan``),
 ``_current`` (the ``EpochRun`` being iterated: ``epoch``, ``done``, ``splits``,
 ``assembler.consumed_state()``, ``assembler.exhausted``), ``_batches_yielded``,
 ``_next_epoch``; it sets ``_pending`` (a position the next ``iter()`` of its epoch starts
-from), ``_next_epoch`` and ``_plan``.
+from: ``epoch``, ``done``, ``consumed``, ``state``), ``_next_epoch`` and ``_plan``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from . import resume
 
@@ -18,63 +19,58 @@ if TYPE_CHECKING:
 
 
 def state_dict(loader: "RemoteDataLoader") -> dict:
-    """What the training loop has consumed: small plain data, keyed by rank.
+    """What the training loop has consumed: small plain data.
 
-    ``{"rank_<r>": position}``: under ``torch.distributed.checkpoint`` every rank's
-    part has its own key, so all of them are kept; ``torch.save`` per rank works too,
-    and so does ``torch.load(..., weights_only=True)``. Batches prefetched but not yet
-    yielded are not in it: after ``load_state_dict`` they are delivered again.
+    Under ``torch.distributed`` (a process group of the loader's ranks) it is the job's
+    position, the same dict on every rank and free of the world size: DCP saves it once,
+    and ``dcp.load({"model": m, "loader": loader})`` resumes it on any world size. It is
+    a collective then: every rank calls it (DCP does). Without a process group it is
+    this rank's part, ``{"rank_<r>": position}``. Batches prefetched but not yet yielded
+    are not in it: after ``load_state_dict`` they are delivered again.
     """
-    return {f"rank_{loader.rank}": _position(loader)}
+    return resume.state_of(_part(loader))
 
 
-def _position(loader: "RemoteDataLoader") -> dict:
-    job = loader._hello()
-    if loader._current is not None and not loader._current.assembler.exhausted:
-        run = loader._current
+def _part(loader: "RemoteDataLoader") -> dict:
+    plan = loader._hello()["plan"]
+    run = loader._current
+    if run is not None and not run.assembler.exhausted:
         consumed = []
         for sid, (pieces, tail_rows) in sorted(run.assembler.consumed_state().items()):
             rows, base, row_lo, padding = run.splits[sid]
             consumed.append([sid, pieces, tail_rows, base, row_lo,
                              min(rows, pieces * loader.batch_size + tail_rows), int(padding)])
-        epoch, done, yielded = run.epoch, run.done, loader._batches_yielded
-    elif loader._pending is not None and loader._pending["epoch"] == loader._next_epoch:
-        return dict(loader._pending["state"], rank=loader.rank, world_size=loader.world_size)
-    else:
-        epoch, done, consumed, yielded = loader._next_epoch, [], [], 0
-    return {"version": resume.STATE_VERSION, "fingerprint": job["fingerprint"], "plan": job["plan"],
-            "rank": loader.rank, "world_size": loader.world_size, "epoch": epoch, "done": done,
-            "consumed": consumed, "batches_yielded": yielded}
+        return resume.part(loader.spec, plan, loader.rank, loader.world_size, run.epoch, run.done, consumed,
+                           loader._batches_yielded)
+    if loader._pending is not None and loader._pending["epoch"] == loader._next_epoch:
+        return loader._pending["state"]  # loaded, not started: saved again as loaded
+    return resume.part(loader.spec, plan, loader.rank, loader.world_size, loader._next_epoch, [], [], 0)
 
 
-def load_state_dict(loader: "RemoteDataLoader", state: dict) -> None:
+def load_state_dict(loader: "RemoteDataLoader", state: Any) -> None:
     """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped.
 
-    ``state`` holds this rank's part (``state_dict()`` of the same rank, same world
-    size), or the parts of every rank of a job with another world size (elastic
-    resume, e.g. from ``read_rank_states``): the rows they had not consumed are then
-    spread over this job's ranks, each delivered once.
+    ``state`` is the job's position (``state_dict()`` under ``torch.distributed``, or
+    ``read_rank_states``), this rank's part (same world size and batch size), or the
+    parts of every rank of a job. Unless a rank continues its own part, the rows the
+    old job consumed are left out and the rest of the epoch is spread over this job's
+    ranks, each row delivered once, whatever the world size and batch size.
     """
-    parts = resume.rank_parts(state)
-    job = loader._hello()
-    for part in parts.values():
-        resume.check_part(part, job["fingerprint"])
-        check_plan(loader, job, part["plan"])
-    old_world = resume.common(parts, "world_size")
-    epoch = resume.common(parts, "epoch")
-    if old_world == loader.world_size and loader.rank in parts:
-        mine = parts[loader.rank]
-        consumed = {int(c[0]): (int(c[1]), int(c[2])) for c in mine["consumed"]}
-        loader._pending = {"epoch": epoch, "done": mine["done"], "consumed": consumed, "state": mine}
-    elif sorted(parts) == list(range(old_world)):
-        done = resume.merged_done(parts)
-        position = {"version": resume.STATE_VERSION, "fingerprint": job["fingerprint"], "plan": job["plan"],
-                    "epoch": epoch, "done": done, "consumed": [], "batches_yielded": 0}
-        loader._pending = {"epoch": epoch, "done": done, "consumed": {}, "state": position}
-    else:
-        raise ValueError(f"state_dict holds ranks {sorted(parts)} of a {old_world}-rank job: rank {loader.rank} of "
-                         f"{loader.world_size} needs its own part (same world size) or all {old_world} parts")
-    loader._next_epoch = epoch
+    loaded = resume.resume_of(state, loader.spec, loader.rank, loader.world_size)
+    check_plan(loader, loader._hello(), loaded.plan)
+    loader._pending = {"epoch": loaded.epoch, "done": loaded.done, "consumed": loaded.consumed,
+                       "state": loaded.part}
+    loader._next_epoch = loaded.epoch
+
+
+def check_epoch(loader: "RemoteDataLoader", epoch: int) -> None:
+    """``set_epoch``'s check: a loaded position is only resumed by its own epoch, and
+    choosing another would drop it without a word."""
+    pending = loader._pending
+    if pending is not None and pending["epoch"] != epoch:
+        raise ValueError(f"set_epoch({epoch}) after load_state_dict of a position in epoch {pending['epoch']}: "
+                         f"call set_epoch({pending['epoch']}) to resume it (a loader without loaded state "
+                         f"starts epoch {epoch} from its beginning)")
 
 
 def check_plan(loader: "RemoteDataLoader", job: dict, plan: Optional[str] = None) -> None:

@@ -1,49 +1,90 @@
-"""Loader checkpoints: the rank-keyed state, and merging every rank's part for an elastic resume.
+"""Loader checkpoints: the positions a loader saves, and what a loaded one resumes.
 
-A loader's ``state_dict()`` is ``{"rank_<r>": position}``. A position names the epoch,
-the rows consumed before the current job segment (``done``, ``[[base split, lo, hi],
-...]``, non-empty only after an elastic resume) and what this rank's training loop has
-consumed since, per split: ``[split id, pieces, rows of a partly used tail, base split,
-first row, rows consumed, padding]``. Row numbers are those of a base split after its per-epoch
-shuffle, which do not depend on the world size: that is what lets a job with another
-world size take over the rows nobody consumed.
+Two forms, both small plain data (``torch.save``, ``torch.load(weights_only=True)`` and
+``torch.distributed.checkpoint`` keep them as they are):
+
+* **The job's position** (under ``torch.distributed``): every rank gathers every rank's
+  part at ``state_dict()`` and returns the same dict, ``{"version", "spec", "plan",
+  "epoch", "done"}``, whatever the world size. Its keys do not depend on the world
+  size, so DCP saves it once and a job of any world size loads it
+  (``dcp.load({"model": m, "loader": loader})``).
+* **A rank's part** (without a process group: ``{"rank_<r>": part}``, one per process):
+  the same fields plus ``rank``, ``world_size``, ``batch_size``, what this rank's
+  training loop consumed since the epoch (re)started, per split (``consumed``:
+  ``[split id, pieces, rows of a partly used tail, base split, first row, rows consumed,
+  padding]``) and ``batches_yielded``.
+
+``done`` names rows as ``[[base split, lo, hi], ...]`` ranges of a base split after its
+per-epoch shuffle, which depend on neither the world size nor the batch size: any job
+can take over the rows nobody consumed (the master plans the rest of the epoch without
+them). ``spec`` holds each spec key that decides which rows an epoch holds, so that a
+resume on an incompatible spec is refused naming the key; ``batch_size`` may change.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from typing import Any, Mapping, Union
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
 
-STATE_VERSION = 2
-_KEYS = ("version", "fingerprint", "plan", "rank", "world_size", "epoch", "done", "consumed", "batches_yielded")
+from ..spec import DatasetSpec
 
-
-def rank_parts(state: Any) -> dict[int, dict]:
-    """The per-rank positions in ``state`` (one loader's ``state_dict()``, or several merged)."""
-    if not isinstance(state, Mapping):
-        raise ValueError(f"not a RemoteDataLoader state: expected a dict, got {type(state).__name__}")
-    parts = {}
-    for key, part in state.items():
-        if not (isinstance(key, str) and key.startswith("rank_") and key[5:].isdigit()):
-            raise ValueError(f"not a RemoteDataLoader state: unexpected key {key!r} (expected rank_<n>)")
-        parts[int(key[5:])] = part
-    if not parts:
-        raise ValueError("not a RemoteDataLoader state: no rank_<n> entry")
-    for rank, part in parts.items():
-        if not isinstance(part, Mapping) or part.get("rank") != rank:
-            raise ValueError(f"state rank_{rank} is not that rank's position")
-    return parts
+STATE_VERSION = 3  # 3: the job's position; parts name the spec by key (2 had one fingerprint)
+# Every spec key but batch_size (positions are row ranges) and autoscale (how many
+# workers, not which rows). Always all of them, so the state's keys are fixed (DCP).
+SPEC_KEYS = ("table", "features", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling",
+             "on_error")
+_JOB_KEYS = ("version", "spec", "plan", "epoch", "done")
+_PART_KEYS = _JOB_KEYS + ("rank", "world_size", "batch_size", "consumed", "batches_yielded")
+_SHOWN_CHARS = 40  # a spec value longer than this is kept as a digest
 
 
-def check_part(part: Mapping, fingerprint: str) -> None:
-    if part.get("version") != STATE_VERSION:
-        raise ValueError(f"state of rank {part.get('rank')}: version {part.get('version')!r}, "
-                         f"this remoteloader reads version {STATE_VERSION}")
-    missing = [k for k in _KEYS if k not in part]
-    if missing:
-        raise ValueError(f"state of rank {part['rank']}: missing {missing}")
-    if part["fingerprint"] != fingerprint:
-        raise ValueError(f"state of rank {part['rank']} is of another dataset spec "
-                         f"(fingerprint {part['fingerprint']}, this loader's {fingerprint})")
+def spec_keys(spec: DatasetSpec) -> dict[str, str]:
+    """The spec's row-deciding keys, each as its JSON text (or a digest when long)."""
+    values = spec.to_dict()
+    out = {}
+    for key in SPEC_KEYS:
+        text = json.dumps(values.get(key), sort_keys=True, separators=(",", ":"))
+        out[key] = text if len(text) <= _SHOWN_CHARS else "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return out
+
+
+def part(spec: DatasetSpec, plan: str, rank: int, world_size: int, epoch: int, done: list,
+         consumed: list, batches_yielded: int) -> dict:
+    """One rank's position (see the module docstring for the fields)."""
+    return {"version": STATE_VERSION, "spec": spec_keys(spec), "plan": plan, "epoch": epoch, "done": done,
+            "rank": rank, "world_size": world_size, "batch_size": spec.batch_size, "consumed": consumed,
+            "batches_yielded": batches_yielded}
+
+
+def state_of(mine: dict) -> dict:
+    """What ``state_dict()`` returns: the job's position under ``torch.distributed``
+    (a collective: every rank must call it, as DCP does), else this rank's part."""
+    parts = _gather(mine)
+    return job_position(parts) if parts is not None else {f"rank_{mine['rank']}": mine}
+
+
+def _gather(mine: dict) -> Optional[dict[int, dict]]:
+    """Every rank's part, when this loader's ranks are the default process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if (dist.get_rank(), dist.get_world_size()) != (mine["rank"], mine["world_size"]):
+        return None  # the loader was given another rank layout than the group's: nothing to gather over
+    parts: list = [None] * mine["world_size"]
+    dist.all_gather_object(parts, mine)
+    return dict(enumerate(parts))
+
+
+def job_position(parts: Mapping[int, Mapping]) -> dict:
+    """The position of the whole job from every rank's part: what all ranks consumed."""
+    first = next(iter(parts.values()))
+    for key in ("spec", "plan", "epoch"):
+        common(parts, key)
+    return {"version": STATE_VERSION, "spec": dict(first["spec"]), "plan": first["plan"],
+            "epoch": first["epoch"], "done": merged_done(parts)}
 
 
 def common(parts: Mapping[int, Mapping], key: str) -> Any:
@@ -55,10 +96,10 @@ def common(parts: Mapping[int, Mapping], key: str) -> Any:
 
 
 def merged_done(parts: Mapping[int, Mapping]) -> list[list[int]]:
-    """Every row the old job's ranks consumed in the epoch, as merged ``[base, lo, hi]`` ranges."""
+    """Every row the ranks consumed in the epoch, as merged ``[base, lo, hi]`` ranges."""
     ranges = [tuple(r) for r in common(parts, "done")]
-    for part in parts.values():
-        for _, _, _, base, lo, rows, padding in part["consumed"]:
+    for p in parts.values():
+        for _, _, _, base, lo, rows, padding in p["consumed"]:
             if rows and not padding:  # a repeated row's own copy is counted where it was read
                 ranges.append((base, lo, lo + rows))
     merged: list[list[int]] = []
@@ -72,23 +113,103 @@ def merged_done(parts: Mapping[int, Mapping]) -> list[list[int]]:
     return merged
 
 
-def read_rank_states(checkpoint_id: Union[str, os.PathLike], key: str = "dataloader") -> dict:
-    """Every rank's loader state from a ``torch.distributed.checkpoint`` directory.
+@dataclass(frozen=True)
+class Resume:
+    """What a loaded state resumes: the next ``iter()`` of ``epoch`` starts from it."""
 
-    ``key`` is the loader's key in the saved state dict. For an elastic resume: each
-    rank of the new job calls this and hands the result to ``load_state_dict``.
+    epoch: int
+    plan: str  # the split plan the position is of (the job's must be the same)
+    done: list  # rows consumed before, [[base, lo, hi], ...]: the master plans the epoch without them
+    consumed: dict[int, tuple[int, int]]  # split id -> (pieces, tail rows): this rank's own splits, same plan
+    part: dict  # this rank's position until the epoch starts (``state_dict()`` right after loading)
+
+
+def resume_of(state: Any, spec: DatasetSpec, rank: int, world_size: int) -> Resume:
+    """What ``state`` (the job's position, or rank parts) resumes for this rank of this loader.
+
+    A rank's own part with the same world size and batch size continues its own splits
+    (the master re-produces them from what was consumed). Otherwise the rows every rank
+    consumed (``done``) are left out and the rest of the epoch is planned anew for this
+    job: that needs the job's position, or the parts of every rank.
+    """
+    if isinstance(state, Mapping) and "version" in state:
+        position = _checked(state, _JOB_KEYS, "the checkpoint", spec)
+        return _elastic(position, spec, rank, world_size)
+    parts = rank_parts(state)
+    for p in parts.values():
+        _checked(p, _PART_KEYS, f"the state of rank {p['rank']}", spec)
+    old_world = common(parts, "world_size")
+    same_batches = common(parts, "batch_size") == spec.batch_size
+    if old_world == world_size and rank in parts and same_batches:
+        mine = dict(parts[rank])
+        consumed = {int(c[0]): (int(c[1]), int(c[2])) for c in mine["consumed"]}
+        return Resume(int(mine["epoch"]), mine["plan"], mine["done"], consumed, mine)
+    if sorted(parts) == list(range(old_world)):
+        return _elastic(job_position(parts), spec, rank, world_size)
+    need = "its own part (same world size)" if same_batches else \
+        f"a batch_size of {spec.batch_size} instead of {common(parts, 'batch_size')}"
+    raise ValueError(f"state_dict holds ranks {sorted(parts)} of a {old_world}-rank job: rank {rank} of "
+                     f"{world_size} needs {need} or all {old_world} parts")
+
+
+def _elastic(position: Mapping, spec: DatasetSpec, rank: int, world_size: int) -> Resume:
+    """Resume by leaving out every row the old job consumed (any world size, any batch size)."""
+    done = [[int(b), int(lo), int(hi)] for b, lo, hi in position["done"]]
+    mine = part(spec, position["plan"], rank, world_size, int(position["epoch"]), done, [], 0)
+    return Resume(mine["epoch"], mine["plan"], done, {}, mine)
+
+
+def rank_parts(state: Any) -> dict[int, dict]:
+    """The per-rank parts in ``state`` (one loader's ``state_dict()``, or several merged)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"not a RemoteDataLoader state: expected a dict, got {type(state).__name__}")
+    parts = {}
+    for key, p in state.items():
+        if not (isinstance(key, str) and key.startswith("rank_") and key[5:].isdigit()):
+            raise ValueError(f"not a RemoteDataLoader state: unexpected key {key!r} (expected rank_<n> or version)")
+        parts[int(key[5:])] = p
+    if not parts:
+        raise ValueError("not a RemoteDataLoader state: no rank_<n> entry")
+    for rank, p in parts.items():
+        if not isinstance(p, Mapping) or p.get("rank") != rank:
+            raise ValueError(f"state rank_{rank} is not that rank's position")
+    return parts
+
+
+def _checked(position: Mapping, keys: tuple, what: str, spec: DatasetSpec) -> Mapping:
+    """``position`` if this remoteloader reads it and it is of a compatible spec."""
+    if position.get("version") != STATE_VERSION:
+        raise ValueError(f"{what}: version {position.get('version')!r}, this remoteloader reads version "
+                         f"{STATE_VERSION}")
+    missing = [k for k in keys if k not in position]
+    if missing:
+        raise ValueError(f"{what}: missing {missing}")
+    mine = spec_keys(spec)
+    saved_spec = position["spec"] if isinstance(position["spec"], Mapping) else {}
+    for key in SPEC_KEYS:
+        saved = saved_spec.get(key)
+        if saved != mine[key]:
+            raise ValueError(f"{what} is of another dataset spec: {key!r} was {saved}, this loader's is "
+                             f"{mine[key]} (of the spec, only batch_size may change on resume)")
+    return position
+
+
+def read_rank_states(checkpoint_id: Union[str, os.PathLike], key: str = "dataloader") -> dict:
+    """The loader state saved under ``key`` in a ``torch.distributed.checkpoint`` directory.
+
+    Read in one process, without a process group: the job's position (saved under
+    ``torch.distributed``), or every rank's part. ``dcp.load`` with the loader itself
+    does the same under a process group; this serves a process that has none.
     """
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata()
-    prefix = key + "."
-    ranks = sorted({name[len(prefix):].split(".", 1)[0] for name in metadata.state_dict_metadata
-                    if name.startswith(prefix + "rank_")})
-    if not ranks:
+    template = _template(metadata, key)
+    if not template:
         raise ValueError(f"{checkpoint_id}: no loader state under {key!r}")
-    template = {key: {rank: _template(metadata, prefix + rank) for rank in ranks}}
-    dcp.load(template, checkpoint_id=str(checkpoint_id), no_dist=True)
-    return template[key]
+    state = {key: template}
+    dcp.load(state, checkpoint_id=str(checkpoint_id), no_dist=True)
+    return state[key]
 
 
 def _template(metadata: Any, prefix: str) -> dict:
@@ -96,8 +217,8 @@ def _template(metadata: Any, prefix: str) -> dict:
     out: dict = {}
     for name in metadata.state_dict_metadata:
         if name.startswith(prefix + "."):
-            node, parts = out, name[len(prefix) + 1:].split(".")
-            for p in parts[:-1]:
+            node, path = out, name[len(prefix) + 1:].split(".")
+            for p in path[:-1]:
                 node = node.setdefault(p, {})
-            node[parts[-1]] = None
+            node[path[-1]] = None
     return out
