@@ -482,7 +482,9 @@ def test_a_new_session_of_a_rank_replaces_the_old_and_its_runs(spec):
     hello(service, spec, client="new")  # a new process of rank 0
     assert set(service.state.clients) == {session(service, "new")}
     assert not service.state.workers[w].assigned and 0 not in service.state.ranks
-    assert call(service, "start_epoch", session=session(service, "old"), epoch=0)[1]["code"] == "unknown_client"
+    # Told it was replaced, not invited to rejoin (which would take the rank back, and back again).
+    t, reply = call(service, "start_epoch", session=session(service, "old"), epoch=0)
+    assert reply["code"] == "replaced" and "took this rank over" in reply["message"]
     assert call(service, "start_epoch", session=session(service, "new"), epoch=0)[1]["seq"] == 0
 
 

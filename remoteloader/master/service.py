@@ -218,6 +218,9 @@ class MasterService:
 
     def _require_client(self, session: str) -> int:
         if session not in self.state.clients:
+            if session in self.state.replaced:
+                raise RequestError("another loader took this rank over (a new process of the rank, or another job "
+                                   "of the same world size on this master)", code="replaced")
             raise RequestError(f"unknown client session {session[:80]}; say hello again", code="unknown_client")
         return self.state.clients[session]
 

@@ -99,6 +99,7 @@ class Job:
 
 
 SNAPSHOT_VERSION = 2  # 2: client sessions and epoch runs (session, seq), partitions journaled
+REPLACED_KEPT = 1024
 
 
 class JobState:
@@ -109,6 +110,9 @@ class JobState:
         self.client_stats: dict[str, dict] = {}
         self.client_seen: dict[str, float] = {}  # client session -> its last hello or heartbeat
         self.next_seq: dict[str, int] = {}  # client session -> the seq its next epoch run gets
+        # Sessions another session of their rank replaced, newest last: told so rather than
+        # invited to rejoin (which would take the rank back, and back again).
+        self.replaced: deque = deque(maxlen=REPLACED_KEPT)
         self.partitions: dict[int, list[str]] = {}  # rank -> worker ids it reads from
         self._served: Optional[dict[str, list[int]]] = None  # worker id -> its ranks; None: rebuild
         self.ranks: dict[int, RankEpoch] = {}
@@ -148,6 +152,7 @@ class JobState:
                                            assigned={tuple(a) for a in assigned})
         for session, rank, seen, next_seq in snap["clients"]:
             self.clients[session], self.client_seen[session], self.next_seq[session] = rank, seen, next_seq
+        self.replaced.extend(snap["replaced"])
         self.partitions = {rank: list(members) for rank, members in snap["partitions"]}
         self.resumed = {epoch: {base: [tuple(r) for r in ranges] for base, ranges in done}
                         for epoch, done in snap["resumed"]}
@@ -190,6 +195,7 @@ class JobState:
                         for w in self.workers.values()],
             "clients": [[session, rank, self.client_seen.get(session, 0.0), self.next_seq.get(session, 0)]
                         for session, rank in self.clients.items()],
+            "replaced": list(self.replaced),
             "partitions": [[rank, members] for rank, members in sorted(self.partitions.items())],
             "resumed": [[epoch, [[base, [list(r) for r in ranges]] for base, ranges in done.items()]]
                         for epoch, done in sorted(self.resumed.items())],
@@ -253,6 +259,7 @@ class JobState:
             self.job.world_size = u.world_size
         for session in [s for s, rank in self.clients.items() if rank == u.rank and s != u.session]:
             self._forget_client(session)  # a new process of the rank replaces the old one
+            self.replaced.append(session)
         # Runs of another session: their pieces at workers are for a client that will not
         # ask for them. The new session says what it consumed when it starts its epoch.
         self._drop_runs(u.rank, keep=u.session)
