@@ -5,7 +5,8 @@ functions: master, local mode and tests compute the same plan). ``binding`` chec
 spec against its table and compiles the transforms. ``processor`` turns one split into
 its pieces (read, sample, shuffle, transform, cut), for workers and local mode alike.
 ``popularity`` is the log of projected columns that the master writes and the offline
-reorder tool reads. ``procs`` keeps child processes from outliving their parent.
+reorder tool reads. ``procs`` keeps child processes from outliving their parent and says where
+compiled kernels are cached.
 
 Nothing here imports a role (master, worker, client); the import-linter contract in
 pyproject.toml checks it.
