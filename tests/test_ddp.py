@@ -93,3 +93,58 @@ def test_ddp_job_checkpoints_with_dcp_and_finishes_the_epoch_on_three_ranks(tmp_
     assert len(steps) == 1                                     # 12,001 rows left: the same count on each rank
     rows = Counter(r for o in first + second for r in o["rows"])
     assert sorted(rows) == list(range(ROWS)) and max(rows.values()) == 1
+
+
+LIFECYCLE_SCRIPT = """
+import json, logging, os, sys, time
+import torch.distributed as dist
+from remoteloader import RemoteDataLoader
+
+table, store, out = sys.argv[1:4]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+logging.basicConfig(level=logging.WARNING)
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+spec = {"table": {"path": table}, "batch_size": 500, "split_rows": 1000,
+        "features": {"label": "label", "dense": ["float_0"], "passthrough": ["row_id"]}}
+loader = RemoteDataLoader(spec, num_workers=2, timeout=60)
+rows, steps = [], 0
+for batch in loader:
+    rows += batch.passthrough["row_id"].tolist()
+    steps += 1
+    if rank == 1 and steps == len(loader):
+        time.sleep(1.5)  # still in the epoch (its end handshake is next) while rank 0 closes
+loader.close()  # rank 0: stops the embedded master, but only once rank 1's loader has closed too
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"rows": rows, "steps": steps}, f)
+dist.barrier()  # rank 0's next collective: the one a stranded rank 1 would never reach
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_rank_zero_closing_first_never_strands_a_rank_still_ending_its_epoch(tmp_path):
+    table = tmp_path / "table"
+    generate_table(str(table), rows=4000, partitions=1, dense=1, sparse=1, format="parquet", seed=5,
+                   row_group_rows=1000, files_per_partition=2, progress=False)
+    script, out = tmp_path / "rank.py", tmp_path / "out"
+    script.write_text(LIFECYCLE_SCRIPT)
+    out.mkdir()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"}
+        env.pop("REMOTELOADER_MASTER", None)
+        procs.append(subprocess.Popen([sys.executable, str(script), str(table), str(tmp_path / "store"), str(out)],
+                                      env=env, cwd=ROOT))
+    try:
+        # Far below the loaders' timeout (60 s) and the owner's close bound (60 s): a rank waiting
+        # on either would fail this wait, not pass slowly.
+        assert [p.wait(timeout=45) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert outs[0]["steps"] == outs[1]["steps"]
+    rows = Counter(r for o in outs for r in o["rows"])
+    assert sorted(rows) == list(range(4000)) and max(rows.values()) == 1
