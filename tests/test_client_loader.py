@@ -1,5 +1,6 @@
-"""The loader's front, in process: a replaced iterator raises; the torchrun meeting point (the
-multi-host refusal, the close count) on an in-process store."""
+"""The loader's front, in process: a replaced iterator raises; a waiting client says what it
+waits for; the torchrun meeting point (the multi-host refusal, the close count) on an
+in-process store."""
 from __future__ import annotations
 
 import socket
@@ -8,10 +9,12 @@ import pytest
 import torch.distributed as dist
 
 from remoteloader import RemoteDataLoader
-from remoteloader.client import ranks
+from remoteloader.client import ranks, stream
 from remoteloader.client.loader import EpochIterator
 from remoteloader.client.ranks import MultiHostError, RankStore
 from remoteloader.spec import load_spec
+
+from .test_client_session import JOB, FakeMaster
 
 SPEC = {"table": {"path": "/nonexistent"}, "batch_size": 2, "features": {"label": "label", "dense": ["x"]}}
 
@@ -75,3 +78,27 @@ def test_the_owner_waits_until_every_rank_counted_itself_out(group):
     assert store.wait_closed(published.token, world_size=2, timeout=ranks.CLOSE_WAIT_S)
     again = store.publish_master("tcp://127.0.0.1:5555", "f", None)  # the same port later: a count of its own
     assert not store.wait_closed(again.token, world_size=1, timeout=0.1)
+
+
+def test_a_waiting_client_says_what_it_waits_for_and_its_timeout_is_one_line(monkeypatch, caplog):
+    answers = {"hello": ("welcome", {"session": "s-1", "job": dict(JOB, rank_rows=10)}),
+               "start_epoch": ("epoch", {"epoch": 0, "seq": 0, "splits": [[0, 10, 0, 0, False]]}),
+               "client_heartbeat": ("membership", {"workers": [], "errors": []}),  # no worker, ever
+               "status": ("status_reply", {"status": {"workers": {}}}),
+               "goodbye": ("ok", {})}
+    fake = FakeMaster(lambda h: answers[h["t"]])
+    monkeypatch.setattr(stream, "WAIT_LOG_S", 0.3)
+    try:
+        with caplog.at_level("WARNING", logger="remoteloader.client.stream"):
+            with RemoteDataLoader(SPEC, master=fake.addr, rank=0, world_size=1, timeout=1.0) as loader:
+                with pytest.raises(TimeoutError) as err:
+                    next(iter(loader))
+        message = str(err.value)
+        assert "\n" not in message and "no worker registered in this rank's partition" in message
+        assert "0 of 10 rows received" in message and "status" not in message
+        waits = [r.getMessage() for r in caplog.records if "no batch for" in r.getMessage()]
+        assert waits and "no worker registered" in waits[0]
+        assert any("master status at the timeout" in r.getMessage() for r in caplog.records)
+        assert fake.types()[-1] == "goodbye"
+    finally:
+        fake.close()
