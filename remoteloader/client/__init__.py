@@ -1,10 +1,12 @@
 """The trainer's side: ``RemoteDataLoader`` and what it is made of.
 
-``loader`` (the DataLoader-like front), ``fetch`` (requests to the rank's workers),
-``assembly`` (pieces into exact batches, exactly once), ``embedded`` (the local master
-and workers started when no master is given, rank discovery), ``batch`` (the
-torchrec-shaped ``Batch``), ``resume`` (rank-keyed checkpoint state, elastic resume)
-and ``local`` (the same spec as an in-process ``IterableDataset``, the baseline and fallback).
+``loader`` (the DataLoader-like front), ``session`` (hello, the one rejoin path, the
+master calls), ``stream`` (one epoch run: ``fetch`` credit and pieces from the rank's
+workers, ``assembly`` into exact batches, exactly once, ``control`` heartbeats and acks),
+``checkpoint`` and ``resume`` (positions, elastic resume), ``placement``, ``embedded`` and
+``ranks`` (which master: the local master and workers started when none is given, rank
+discovery and the torchrun close), ``batch`` (the torchrec-shaped ``Batch``) and ``local``
+(the same spec as an in-process ``IterableDataset``, the baseline and fallback).
 """
 from .batch import Batch, JaggedTensor, KeyedJaggedTensor, TorchrecBatch
 from .loader import RemoteDataLoader

@@ -182,9 +182,11 @@ class RemoteDataLoader:
         return self._active
 
     def set_epoch(self, epoch: int) -> None:
-        """The next ``iter()`` yields epoch ``epoch`` (without it, each ``iter()`` takes the next)."""
+        """The next ``iter()`` yields epoch ``epoch`` (without it, each ``iter()`` takes the next).
+        After ``load_state_dict``, only the loaded position's epoch may be chosen."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        checkpoint.check_epoch(self, epoch)
         self._next_epoch = epoch
 
     def _epoch(self, epoch: int) -> Iterator[Batch]:
