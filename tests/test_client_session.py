@@ -159,6 +159,18 @@ def test_other_errors_are_not_taken_for_a_rejoin():
         fake.close()
 
 
+def test_a_replaced_session_stops_rather_than_rejoins():
+    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "job": JOB}) if h["t"] == "hello"
+                      else ("error", {"message": "another loader took this rank over", "code": "replaced"}))
+    try:
+        session = make_session(fake.addr)
+        with pytest.raises(RemoteError, match="rank 0: this loader's session has ended: another loader took"):
+            session.start_epoch(RunStart(0, [], []))
+        assert fake.types() == ["hello", "start_epoch"]
+    finally:
+        fake.close()
+
+
 def test_goodbye_is_best_effort_and_short():
     fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "job": JOB}) if h["t"] == "hello" else None)
     try:

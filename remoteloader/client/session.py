@@ -140,7 +140,7 @@ class ClientSession:
     def rejoin_after(self, error: RemoteError) -> None:
         """A call made elsewhere (the control thread) found the session unknown: rejoin, or re-raise."""
         if error.code != "unknown_client":
-            raise error
+            raise self._ended(error)
         self._rejoin(restart_run=True)
 
     def status(self) -> str:
@@ -164,9 +164,17 @@ class ClientSession:
             return call()
         except RemoteError as e:
             if e.code != "unknown_client":
-                raise
+                raise self._ended(e) from None
         self._rejoin(restart_run)
         return call()
+
+    def _ended(self, error: RemoteError) -> RemoteError:
+        """``replaced``: another loader holds this rank now; taking it back (a rejoin) would only
+        make the two take turns, so this loader stops, saying why."""
+        if error.code != "replaced":
+            return error
+        self.id = None
+        return RemoteError(f"rank {self.rank}: this loader's session has ended: {error}", error.code)
 
     def _call(self, t: str, **fields: Any) -> dict:
         """The one retry policy: retried while the master is unreachable, up to ``timeout``."""
