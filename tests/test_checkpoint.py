@@ -297,3 +297,19 @@ def test_a_resume_with_another_batch_size_is_exact_and_other_spec_changes_are_re
     assert {len(b) for b in rest[:-1]} == {250}
     rows = real_rows(first) + real_rows(rest)
     assert sorted(rows) == list(range(ROWS)) and max(rows.values()) == 1
+
+
+def test_set_epoch_over_a_loaded_position_of_another_epoch_raises(tables, cluster):
+    master = cluster.master(workers=1)
+    spec = spec_dict(tables["orc"], batch_size=100)
+    with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
+        loader.load_state_dict(state)
+        with pytest.raises(ValueError, match=r"set_epoch\(1\) after load_state_dict of a position in epoch 0: "
+                                             r"call set_epoch\(0\)"):
+            loader.set_epoch(1)
+        loader.set_epoch(0)
+        assert len(list(loader)) == 49                             # 5,000 rows in 100s, one taken before
+        loader.set_epoch(3)                                        # the position was resumed: any epoch now
