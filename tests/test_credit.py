@@ -8,7 +8,7 @@ import pytest
 from remoteloader.client.credit import CreditWindow
 from remoteloader.client.fetch import Stream
 from remoteloader.protocol.rpc import BACKOFF_MAX_S, backoff_delay
-from remoteloader.worker.server import Credit
+from remoteloader.worker.credit import Credit
 
 
 def test_window_starts_at_inflight_per_worker_and_doubles_when_credit_was_the_limit():
