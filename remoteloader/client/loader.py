@@ -217,7 +217,9 @@ class RemoteDataLoader:
 
     # -- checkpointing (torchdata StatefulDataLoader protocol; see checkpoint.py) ---------------
     def state_dict(self) -> dict:
-        """What the training loop has consumed: small plain data, keyed by rank (see ``checkpoint.state_dict``)."""
+        """What the training loop has consumed, as small plain data: under torch.distributed
+        the job's position (the same on every rank: a collective), else this rank's part
+        keyed ``rank_<r>`` (see ``checkpoint.state_dict``)."""
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
