@@ -5,9 +5,6 @@ on 1 rank (with another batch size): every row exactly once, the same batch coun
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,9 +12,9 @@ import pytest
 
 from remoteloader import read_rank_states
 from remoteloader.tools.datagen import generate_table
+from tests.test_ddp import run_ranks
 
 ROWS = 6_001
-ROOT = str(Path(__file__).parent.parent)
 
 SCRIPT = """
 import json, os, sys
@@ -64,22 +61,8 @@ def run_job(tmp_path: Path, table: Path, world: int, name: str, stop_at: int = 0
     script, out = tmp_path / "rank.py", tmp_path / name
     script.write_text(SCRIPT)
     out.mkdir()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": ROOT,
-               "GLOO_SOCKET_IFNAME": "lo"}
-        env.pop("REMOTELOADER_MASTER", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(table), str(tmp_path / f"{name}.store"), str(tmp_path / "ckpt"),
-             str(out), str(stop_at), "1" if resume else "0", str(batch_size)], env=env, cwd=ROOT))
-    try:
-        for p in procs:
-            assert p.wait(timeout=240) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    run_ranks(script, world, [str(table), str(tmp_path / f"{name}.store"), str(tmp_path / "ckpt"), str(out),
+                              str(stop_at), "1" if resume else "0", str(batch_size)])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

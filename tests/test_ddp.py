@@ -57,26 +57,30 @@ dist.destroy_process_group()
 """
 
 
-def run_job(tmp_path: Path, table: Path, world: int, stop_at: int, resume: bool, name: str) -> list[dict]:
-    script, out = tmp_path / "rank.py", tmp_path / name
-    script.write_text(SCRIPT)
-    out.mkdir()
+def run_ranks(script: Path, world: int, args: list[str], timeout: float = 240) -> None:
+    """One process per rank as torchrun starts them (RANK, WORLD_SIZE; gloo on loopback); each
+    must exit 0 within ``timeout``, and every one is stopped by its pid."""
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": ROOT,
                "GLOO_SOCKET_IFNAME": "lo"}
         env.pop("REMOTELOADER_MASTER", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(table), str(tmp_path / f"{name}.store"), str(tmp_path / "ckpt"),
-             str(out), str(stop_at), "1" if resume else "0"], env=env, cwd=ROOT))
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=ROOT))
     try:
-        for p in procs:
-            assert p.wait(timeout=240) == 0
+        assert [p.wait(timeout=timeout) for p in procs] == [0] * world
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def run_job(tmp_path: Path, table: Path, world: int, stop_at: int, resume: bool, name: str) -> list[dict]:
+    script, out = tmp_path / "rank.py", tmp_path / name
+    script.write_text(SCRIPT)
+    out.mkdir()
+    run_ranks(script, world, [str(table), str(tmp_path / f"{name}.store"), str(tmp_path / "ckpt"), str(out),
+                              str(stop_at), "1" if resume else "0"])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -129,21 +133,9 @@ def test_rank_zero_closing_first_never_strands_a_rank_still_ending_its_epoch(tmp
     script, out = tmp_path / "rank.py", tmp_path / "out"
     script.write_text(LIFECYCLE_SCRIPT)
     out.mkdir()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"}
-        env.pop("REMOTELOADER_MASTER", None)
-        procs.append(subprocess.Popen([sys.executable, str(script), str(table), str(tmp_path / "store"), str(out)],
-                                      env=env, cwd=ROOT))
-    try:
-        # Far below the loaders' timeout (60 s) and the owner's close bound (60 s): a rank waiting
-        # on either would fail this wait, not pass slowly.
-        assert [p.wait(timeout=45) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    # Far below the loaders' timeout (60 s) and the owner's close bound (60 s): a rank waiting
+    # on either would fail this wait, not pass slowly.
+    run_ranks(script, 2, [str(table), str(tmp_path / "store"), str(out)], timeout=45)
     outs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert outs[0]["steps"] == outs[1]["steps"]
     rows = Counter(r for o in outs for r in o["rows"])

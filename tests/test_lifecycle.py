@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from remoteloader import RemoteDataLoader
 from tests.conftest import ROWS, spec_dict
@@ -25,7 +24,6 @@ JOB_WAIT_S = 90
 
 JOB = """
 import json, os, sys
-import torch
 from remoteloader import RemoteDataLoader
 
 master, spec, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]

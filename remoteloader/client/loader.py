@@ -138,13 +138,6 @@ class RemoteDataLoader:
         warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=3)
         return False
 
-    @staticmethod
-    def _can_pin() -> bool:
-        if torch.cuda.is_available():
-            return True
-        warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=3)
-        return False
-
     def _hello(self) -> dict:
         return self.session.hello()
 
