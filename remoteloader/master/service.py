@@ -255,8 +255,8 @@ class MasterService:
         stats = m.get("stats", {})
         self._commit(U.WorkerHeartbeat(m["worker_id"], self.clock(), m["buffered"], stats))
         self.rates.update("w:" + m["worker_id"], self.clock(), stats)
-        # The live client sessions: pieces a worker holds for any other session are stale.
-        sessions = list(self.state.clients)
+        # The live sessions of the ranks it serves: pieces it holds for any other are stale.
+        sessions = self.state.sessions_served(m["worker_id"])
         if not w.draining:
             return "heartbeat_ok", {"state": "run", "sessions": sessions}
         if w.assigned:

@@ -107,6 +107,7 @@ class JobState:
         self.job: Optional[Job] = None
         self.workers: dict[str, WorkerInfo] = {}
         self.clients: dict[str, int] = {}  # client session -> rank
+        self.session_of: dict[int, str] = {}  # rank -> its live session (the inverse of clients)
         self.client_stats: dict[str, dict] = {}
         self.client_seen: dict[str, float] = {}  # client session -> its last hello or heartbeat
         self.next_seq: dict[str, int] = {}  # client session -> the seq its next epoch run gets
@@ -152,6 +153,7 @@ class JobState:
                                            assigned={tuple(a) for a in assigned})
         for session, rank, seen, next_seq in snap["clients"]:
             self.clients[session], self.client_seen[session], self.next_seq[session] = rank, seen, next_seq
+            self.session_of[rank] = session
         self.replaced.extend(snap["replaced"])
         self.partitions = {rank: list(members) for rank, members in snap["partitions"]}
         self.resumed = {epoch: {base: [tuple(r) for r in ranges] for base, ranges in done}
@@ -264,6 +266,7 @@ class JobState:
         # ask for them. The new session says what it consumed when it starts its epoch.
         self._drop_runs(u.rank, keep=u.session)
         self.clients[u.session] = u.rank
+        self.session_of[u.rank] = u.session
         self.client_seen[u.session] = u.time
         self.next_seq.setdefault(u.session, 0)
         self.partitions.setdefault(u.rank, [])
@@ -287,7 +290,9 @@ class JobState:
         self._served = None
 
     def _forget_client(self, session: str) -> None:
-        self.clients.pop(session, None)
+        rank = self.clients.pop(session, None)
+        if rank is not None and self.session_of.get(rank) == session:
+            del self.session_of[rank]
         self.client_stats.pop(session, None)
         self.client_seen.pop(session, None)
         self.next_seq.pop(session, None)
@@ -474,6 +479,11 @@ class JobState:
                 members.append(wid)
                 load[wid] += 1
         return partitions
+
+    def sessions_served(self, worker_id: str) -> list[str]:
+        """The live sessions of the ranks whose partition holds this worker: the only ones
+        it may hold pieces for (what its heartbeat reply lists)."""
+        return [self.session_of[r] for r in self._served_ranks(worker_id) if r in self.session_of]
 
     def _served_ranks(self, worker_id: str) -> list[int]:
         """The ranks whose partition holds this worker, from an index rebuilt only after
