@@ -58,11 +58,16 @@ class MasterConfig:
     allowed_tables: Optional[tuple[str, ...]] = None
     bind_timeout: float = 120.0  # seconds a first client's spec may take to bind (list files, footers)
     client_timeout: float = 600.0  # a client silent this long is forgotten (it rejoins by saying hello)
-    # The journal is compacted to one snapshot when a rank finishes an epoch, or past this size.
+    # The journal is compacted to one snapshot once the records appended since the last one
+    # pass this many bytes, or the snapshot's own size if larger (so compaction costs O(1)
+    # per byte appended, and an idle master never compacts, however large its state).
     journal_compact_bytes: int = 4 << 20
 
 
 BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
+# Row ranges of one base split a resume's `done` may hold: the prefixes of its epoch splits,
+# which an elastic resume's plan cuts again (each resume can add a few).
+MAX_DONE_RANGES = 16
 
 
 def _bind_and_plan(spec: DatasetSpec) -> tuple[BoundDataset, list]:
@@ -124,7 +129,6 @@ class MasterService:
         # Who this master process is: a client that sees it change reports everything it
         # has consumed again (consumption is not journaled).
         self.incarnation = uuid.uuid4().hex[:12]
-        self._compact_due = False
         if journal is not None:
             replayed = 0
             for update in journal.replay():
@@ -136,6 +140,9 @@ class MasterService:
                 replayed += 1
             if replayed:
                 log.info("replayed %d journal records", replayed)
+        # Journal bytes right after the last compaction (or at start): what has been appended
+        # since is what the compaction rule counts.
+        self._snapshot_bytes = journal.size if journal is not None else 0
         if self.state.job is not None:
             self.bound = bind_schema(DatasetSpec.from_dict(self.state.job.spec), self.state.job.schema)
         self._commit(U.MasterStarted(clock()))
@@ -144,7 +151,6 @@ class MasterService:
     def _commit(self, update: U.Update) -> None:
         if self.journal is not None and not update.TRANSIENT:
             self.journal.append(update)  # durable at the next sync, before any reply goes out
-            self._compact_due |= isinstance(update, U.EpochFinished)
         self.state.apply(update)
         if isinstance(update, _MEMBERSHIP):
             partitions = self.state.balanced_partitions(self.config.max_workers_per_client)
@@ -154,13 +160,16 @@ class MasterService:
     def sync(self) -> None:
         """Make every committed update durable (one fsync for all of them: the server calls
         this once per pass, before sending that pass's replies), then compact the journal
-        if an epoch ended or it grew past ``journal_compact_bytes``."""
+        once what was appended since the last snapshot outweighs it (and
+        ``journal_compact_bytes``): never on the snapshot's own size, which would compact
+        a large job's state on every pass."""
         if self.journal is None:
             return
         self.journal.sync()
-        if self._compact_due or self.journal.size > self.config.journal_compact_bytes:
+        appended = self.journal.size - self._snapshot_bytes
+        if appended > max(self.config.journal_compact_bytes, self._snapshot_bytes):
             self.journal.compact(U.Snapshot(self.state.snapshot()))
-            self._compact_due = False
+            self._snapshot_bytes = self.journal.size
 
     # -- the job ---------------------------------------------------------------------
     def submit(self, spec: DatasetSpec) -> None:
@@ -415,6 +424,12 @@ class MasterService:
             raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code="bad_epoch")
         consumed = _check_acks(m.get("consumed", []))
         done = self._check_done(m.get("done", []))
+        current = self.state.ranks.get(rank)
+        if done and current is not None and epoch > current.epoch + 1:
+            # A resume continues the epoch a checkpoint was taken in: the rank's current one,
+            # the next, or an earlier one; never a far-off epoch nobody is in.
+            raise RequestError(f"done (rows consumed before a resume) for epoch {epoch}, but rank {rank} is in "
+                               f"epoch {current.epoch}", code="bad_epoch")
         if done != _done_of(self.state.resumed.get(epoch)):
             if self.state.epoch_started(epoch):
                 raise RequestError(f"epoch {epoch} already started with other rows consumed before the resume: "
@@ -434,17 +449,28 @@ class MasterService:
         return "epoch", {"epoch": epoch, "seq": seq, "splits": splits}
 
     def _check_done(self, done: list) -> list:
-        """Rows consumed before an elastic resume: ``[[base split, lo, hi], ...]``, disjoint."""
+        """Rows consumed before an elastic resume: ``[[base split, lo, hi], ...]``, disjoint,
+        coalesced (adjacent ranges merged). A checkpoint's consumed rows are prefixes of the
+        epoch's splits, a few per base split: more ranges than that is not a checkpoint."""
         splits = self.state.job.splits
         if not all(isinstance(d, list) and len(d) == 3 and all(type(x) is int for x in d) for d in done):
             raise RequestError("done must be [[base_split, lo, hi], ...]")
-        done = sorted(done)
-        for i, (base, lo, hi) in enumerate(done):
+        merged: list[list[int]] = []
+        per_split: dict[int, int] = {}
+        for base, lo, hi in sorted(done):
             if not (0 <= base < len(splits) and 0 <= lo < hi <= splits[base].rows):
                 raise RequestError(f"done: rows [{lo}, {hi}) of base split {base} do not exist in this job")
-            if i and done[i - 1][0] == base and done[i - 1][2] > lo:
+            if merged and merged[-1][0] == base and merged[-1][2] > lo:
                 raise RequestError(f"done: overlapping row ranges in base split {base}")
-        return done
+            if merged and merged[-1][0] == base and merged[-1][2] == lo:
+                merged[-1][2] = hi
+                continue
+            per_split[base] = per_split.get(base, 0) + 1
+            if per_split[base] > MAX_DONE_RANGES:
+                raise RequestError(f"done: more than {MAX_DONE_RANGES} row ranges in base split {base}: a "
+                                   "checkpoint's consumed rows are prefixes of the epoch's splits")
+            merged.append([base, lo, hi])
+        return merged
 
     def _on_client_heartbeat(self, m: dict) -> Reply:
         session = m["session"]

@@ -100,6 +100,8 @@ class Job:
 
 SNAPSHOT_VERSION = 2  # 2: client sessions and epoch runs (session, seq), partitions journaled
 REPLACED_KEPT = 1024
+MAX_RESUMED_EPOCHS = 8  # epochs whose resume (rows consumed before) the state keeps
+MAX_PLANS = 16  # epoch plans kept in the memo
 
 
 class JobState:
@@ -347,6 +349,12 @@ class JobState:
             done.setdefault(base, []).append((lo, hi))
         self.resumed[u.epoch] = {b: sorted(r) for b, r in done.items()}
         self._plans.pop(u.epoch, None)
+        # Bounded whatever clients send: resumes of epochs no run is in go first, oldest first.
+        if len(self.resumed) > MAX_RESUMED_EPOCHS:
+            live = {r.epoch for r in self._rank_epochs()} | {u.epoch}
+            for epoch in sorted(self.resumed, key=lambda e: (e in live, e))[:len(self.resumed) - MAX_RESUMED_EPOCHS]:
+                del self.resumed[epoch]
+                self._plans.pop(epoch, None)
 
     def _on_EpochPrefetched(self, u: U.EpochPrefetched) -> None:
         if u.rank not in self.prefetched:
@@ -427,6 +435,9 @@ class JobState:
                 oldest = min(oldest, self._plan_floor)
             self._plans = {e: p for e, p in self._plans.items() if e >= min(oldest, epoch)}
             self.resumed = {e: d for e, d in self.resumed.items() if e >= min(oldest, epoch)}
+            if len(self._plans) > MAX_PLANS:  # a memo: any plan can be computed again
+                live = {r.epoch for r in self._rank_epochs()} | {epoch}
+                self._plans = {e: p for e, p in self._plans.items() if e in live}
         return self._plans[epoch]
 
     def _owner(self, epoch: int, split_id: int) -> tuple[Optional[RankEpoch], Optional[SplitProgress]]:
