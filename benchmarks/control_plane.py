@@ -10,7 +10,14 @@ The same load runs against this tree's master and against a baseline commit's ma
   24-hour job would leave (the journal of the run, replayed and scaled to 24 hours
   where it grows with time).
 
-Run: ``.venv/bin/python -m benchmarks.control_plane [--workers 1000 --ranks 256 --seconds 20]``.
+A second measure, the **idle pass** of a large job: a master (in a child process, per
+tree) whose job has ``--files`` files and ``--splits`` splits, with ``--journal``, doing
+nothing but its periodic duties (``tick`` and the journal ``sync`` the loop runs each
+pass): milliseconds per pass, median and worst. The journal's compaction rule decides it
+(a rule on the snapshot's own size compacts a large job's state on every pass).
+
+Run: ``.venv/bin/python -m benchmarks.control_plane [--workers 1000 --ranks 256 --seconds 20]
+[--files 3000 --splits 100000]``.
 """
 from __future__ import annotations
 
@@ -183,6 +190,57 @@ def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: floa
             "journal_24h_bytes": size + per_hour * 24, "replay_24h_s": replay_s * (size + per_hour * 24) / max(size, 1)}
 
 
+IDLE_SPEC = {"batch_size": 64, "seed": 0, "shuffle": True, "drop_last": False, "even_batches": "pad",
+             "on_error": "fail", "table": {"path": "/synthetic"}}
+
+
+def measure_idle_pass(files: int, splits: int, passes: int) -> dict:
+    """Runs in the child, against whichever ``remoteloader`` its PYTHONPATH names: a journaled
+    master whose job has ``files`` files and ``splits`` splits, timed over idle passes."""
+    import statistics
+
+    from remoteloader.formats import DataFile, Unit
+    from remoteloader.master import updates as U
+    from remoteloader.master.journal import Journal
+    from remoteloader.master.service import MasterConfig, MasterService
+
+    units_per_file = -(-splits // files)
+    # Paths and partitions as long as a warehouse's (an object store URI, a date partition).
+    wire_files = [DataFile(f"s3://warehouse/ads/impressions_flat/ds=2026-11-{f % 28 + 1:02d}/"
+                           f"part-{f:05d}-7d5c1e2a-4b3f-4e8e-9a41-0c6d2f5b8e13.c000.orc", "orc",
+                           f"ds=2026-11-{f % 28 + 1:02d}", units_per_file * 640, units_per_file * 64 << 10,
+                           tuple(Unit(u, u * 640, 640, 64 << 10) for u in range(units_per_file))).to_wire()
+                  for f in range(files)]
+    wire_splits = [[i // units_per_file, i % units_per_file, i % units_per_file + 1, 640, 640, 640 * i]
+                   for i in range(splits)]
+    journal = Path(tempfile.mkdtemp(prefix="rl-idle-"))
+    service = MasterService(MasterConfig(heartbeat_timeout=3600.0), Journal(journal))
+    service._commit(U.JobSubmitted(IDLE_SPEC, "fp", {"x": "float"}, wire_files, wire_splits, []))
+    for w in range(16):
+        service._commit(U.WorkerRegistered(f"w{w}", f"tcp://127.0.0.1:{7000 + w}", w, service.clock()))
+    service.sync()  # the job is durable (and compacted, past the threshold)
+    times = []
+    for _ in range(passes):
+        t = time.perf_counter()
+        service.tick()
+        service.sync()
+        times.append(time.perf_counter() - t)
+    snapshot = service.journal.size
+    service.journal.close()
+    return {"pass_ms": statistics.median(times) * 1e3, "worst_ms": max(times) * 1e3, "journal_mb": snapshot / 2**20}
+
+
+def run_idle_pass(src: Path, files: int, splits: int, passes: int) -> dict:
+    """``measure_idle_pass`` in a child whose only ``remoteloader`` is the one under ``src``."""
+    code = ("import importlib.util, json, sys\n"
+            f"spec = importlib.util.spec_from_file_location('control_plane', {str(Path(__file__))!r})\n"
+            "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+            f"print(json.dumps(mod.measure_idle_pass({files}, {splits}, {passes})))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(src)}, cwd=src,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def replay_journal(src: Path, journal: Path) -> tuple[int, float]:
     """Records in ``journal`` and the seconds its replay takes, by the code under ``src`` (its
     own record types: another tree's journal would be quarantined record by record)."""
@@ -214,6 +272,9 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=256)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--baseline", default="d6ca469", help="git ref of the master to compare with (today's code)")
+    p.add_argument("--files", type=int, default=3000, help="files of the idle-pass job")
+    p.add_argument("--splits", type=int, default=100_000, help="splits of the idle-pass job")
+    p.add_argument("--passes", type=int, default=20, help="idle passes timed")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rl-cp-"))
     generate_table(str(tmp / "t"), rows=args.ranks * 4 * 64, partitions=1, dense=1, sparse=1, format="orc", seed=3,
@@ -226,6 +287,8 @@ def main() -> int:
     with baseline_tree(args.baseline) as base:
         results = {"baseline " + args.baseline: run_load(base, spec_path, args.workers, args.ranks, args.seconds),
                    "this tree": run_load(ROOT, spec_path, args.workers, args.ranks, args.seconds)}
+        idle = {"baseline " + args.baseline: run_idle_pass(base, args.files, args.splits, args.passes),
+                "this tree": run_idle_pass(ROOT, args.files, args.splits, args.passes)}
     print(f"{args.workers} workers heartbeating at 2/s, {args.ranks} ranks acknowledging at 4/s, "
           f"{args.seconds:g} s each\n")
     print(f"{'master':<18} {'req/s':>7} {'CPU cores':>9} {'p50 ms':>7} {'p99 ms':>7} {'journal MB/h':>12} "
@@ -234,6 +297,10 @@ def main() -> int:
         print(f"{name:<18} {r['rate']:>7.0f} {r['cpu']:>9.2f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
               f"{r['journal_bytes_per_hour'] / 2**20:>12.1f} {r['journal_24h_bytes'] / 2**20:>14.1f} "
               f"{r['replay_24h_s']:>12.2f}")
+    print(f"\nidle passes of a journaled master: {args.files} files, {args.splits} splits, {args.passes} passes\n")
+    print(f"{'master':<18} {'pass ms':>8} {'worst ms':>9} {'journal MB':>10}")
+    for name, r in idle.items():
+        print(f"{name:<18} {r['pass_ms']:>8.2f} {r['worst_ms']:>9.2f} {r['journal_mb']:>10.1f}")
     return 0
 
 
