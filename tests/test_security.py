@@ -83,3 +83,33 @@ def test_a_worker_refuses_a_job_outside_its_allowlist(tables, cluster, tmp_path)
     cluster.workers(master.addr, 1, "--allow-table", str(tables["orc"]))
     with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
         assert sum(len(b) for b in loader) == ROWS
+
+
+def test_a_master_refuses_a_percent_encoded_traversal_as_it_refuses_a_missing_table(tmp_path):
+    """The red team read 1,000 of 1,000 rows of a mode-0600 table through
+    ``file://ALLOWED/%2e%2e/secret/t``, and told existing from missing paths apart."""
+    from remoteloader.spec import SpecError
+    from remoteloader.tools.datagen import generate_table
+    from tests.conftest import wait_gone
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    generate_table(str(tmp_path / "secret" / "t"), rows=1000, dense=1, sparse=1, seed=3, progress=False)
+    for f in (tmp_path / "secret" / "t").rglob("*.orc"):
+        f.chmod(0o600)
+    proc = subprocess.Popen([str(BIN / "remoteloader-master"), "--bind", "tcp://127.0.0.1:0", "--workers", "0",
+                             "--allow-table", str(allowed)], stdout=subprocess.PIPE, text=True)
+    try:
+        addr = proc.stdout.readline().rsplit(" ", 1)[1].strip()
+        answers = []
+        for table in ("secret/t", "missing/t"):
+            spec = {"table": f"file://{allowed}/%2e%2e/{table}", "features": {"label": "label"}}
+            with pytest.raises(SpecError) as refused:
+                len(RemoteDataLoader(spec, master=addr, timeout=30))
+            answers.append(str(refused.value))
+        assert answers[0] == answers[1]
+        assert "this master does not serve that table" in answers[0]
+    finally:
+        proc.kill()
+        proc.wait()
+        wait_gone([proc.pid])

@@ -1,26 +1,27 @@
 """Which tables a master (and its workers) may read for clients: path or URI prefixes (``--allow-table``).
 
 A client's spec names a table; the master (and through it every worker) would read
-whatever it names. The allowlist confines that to the prefixes an operator chose. Local
-paths are compared after resolving symlinks and ``..``, component by component, so
-``/data/ads`` allows ``/data/ads/ds=1`` but not ``/data/ads-private``. A URI (``s3://``,
-``slow+file://``) must have an allowed prefix's scheme and bucket, lie under its path
-(component by component) and carry exactly its query options (``endpoint_override``
-and the like), so a spec cannot point the master at another endpoint.
+whatever it names. The allowlist confines that to the prefixes an operator chose.
+
+A table and each prefix go through ``formats.fs.target``, the function
+``open_filesystem`` opens through, so what is checked is what is read: the filesystem
+(scheme, host or bucket, and exactly the query options, so a spec cannot point the master
+at another endpoint) and the decoded path. On a local disk (a path, ``file://``,
+``slow+file://``) both paths are resolved (symlinks, ``..``) before they are compared;
+elsewhere the path is compared as decoded. Paths are compared component by component, so
+``/data/ads`` allows ``/data/ads/ds=1`` but not ``/data/ads-private``. A URI that
+``target`` refuses (percent-encoded dots or separators, ``.``/``..`` segments) is refused
+here too, with no file system call: a refused table looks the same whether or not it exists.
 """
 from __future__ import annotations
 
 import os
 from typing import Iterable, Optional
-from urllib.parse import parse_qs, urlsplit
 
+from ..formats.fs import target
+from ..formats.types import TableError
 
-def _is_uri(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def _local(path: str) -> str:
-    return os.path.realpath(path[len("file://"):] if path.startswith("file://") else path)
+_Resolved = tuple[tuple, tuple[str, ...]]  # (the filesystem, the path's components)
 
 
 class TableAllowlist:
@@ -31,20 +32,24 @@ class TableAllowlist:
     def allows(self, path: str) -> bool:
         if self.prefixes is None:
             return True
-        for prefix in self.prefixes:
-            if _is_uri(path) or _is_uri(prefix):
-                if _is_uri(path) and _is_uri(prefix) and _uri_under(path, prefix):
-                    return True
-            elif _under(_local(path), _local(prefix), os.sep):
-                return True
-        return False
+        table = _resolve(path)
+        if table is None:
+            return False
+        return any(prefix is not None and _under(table, prefix) for prefix in map(_resolve, self.prefixes))
 
 
-def _under(path: str, root: str, sep: str) -> bool:
-    return path == root or path.startswith(root.rstrip(sep) + sep)
+def _resolve(path: str) -> Optional[_Resolved]:
+    """Where ``path`` leads once opened; ``None`` for a path that would not be opened."""
+    try:
+        where = target(path)
+        real = os.path.realpath(where.path) if where.local else where.path
+    except (TableError, ValueError, OSError):  # ValueError: a NUL in a local path
+        return None
+    sep = os.sep if where.local else "/"
+    # Only the ends are stripped: inside a key, "a//b" is not "a/b" on an object store.
+    stripped = real.strip(sep)
+    return where.filesystem, tuple(stripped.split(sep)) if stripped else ()
 
 
-def _uri_under(uri: str, prefix: str) -> bool:
-    u, p = urlsplit(uri), urlsplit(prefix)
-    return ((u.scheme, u.netloc) == (p.scheme, p.netloc) and parse_qs(u.query) == parse_qs(p.query)
-            and ".." not in u.path.split("/") and _under(u.path, p.path or "/", "/"))
+def _under(table: _Resolved, prefix: _Resolved) -> bool:
+    return table[0] == prefix[0] and table[1][:len(prefix[1])] == prefix[1]
