@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -305,7 +306,9 @@ def _parse_table(value: Any, base_dir: Path) -> TableSpec:
     if "path" not in t:
         raise SpecError("table.path: required key is missing")
     path = _name(t["path"], "table.path")
-    if "://" not in path and not os.path.isabs(path):
+    if "://" in path:
+        _no_userinfo(path)
+    elif not os.path.isabs(path):
         path = str((base_dir / path).resolve())
     fmt = t.get("format")
     if fmt is not None and fmt not in FORMATS:
@@ -316,6 +319,20 @@ def _parse_table(value: Any, base_dir: Path) -> TableSpec:
         if not parts:
             raise SpecError("table.partitions: the list is empty, so no row would be selected (omit the key to read all partitions)")
     return TableSpec(path=path, format=fmt, partitions=parts)
+
+
+def _no_userinfo(uri: str) -> None:
+    """A URI's ``user:secret@`` would go wherever the table path goes (every message, log
+    and status line), so it is refused, and the error never repeats it."""
+    try:
+        netloc = urlsplit(uri).netloc
+    except ValueError as e:
+        raise SpecError(f"table.path: not a valid URI ({e})") from None
+    if "@" in netloc:
+        raise SpecError("table.path: a table URI must not carry credentials (user:secret@ before the host); "
+                        "give them through the storage's standard credential chain instead: the environment "
+                        "(e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), a profile (~/.aws/credentials, "
+                        "AWS_PROFILE) or the instance's role")
 
 
 MAP_REF = re.compile(r"^(.+)\[(-?\d+)\]$")

@@ -106,3 +106,47 @@ def test_hostile_spec_files_fail_fast_naming_the_file(tmp_path):
     deep.write_text("table: " + "[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(SpecError, match="deep.yaml"):
         DatasetSpec.from_file(deep)
+
+
+@pytest.mark.parametrize("uri", ["s3://KEY:hunter2@bucket/t", "slow+s3://KEY:hunter2@bucket/t?profile=hdd",
+                                 "gs://hunter2@bucket/t"])
+def test_a_table_uri_with_credentials_is_refused_without_repeating_them(uri):
+    with pytest.raises(SpecError, match=r"^table\.path: a table URI must not carry credentials") as e:
+        DatasetSpec.from_dict({"table": uri, "features": {"label": "label"}})
+    assert "hunter2" not in str(e.value)
+    assert all(w in str(e.value) for w in ("environment", "profile", "role"))
+
+
+SCHEMA = {"label": "float", "x": "float", "ids": "id_list"}
+
+
+def _sized(borders: int, **top) -> DatasetSpec:
+    onehot = {"name": "oh", "column": "x", "transforms": [{"op": "onehot", "borders": list(range(borders))}]}
+    return DatasetSpec.from_dict({"table": "/t", "features": {"label": "label", "dense": ["x", onehot],
+                                                              "sparse": [{"name": "s", "column": "ids"}]}, **top})
+
+
+@pytest.mark.parametrize("borders,top,match", [
+    # the red team's spec: 100,000 borders took a worker to 4.5 GB
+    (100_000, {}, r"^features: feature 'oh' step 0 \(onehot\): parameter 'borders': 100,000 borders, at most 65,536"),
+    (65_535, {}, r"^features\.dense\[1\]: feature 'oh' brings the dense width to 65,537 float32 columns"),
+    (30_000, {"batch_size": 4096}, r"^batch_size: 4,096 rows of 120,016 bytes are 469 MiB \(at most 256 MiB a piece\); "
+                                   r"feature 'oh' alone is 30,001 float32 columns"),
+    (30_000, {}, r"^split_rows: 65,536 rows of 120,016 bytes are 7,501 MiB \(at most 1,024 MiB a split\); "
+                 r"feature 'oh' alone"),
+])
+def test_specs_too_big_for_a_worker_are_refused_naming_the_feature(borders, top, match):
+    from remoteloader.core.binding import bind_schema
+
+    with pytest.raises(SpecError, match=match):
+        bind_schema(_sized(borders, **top), SCHEMA)
+
+
+def test_the_size_caps_leave_room_for_wide_rows():
+    from remoteloader.core.binding import bind_schema
+
+    assert bind_schema(_sized(30_000, batch_size=1024, split_rows=4096), SCHEMA).pipeline.dense_width == 30_002
+    bucketized = {"name": "b", "column": "x", "transforms": [{"op": "bucketize", "borders": list(range(65_536)),
+                                                             "as_sparse": True}]}
+    spec = DatasetSpec.from_dict({"table": "/t", "features": {"label": "label", "sparse": [bucketized]}})
+    assert bind_schema(spec, SCHEMA).sparse_keys == ["b"]

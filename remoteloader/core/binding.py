@@ -28,6 +28,11 @@ from ..transforms import (
 )
 
 SCALAR_KINDS = ("float", "int")
+# A worker transforms a whole split at once and holds its pieces until they are sent, so
+# what a spec makes a worker allocate is rows x bytes a row; these bound it (docs/spec.md).
+MAX_DENSE_WIDTH = 1 << 16  # float32 columns a row: 256 KiB a row
+MAX_PIECE_BYTES = 256 << 20  # batch_size rows: the loader's default prefetch_bytes, so one piece fits its window
+MAX_SPLIT_BYTES = 1 << 30  # split_rows rows: the wire's largest frame
 
 
 @dataclass
@@ -113,10 +118,42 @@ def bind_schema(spec: DatasetSpec, schema: Mapping[str, str]) -> BoundDataset:
             raise SpecError(str(e)) from None
         if sampling["label_value"] is not None and not spec.label:
             raise SpecError("sampling.label_value: needs features.label (the column it compares)")
+    _check_size(spec, pipeline)
     columns = set(pipeline.input_columns) | set(spec.passthrough)
     if spec.label:
         columns.add(spec.label)
     return BoundDataset(spec, schema, pipeline, sorted(columns))
+
+
+def _check_size(spec: DatasetSpec, pipeline: FeaturePipeline) -> None:
+    """Refuse a spec whose rows are too wide, or whose pieces or splits too big, naming the
+    feature that makes them so. A row counts what every row costs whatever the data: 4 bytes
+    a dense column, the label, each sparse feature's length and each passthrough column; a
+    sparse feature's ids depend on the table, so they are not counted."""
+    width = 0
+    for i, (name, w) in enumerate(zip(pipeline.dense_names, pipeline.dense_widths)):
+        width += w
+        if width > MAX_DENSE_WIDTH:
+            raise SpecError(f"features.dense[{i}]: feature {name!r} brings the dense width to {width:,} float32 "
+                            f"columns a row (at most {MAX_DENSE_WIDTH:,})")
+    row_bytes = 4 * (width + 1 + len(pipeline.sparse_names) + len(spec.passthrough))
+    for key, rows, limit, unit in (("batch_size", spec.batch_size, MAX_PIECE_BYTES, "a piece"),
+                                   ("split_rows", spec.split_rows, MAX_SPLIT_BYTES, "a split")):
+        if rows * row_bytes > limit:
+            raise SpecError(f"{key}: {rows:,} rows of {row_bytes:,} bytes are {_mib(rows * row_bytes)} "
+                            f"(at most {_mib(limit)} {unit}){_widest(pipeline)}; lower {key}")
+
+
+def _widest(pipeline: FeaturePipeline) -> str:
+    """Which dense feature takes most of a row, for the error."""
+    if not pipeline.dense_names:
+        return ""
+    width, name = max(zip(pipeline.dense_widths, pipeline.dense_names))
+    return f"; feature {name!r} alone is {width:,} float32 columns"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.0f} MiB"
 
 
 def _resolve_map_columns(features: Sequence[FeatureSpec], schema: dict[str, str]) -> tuple[FeatureSpec, ...]:

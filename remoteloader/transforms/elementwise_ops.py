@@ -127,12 +127,19 @@ def map_id_kernel(values, tkeys, tvals, used, bits, default):
 
 
 # -- shared helpers ------------------------------------------------------------------------------
+# Quantile bucketing needs hundreds to thousands of borders; this many keeps a hostile
+# spec's compile (and a onehot's width, also capped as dense width at bind) small.
+MAX_BORDERS = 1 << 16
+
+
 def check_borders(params: Mapping[str, Any]) -> list:
     b = params.get("borders")
     if b is None:
         raise ParamError("borders", "required parameter is missing")
     if not isinstance(b, (list, tuple)) or not b:
         raise ParamError("borders", f"must be a non-empty list of numbers, got {b!r}")
+    if len(b) > MAX_BORDERS:  # before anything walks the list
+        raise ParamError("borders", f"{len(b):,} borders, at most {MAX_BORDERS:,}")
     for i, x in enumerate(b):
         if not is_number(x) or math.isnan(x):
             raise ParamError("borders", f"entry {i} is not a number: {x!r}")
