@@ -13,6 +13,9 @@ first incomplete record and truncates the file there, so the journal always ends
 whole record before new ones are appended. A whole record that cannot be read (damage,
 or written by another version) is quarantined: copied to ``journal.quarantine`` with a
 log line naming its offset, and skipped, so the master still starts.
+
+The journal holds the job's spec as given (a restarted master serves it to workers), so
+its directory is private to the master's user (0700) and its files are 0600.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Iterator
 
 import msgpack
 
+from ..core.redact import open_private, private_dir
 from .updates import Update, from_record
 
 log = logging.getLogger(__name__)
@@ -41,7 +45,7 @@ class Journal:
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         self.path = self.dir / self.FILE
         self._file = None
         self._pending: list[bytes] = []
@@ -75,7 +79,7 @@ class Journal:
         """Set a record aside (kept for inspection) instead of replaying it."""
         where = f"at byte {offset}" if offset >= 0 else "that could not be applied"
         log.error("journal %s: record %s quarantined (%s)", self.path, where, why[:200])
-        with open(self.dir / "journal.quarantine", "ab") as f:
+        with os.fdopen(open_private(self.dir / "journal.quarantine", os.O_WRONLY | os.O_APPEND), "ab") as f:
             f.write(_LEN.pack(len(record)) + record)
 
     def append(self, update: Update) -> None:
@@ -89,7 +93,7 @@ class Journal:
         if not self._pending:
             return
         if self._file is None:
-            self._file = open(self.path, "ab")
+            self._file = os.fdopen(open_private(self.path, os.O_WRONLY | os.O_APPEND), "ab")
         self._file.write(b"".join(self._pending))
         self._pending.clear()
         self._file.flush()
@@ -100,7 +104,7 @@ class Journal:
         self.sync()
         record = _frame(snapshot)
         tmp = self.dir / (self.FILE + ".tmp")
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
             f.write(record)
             f.flush()
             os.fsync(f.fileno())

@@ -23,7 +23,9 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
+
+from ..core.redact import ENV_ALLOW_TABLE
 
 log = logging.getLogger(__name__)
 RAY_NAMESPACE = "remoteloader"
@@ -139,15 +141,17 @@ class LauncherThread:
 class LocalLauncher:
     """Worker processes on this machine, tied to the master's lifetime."""
 
-    def __init__(self, master_addr: str, worker_args: Sequence[str] = (), auth_dir: Optional[str] = None) -> None:
+    def __init__(self, master_addr: str, worker_args: Sequence[str] = (), auth_dir: Optional[str] = None,
+                 worker_env: Mapping[str, str] = {}) -> None:
         self.master_addr = master_addr
         self.worker_args = list(worker_args)
         self.procs: list[subprocess.Popen] = []
-        # With auth: the key directory's path, in the environment (never key material on a command line).
-        # Without: the variable is removed, so a stray $REMOTELOADER_AUTH cannot split the cluster.
-        self.env = dict(os.environ, **_worker_env(auth_dir))
-        if not auth_dir:
-            self.env.pop(ENV_AUTH, None)
+        # The key directory's path and the allowlist (``worker_env``: table paths may hold
+        # credentials) go in the environment, never on a command line. Both are set from scratch,
+        # so a stray $REMOTELOADER_AUTH or allowlist in the master's environment cannot split the cluster.
+        handed_on = (ENV_AUTH, ENV_ALLOW_TABLE)
+        self.env = {k: v for k, v in os.environ.items() if k not in handed_on}
+        self.env.update(_worker_env(auth_dir), **worker_env)
 
     def start(self, n: int) -> None:
         for _ in range(n):
@@ -184,13 +188,15 @@ class WorkerProcessActor:
     the actor (Linux parent-death signal), so ``ray.kill`` or a lost node ends it.
     """
 
-    def __init__(self, master_addr: str, worker_args: list[str]) -> None:
+    def __init__(self, master_addr: str, worker_args: list[str], worker_env: Mapping[str, str] = {}) -> None:
         import ray
 
         self.master_addr = master_addr
+        # ``worker_env`` (the allowlist) reaches the worker in its environment, not on its command
+        # line nor in the actor's runtime_env (which Ray's dashboard shows).
         self.proc = subprocess.Popen([sys.executable, "-m", "remoteloader.worker", "--master", master_addr,
                                       "--bind-host", ray.util.get_node_ip_address(), "--die-with-parent",
-                                      *worker_args])
+                                      *worker_args], env=dict(os.environ, **worker_env))
 
     def wait(self) -> int:
         """Block until the worker exits; its exit code (0: drained or stopped). A master
@@ -231,7 +237,8 @@ class RayLauncher:
 
     def __init__(self, master_addr: str, address: str, num_cpus: float = 1.0,
                  worker_args: Sequence[str] = (), auth_token_path: Optional[str] = None,
-                 auth_dir: Optional[str] = None, detached_prefix: Optional[str] = None) -> None:
+                 auth_dir: Optional[str] = None, detached_prefix: Optional[str] = None,
+                 worker_env: Mapping[str, str] = {}) -> None:
         already = sys.modules.get("ray")  # not imported here: the token must be set first
         self._owns_ray = already is None or not already.is_initialized()
         self._ray = ray = connect_ray(address, auth_token_path)
@@ -247,6 +254,7 @@ class RayLauncher:
         self._actor_cls = ray.remote(**options)(WorkerProcessActor)
         self.master_addr = master_addr
         self.worker_args = list(worker_args)
+        self.worker_env = dict(worker_env)
         self.detached_prefix = detached_prefix
         self.actors: list[tuple] = []  # (actor handle, ObjectRef of its wait())
         if detached_prefix:
@@ -282,7 +290,7 @@ class RayLauncher:
                             if f"{self.detached_prefix}-worker-{i}" not in taken)
                 taken.add(name)
                 cls = cls.options(name=name, lifetime="detached")
-            actor = cls.remote(self.master_addr, self.worker_args)
+            actor = cls.remote(self.master_addr, self.worker_args, self.worker_env)
             self.actors.append((actor, actor.wait.remote()))
 
     def running(self) -> int:
@@ -334,9 +342,11 @@ def _use_ray_token_file(path: str) -> None:
 def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = None,
                   ray_auth_token_path: Optional[str] = None, ray_detached_prefix: Optional[str] = None,
                   worker_args: Sequence[str] = (), buffer_batches: int = 16, auth_dir: Optional[str] = None,
-                  insecure: bool = False) -> Launcher:
+                  insecure: bool = False, worker_env: Mapping[str, str] = {}) -> Launcher:
+    """``worker_env``: variables for every worker (the allowlist), in its environment only."""
     if kind == "local":
-        return LocalLauncher(master_addr, ["--buffer-batches", str(buffer_batches), *worker_args], auth_dir=auth_dir)
+        return LocalLauncher(master_addr, ["--buffer-batches", str(buffer_batches), *worker_args], auth_dir=auth_dir,
+                             worker_env=worker_env)
     if kind == "ray":
         if not ray_address:
             raise ValueError("--launcher ray needs --ray-address (e.g. 127.0.0.1:6379, or 'auto')")
@@ -346,5 +356,5 @@ def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = N
         return RayLauncher(master_addr, ray_address,
                            worker_args=["--buffer-batches", str(buffer_batches), *insecure_args, *worker_args],
                            auth_token_path=ray_auth_token_path, auth_dir=auth_dir,
-                           detached_prefix=ray_detached_prefix)
+                           detached_prefix=ray_detached_prefix, worker_env=worker_env)
     raise ValueError(f"unknown launcher {kind!r} (local, ray)")

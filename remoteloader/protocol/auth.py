@@ -6,6 +6,10 @@ Key layout (``remoteloader keygen DIR``; the directory is 0700, every file 0600)
     DIR/cluster.key_secret     the cluster's key pair (public and secret)
     DIR/public_keys/cluster.key  client public keys the servers accept (here: the cluster's own)
 
+``load`` holds the directory to ssh's StrictModes: the directory, ``public_keys/`` and
+every key file must belong to this user (or root) and be writable by nobody else, or it
+is refused naming the path: whoever can write ``public_keys/`` can plant a key and be admitted.
+
 First version, kept simple: one "cluster" key pair is used by every component, as the
 server key of the master's and the workers' ROUTER sockets and as the client key of
 every DEALER (workers, clients, ``remoteloader status``). Each server runs a ZAP
@@ -42,7 +46,7 @@ ZAP_DOMAIN = b"remoteloader"  # the ZAP domain of every server socket; the authe
 
 
 class AuthError(ValueError):
-    """A key directory that is missing, incomplete or readable by others."""
+    """A key directory that is missing, incomplete, readable by others or writable by them."""
 
 
 @dataclass(frozen=True)
@@ -81,18 +85,43 @@ def keygen(directory: Union[str, os.PathLike]) -> str:
     return directory
 
 
+def _check_strict(path: str, what: str) -> None:
+    """ssh's StrictModes for one key directory or key file: whoever else could write it
+    could plant a key (in ``public_keys/``: be admitted) or swap the cluster's. Owned by
+    this user (or root); writable by nobody else, unless it lies on a read-only mount (such
+    as a Kubernetes Secret volume, whose mode bits may say otherwise: nobody can write it)."""
+    st = os.stat(path)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise AuthError(f"{what} {path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) "
+                        f"or root: refusing it, as someone else could plant a key there")
+    if st.st_mode & 0o022 and not os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise AuthError(f"{what} {path} is writable by group or others: refusing it, as they could plant a key "
+                        f"there (chmod go-w {path})")
+
+
+def _check_key_directory(directory: str, secret_file: str, public_dir: str) -> None:
+    """Every path whose contents decide membership: the directory, the secret, the allowed keys."""
+    _check_strict(directory, "auth directory")
+    _check_strict(secret_file, "cluster key")
+    if os.stat(secret_file).st_mode & 0o077:
+        raise AuthError(f"{secret_file} is readable by group or others; chmod 600 it")
+    _check_strict(public_dir, "allowed client keys directory")
+    for name in sorted(os.listdir(public_dir)):
+        _check_strict(os.path.join(public_dir, name), "allowed client key")
+
+
 def load(directory: Union[str, os.PathLike]) -> Credentials:
-    """Load a key directory written by ``keygen``; ``AuthError`` (one line) if it is not usable."""
+    """Load a key directory written by ``keygen``; ``AuthError`` (one line, naming the path)
+    if it is not usable or others could change it."""
     directory = os.fspath(directory)
     secret_file = os.path.join(directory, KEY_NAME + ".key_secret")
     public_dir = os.path.join(directory, PUBLIC_KEYS)
     if not os.path.isfile(secret_file):
         raise AuthError(f"auth directory {directory!r} has no {KEY_NAME}.key_secret "
                         f"(create one with: remoteloader keygen {directory})")
-    if os.stat(secret_file).st_mode & 0o077:
-        raise AuthError(f"{secret_file} is readable by group or others; chmod 600 it")
     if not os.path.isdir(public_dir):
         raise AuthError(f"auth directory {directory!r} has no {PUBLIC_KEYS}/ directory of allowed client keys")
+    _check_key_directory(directory, secret_file, public_dir)
     try:
         public, secret = zmq.auth.load_certificate(secret_file)
     except (OSError, ValueError) as e:

@@ -7,6 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from .. import __version__
+from ..core.redact import redact, redact_text
 from ..protocol.address import DefaultsHelpFormatter, address_type
 from ..spec import SpecError
 
@@ -64,7 +65,7 @@ def _validate(args: argparse.Namespace) -> int:
     nbytes = sum(f.nbytes for f in files)
     share = len(bound.read_columns) / max(1, len(bound.schema))
     report = {
-        "table": spec.table.path,
+        "table": redact(spec.table.path),  # reports end up in CI logs and tickets
         "fingerprint": spec.fingerprint(),
         "partitions": sorted({f.partition for f in files}),
         "files": len(files),
@@ -216,11 +217,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except SpecError as e:
-        print(f"remoteloader: {e}", file=sys.stderr)
+    except SpecError as e:  # errors name tables and files: no credential of a URI goes with them
+        print(f"remoteloader: {redact_text(str(e))}", file=sys.stderr)
         return 2
     except (ConnectionError, RuntimeError, ValueError) as e:
-        print(f"remoteloader: {e}", file=sys.stderr)
+        print(f"remoteloader: {redact_text(str(e))}", file=sys.stderr)
         return 1
 
 

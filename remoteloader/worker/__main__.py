@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import signal
 import sys
 from typing import Optional, Sequence
@@ -11,6 +11,7 @@ import zmq
 
 from .. import __version__
 from ..core.procs import die_with_parent
+from ..core.redact import ENV_ALLOW_TABLE, allowlist_from_env, log_to_stderr, redact_text
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import auth as cluster_auth
 from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address
@@ -36,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge reads of selected column streams whose gap is at most this many bytes "
                         "(0: one request per stream)")
     p.add_argument("--allow-table", action="append", default=None, metavar="PREFIX",
-                   help="path or URI prefix of tables this worker may read (repeatable); a job outside them "
-                        "is refused (default: whatever the master names)")
+                   help=f"path or URI prefix of tables this worker may read (repeatable; also ${ENV_ALLOW_TABLE}, "
+                        "a JSON list, which keeps prefixes off the command line); a job outside them is refused "
+                        "(default: whatever the master names)")
     p.add_argument("--client-timeout", type=float, default=30.0,
                    help="seconds a rank may send no request before the batches held for it are released "
                         "(re-produced if it returns); keep below the master's --split-timeout")
@@ -60,10 +62,18 @@ def _host(value: str) -> str:
     return value
 
 
+def _allowed_tables(from_args: Optional[list[str]]) -> Optional[tuple[str, ...]]:
+    """--allow-table and $REMOTELOADER_ALLOW_TABLE together; None (whatever the master
+    names) when neither is given."""
+    if from_args is None and ENV_ALLOW_TABLE not in os.environ:
+        return None
+    return (*(from_args or []), *allowlist_from_env())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+    log_to_stderr(args.log_level.upper(), "%(asctime)s worker %(levelname)s %(message)s")
     if args.die_with_parent:
         die_with_parent()
     try:
@@ -73,11 +83,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(e, file=sys.stderr)
         return 2
     try:
+        allowed = _allowed_tables(args.allow_table)
+    except ValueError as e:
+        print(f"remoteloader-worker: {e}", file=sys.stderr)
+        return 2
+    try:
         worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches,
                         drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
                         faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
                         client_timeout_s=args.client_timeout,
-                        allowed_tables=None if args.allow_table is None else tuple(args.allow_table))
+                        allowed_tables=allowed)
     except zmq.ZMQError as e:
         print(f"remoteloader-worker: --bind-host {args.bind_host}: {e}", file=sys.stderr)
         return 2
@@ -87,10 +102,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         worker.run()
     except TableRefused as e:
-        print(f"remoteloader-worker: {e}", file=sys.stderr)
+        print(f"remoteloader-worker: {redact_text(str(e))}", file=sys.stderr)
         return 2
     except WorkerFailed as e:  # logged with its traceback where it happened; the launcher replaces us
-        print(f"remoteloader-worker: {e}", file=sys.stderr)
+        print(f"remoteloader-worker: {redact_text(str(e))}", file=sys.stderr)
         return 1
     return 0
 
