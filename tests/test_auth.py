@@ -151,7 +151,7 @@ def test_authenticated_cluster_serves_only_key_holders(tables, cluster, keys, tm
             for t in ("status", "get_spec"):
                 assert not _replies(master.addr, wire.encode(t), creds_tried, server_public=creds.public_key)
             for w in workers:
-                assert not _replies(w["addr"], wire.encode("credit", session="s-0", seq=1, batches=1, bytes=1 << 20), creds_tried,
+                assert not _replies(w["addr"], wire.encode("credit", session="s-0", token="", seq=1, batches=1, bytes=1 << 20), creds_tried,
                                     server_public=creds.public_key)
         # ... while a key holder still gets batches of the next epoch from the same processes.
         seen = _one_epoch(loader)

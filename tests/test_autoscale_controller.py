@@ -57,7 +57,8 @@ class Fleet:
     def heartbeat(self, wobble: float = 0.0) -> None:
         for i, wid in enumerate(self.ids):
             self.rows[i] += self.rates[i] * (1 + wobble)
-            t, _ = self.service.handle({"t": "heartbeat", "worker_id": wid, "buffered": 0,
+            t, _ = self.service.handle({"t": "heartbeat", "worker_id": wid, "token": self.service.keys.worker_token(wid),
+                                        "buffered": 0,
                                         "stats": {"rows": self.rows[i], "capacity": 8, "cpu": 0.5}})
             assert t == "heartbeat_ok"
 

@@ -81,7 +81,7 @@ def test_the_owner_waits_until_every_rank_counted_itself_out(group):
 
 
 def test_a_waiting_client_says_what_it_waits_for_and_its_timeout_is_one_line(monkeypatch, caplog):
-    answers = {"hello": ("welcome", {"session": "s-1", "job": dict(JOB, rank_rows=10)}),
+    answers = {"hello": ("welcome", {"session": "s-1", "token": "t", "job": dict(JOB, rank_rows=10)}),
                "start_epoch": ("epoch", {"epoch": 0, "seq": 0, "splits": [[0, 10, 0, 0, False]]}),
                "client_heartbeat": ("membership", {"workers": [], "errors": []}),  # no worker, ever
                "status": ("status_reply", {"status": {"workers": {}}}),

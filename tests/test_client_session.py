@@ -68,7 +68,7 @@ class SessionsMaster:
             session = f"s-{len(self.known)}-{self.seq}"
             self.seq += 1
             self.known.add(session)
-            return "welcome", {"session": session, "job": JOB}
+            return "welcome", {"session": session, "token": "t", "job": JOB}
         if h.get("session") not in self.known:
             return "error", {"message": f"unknown client {h.get('session')}; say hello again", "code": "unknown_client"}
         if h["t"] == "start_epoch":
@@ -136,7 +136,7 @@ def test_the_end_of_a_delivered_epoch_never_raises_nor_rejoins(master):
 
 
 def test_the_end_of_a_delivered_epoch_gives_up_on_a_silent_master():
-    fake = FakeMaster(lambda h: {"hello": ("welcome", {"session": "s-1", "job": JOB}),
+    fake = FakeMaster(lambda h: {"hello": ("welcome", {"session": "s-1", "token": "t", "job": JOB}),
                                  "start_epoch": ("epoch", {"epoch": 0, "seq": 0, "splits": []})}.get(h["t"]))
     try:
         session = make_session(fake.addr, timeout=600.0)
@@ -148,7 +148,7 @@ def test_the_end_of_a_delivered_epoch_gives_up_on_a_silent_master():
 
 
 def test_other_errors_are_not_taken_for_a_rejoin():
-    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "job": JOB}) if h["t"] == "hello"
+    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "token": "t", "job": JOB}) if h["t"] == "hello"
                       else ("error", {"message": "spec_mismatch here", "code": "spec_mismatch"}))
     try:
         session = make_session(fake.addr)
@@ -160,7 +160,7 @@ def test_other_errors_are_not_taken_for_a_rejoin():
 
 
 def test_a_replaced_session_stops_rather_than_rejoins():
-    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "job": JOB}) if h["t"] == "hello"
+    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "token": "t", "job": JOB}) if h["t"] == "hello"
                       else ("error", {"message": "another loader took this rank over", "code": "replaced"}))
     try:
         session = make_session(fake.addr)
@@ -172,7 +172,8 @@ def test_a_replaced_session_stops_rather_than_rejoins():
 
 
 def test_goodbye_is_best_effort_and_short():
-    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "job": JOB}) if h["t"] == "hello" else None)
+    fake = FakeMaster(lambda h: ("welcome", {"session": "s-1", "token": "t", "job": JOB})
+                      if h["t"] == "hello" else None)
     try:
         session = make_session(fake.addr)
         session.hello()

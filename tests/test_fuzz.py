@@ -100,13 +100,15 @@ def full_epoch(service: MasterService, spec: DatasetSpec, epoch: int) -> list[in
     assert t == "epoch"
     seq = reply["seq"]
     processor, rows = SplitProcessor(service.bound), []
-    while (reply := service.handle({"t": "get_split", "worker_id": w}))[0] == "split":
+    token = service.keys.worker_token(w)
+    while (reply := service.handle({"t": "get_split", "worker_id": w, "token": token}))[0] == "split":
         task = SplitTask.from_wire(reply[1]["split"])
         if task.epoch != epoch:  # the worker reads ahead into the next epoch: this one is all out
             break
         pieces = list(processor.pieces(task))
         rows += [int(r) for p in pieces for r in p.arrays["pt.row_id"]]
-        service.handle({"t": "split_produced", "worker_id": w, "epoch": epoch, "split_id": task.split_id})
+        service.handle({"t": "split_produced", "worker_id": w, "token": token, "epoch": epoch,
+                        "split_id": task.split_id})
         service.handle({"t": "client_heartbeat", "session": session, "seq": seq,
                         "acks": [[task.split_id, len(pieces)]]})
     return rows
@@ -146,10 +148,11 @@ def test_random_bytes_are_refused(spec):
 
 
 @st.composite
-def worker_messages(draw) -> list:
+def worker_messages(draw, session: str) -> list:
     """What a hostile peer sends a worker's data socket: requests of every type (mostly
     credit, with hostile values), truncated msgpack, random bytes, wrong frame counts,
-    frames past the worker's 64 KiB message limit."""
+    frames past the worker's 64 KiB message limit. It knows the real client's ``session``
+    ("$C": status lists sessions), not the token the master signed it with."""
     kind = draw(st.sampled_from(["credit"] * 4 + ["other", "bytes", "frames", "oversize"]))
     if kind == "bytes":
         return [draw(st.binary(max_size=200))]
@@ -159,10 +162,9 @@ def worker_messages(draw) -> list:
     t = "credit" if kind in ("credit", "frames") else draw(st.sampled_from(sorted(wire.SCHEMAS)))
     fields = {name: draw(hostile_value(types)) for name, (types, required) in wire.SCHEMAS[t].items()
               if required or draw(st.booleans())}
-    # A hostile peer does not know the real client's session (master-issued, random):
-    # "$C" becomes the empty session, which nobody holds.
     message = packed(({"v": wire.PROTOCOL_VERSION, "t": t, **fields},
-                      draw(st.one_of(st.none(), st.floats(0, 1))) if draw(st.integers(0, 5)) == 0 else None, []), "")
+                      draw(st.one_of(st.none(), st.floats(0, 1))) if draw(st.integers(0, 5)) == 0 else None, []), "",
+                     session)
     if kind == "frames":
         message += [b"y"] * draw(st.integers(1, 70))
     return message
@@ -174,18 +176,20 @@ def test_generated_messages_neither_crash_nor_starve_a_worker(tables, cluster):
     ctx = zmq.Context.instance()
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         assert sorted(r for b in loader for r in b.passthrough["row_id"].tolist()) == list(range(ROWS))
-        (worker,) = master_status(master.addr)["workers"]
+        status = master_status(master.addr)
+        (worker,), (client,) = status["workers"], status["clients"]
 
         @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(st.lists(worker_messages(), min_size=1, max_size=50))
+        @given(st.lists(worker_messages(client["id"]), min_size=1, max_size=50))
         def attack(messages):
             hostile = ctx.socket(zmq.DEALER)
             hostile.setsockopt(zmq.LINGER, 0)
             hostile.connect(worker["addr"])
             for message in messages:
                 hostile.send_multipart(message)
-            hostile.poll(50)
-            hostile.close()  # whatever it asked for goes back to the buffer: the worker cannot route it
+            served = hostile.poll(50)
+            hostile.close()
+            assert not served, "a peer without the session's token was sent something"
 
         attack()
         # Same worker process, still heartbeating, and the next epoch is exact.

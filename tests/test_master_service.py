@@ -36,6 +36,8 @@ def make_service(spec: DatasetSpec, clock: Clock, journal: Journal | None = None
 
 
 def call(service: MasterService, t: str, **fields) -> tuple[str, dict]:
+    if "worker_id" in fields and "token" not in fields:  # sent as that worker, holding its registered.token
+        fields["token"] = service.keys.worker_token(fields["worker_id"])
     return service.handle({"v": PROTOCOL_VERSION, "t": t, **fields})
 
 
@@ -287,11 +289,11 @@ def encoded(t: str, **fields) -> list:
 
 
 @pytest.mark.parametrize("parts,match", [
-    (encoded("heartbeat", worker_id="w", buffered=0, stats={"cpu": "x"}), "stats 'cpu'"),
-    (encoded("heartbeat", worker_id="w", buffered=0, stats={"rows": "x"}), "stats 'rows'"),
-    (encoded("heartbeat", worker_id="w", buffered=0, stats={"split": [0, 1]}), "stats 'split'"),
-    (encoded("heartbeat", worker_id="w", buffered=0, stats={"cpu": float("nan")}), "stats 'cpu'"),
-    (encoded("heartbeat", worker_id="w", buffered=0, stats={"evil": 1}), "unknown stats key"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"cpu": "x"}), "stats 'cpu'"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"rows": "x"}), "stats 'rows'"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"split": [0, 1]}), "stats 'split'"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"cpu": float("nan")}), "stats 'cpu'"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"evil": 1}), "unknown stats key"),
     (encoded("start_epoch", session="c", epoch=-1), "must be >= 0"),
     (encoded("register", addr="tcp://" + "a" * 10_000, pid=1), "characters long"),
     (encoded("client_heartbeat", session="c", seq=0, acks=[], stats={"wait_s": -1.0}), "stats 'wait_s'"),

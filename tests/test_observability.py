@@ -135,7 +135,8 @@ def test_discarded_pieces_are_counted_by_reason_through_worker_restarts(service)
 
     def heartbeat(worker_id: str, discarded: dict) -> None:
         service.now[0] += 1
-        t, _ = service.handle({"t": "heartbeat", "worker_id": worker_id, "buffered": 0,
+        t, _ = service.handle({"t": "heartbeat", "worker_id": worker_id, "token": service.keys.worker_token(worker_id),
+                               "buffered": 0,
                                "stats": {"discarded": discarded}})
         assert t == "heartbeat_ok"
 
@@ -143,7 +144,7 @@ def test_discarded_pieces_are_counted_by_reason_through_worker_restarts(service)
     heartbeat(a, {"stale_run": 2})
     heartbeat(a, {"stale_run": 5, "session_gone": 1})
     heartbeat(b, {"stale_run": 1, "yielded": 4})
-    service.handle({"t": "bye", "worker_id": a})
+    service.handle({"t": "bye", "worker_id": a, "token": service.keys.worker_token(a)})
     service.tick()                                    # a is forgotten: what it counted stays
     heartbeat(b, {"stale_run": 1, "yielded": 6})
     assert _value(metrics, "remoteloader_worker_pieces_discarded_total", reason="stale_run") == 6

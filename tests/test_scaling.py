@@ -153,9 +153,10 @@ def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
         assert len(workers) == 2 and all(w["addr"].startswith("tcp://127.0.0.1:") for w in workers)
         with RemoteDataLoader(spec, master=server.addr, timeout=60) as loader:
             assert sum(len(b) for b in loader) == 5000
-        # Drain one (through the master's loop, as the autoscaler would): the actor leaves by itself.
+        # Drain one through the master's loop, as the worker does on SIGTERM (with its token): the
+        # actor leaves by itself.
         rpc = RpcClient(zmq.Context.instance(), server.addr, 10)
-        rpc.call("drain", worker_id=workers[0]["id"])
+        rpc.call("drain", worker_id=workers[0]["id"], token=server.service.keys.worker_token(workers[0]["id"]))
         rpc.close()
         while launcher.running() > 1 and time.monotonic() < deadline:
             launcher.reap()

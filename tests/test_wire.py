@@ -86,7 +86,7 @@ def test_descriptors_and_frames_must_match():
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "pickle_me"})], "unknown message type"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split"})], "missing"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split", "worker_id": 5})], "must be str"),
-    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "session": "s", "seq": True})], "got bool"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "session": "s", "token": "t", "seq": True})], "got bool"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok", "extra": 1})], "unknown fields"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok"})] + [b""] * 65, "frames"),
 ])

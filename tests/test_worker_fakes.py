@@ -13,12 +13,15 @@ import zmq
 from remoteloader.core.binding import bind
 from remoteloader.core.plan import SplitTask, plan_base_splits
 from remoteloader.protocol import wire
+from remoteloader.protocol.capability import MasterKeys
 from remoteloader.spec import DatasetSpec
 from remoteloader.worker.server import Worker
 
 from .conftest import spec_dict
 
 Reply = Optional[tuple[str, dict]]  # None: no answer (the master is slow, or gone)
+# The fake masters' keys: what they sign sessions with, and what Client credit is signed with by default.
+MASTER_KEYS = MasterKeys.ephemeral()
 
 
 class Job:
@@ -73,8 +76,10 @@ class FakeMaster:
                 return None
             if m["fingerprint"] != self.job.fingerprint:
                 return "error", {"message": "another job", "code": "wrong_job"}
-            return "registered", {"worker_id": f"w-{next(self._ids)}", "heartbeat_interval": 0.05,
-                                  "fingerprint": self.job.fingerprint}
+            worker_id = f"w-{next(self._ids)}"
+            return "registered", {"worker_id": worker_id, "heartbeat_interval": 0.05,
+                                  "fingerprint": self.job.fingerprint, "token": MASTER_KEYS.worker_token(worker_id),
+                                  "verify_key": MASTER_KEYS.verify_key}
         if t == "heartbeat":
             fields = {"state": self.heartbeat_state}
             if self.sessions is not None:
@@ -146,8 +151,12 @@ class Client:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
 
-    def credit(self, session: str, seq: int, batches: int = 1000, nbytes: int = 1 << 30) -> None:
-        self.sock.send_multipart(wire.encode("credit", session=session, seq=seq, batches=batches, bytes=nbytes))
+    def credit(self, session: str, seq: int, batches: int = 1000, nbytes: int = 1 << 30,
+               token: Optional[str] = None) -> None:
+        """Credit as the session's client (``token``: by default the fake master's signature of it)."""
+        token = MASTER_KEYS.session_token(session) if token is None else token
+        self.sock.send_multipart(wire.encode("credit", session=session, token=token, seq=seq, batches=batches,
+                                             bytes=nbytes))
 
     def batch(self, timeout_s: float = 60.0) -> tuple[dict, dict]:
         assert self.sock.poll(int(timeout_s * 1000)), "no batch from the worker"

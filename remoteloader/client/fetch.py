@@ -15,6 +15,7 @@ from typing import Optional
 import zmq
 
 from ..protocol import wire
+from ..protocol.address import AddressError, validate_address
 from ..protocol.auth import Credentials, secure_client
 from ..protocol.rpc import has_message
 from .batch import Batch
@@ -41,6 +42,7 @@ class WorkerFetcher:
         self._worker_of: dict[zmq.Socket, str] = {}
         self.streams: dict[str, Stream] = {}
         self.poller = zmq.Poller()
+        self._unreachable: set[tuple[str, str]] = set()  # (worker, address) already warned about
 
     def retarget(self, run: RunId) -> None:
         """Follow a rejoin: credit totals count anew for the new run (the worker knows nothing of it)."""
@@ -60,16 +62,29 @@ class WorkerFetcher:
             del self.streams[wid]
         for wid, addr in wanted.items():
             if wid not in self.sockets:
-                sock = self.ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
-                if self.auth is not None:
-                    secure_client(sock, self.auth)
-                sock.connect(addr)
-                self.sockets[wid], self._worker_of[sock] = sock, wid
-                self.streams[wid] = Stream()
-                self.poller.register(sock, zmq.POLLIN)
+                self._connect(wid, addr)
         self.window.fit(len(self.sockets))
+
+    def _connect(self, wid: str, addr: str) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        if self.auth is not None:
+            secure_client(sock, self.auth)
+        try:
+            validate_address(addr)
+            sock.connect(addr)
+        except (AddressError, zmq.ZMQError) as e:
+            # One address this client cannot use must not end its epoch (a bind-only address
+            # once crashed every client): the partition's other workers still serve it.
+            sock.close(linger=0)
+            if (wid, addr) not in self._unreachable:
+                self._unreachable.add((wid, addr))
+                log.warning("rank %d: skipping worker %s: cannot connect to %.80r (%s)", self.rank, wid, addr, e)
+            return
+        self.sockets[wid], self._worker_of[sock] = sock, wid
+        self.streams[wid] = Stream()
+        self.poller.register(sock, zmq.POLLIN)
 
     def top_up(self, queued: int) -> None:
         """Grant each worker credit up to its even share of the window, less what the loop
@@ -91,8 +106,8 @@ class WorkerFetcher:
             stream.granted += pieces
             stream.granted_bytes = stream.received_bytes + byte_share
             stream.last_grant = now
-            sock.send_multipart(wire.encode("credit", session=self.run.session, seq=self.run.seq,
-                                            batches=stream.granted, bytes=stream.granted_bytes))
+            sock.send_multipart(wire.encode("credit", session=self.run.session, token=self.run.token,
+                                            seq=self.run.seq, batches=stream.granted, bytes=stream.granted_bytes))
 
     def credit_limited(self) -> bool:
         """Some worker held more pieces for us, when it sent its last one, than the credit

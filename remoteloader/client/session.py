@@ -30,6 +30,7 @@ class RunId:
     session: str
     seq: int
     epoch: int
+    token: str  # the master's signature of the session: workers serve its pieces only to credit carrying it
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ClientSession:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.on_welcome = on_welcome
         self.id: Optional[str] = None
+        self.token = ""  # welcome.token, for this session's credit
         self.job: Optional[dict] = None
         self.run: Optional[RunId] = None
         self.resume_point: Optional[Callable[[], RunStart]] = None
@@ -90,7 +92,7 @@ class ClientSession:
                     raise SpecError(str(e)) from None
                 raise RuntimeError(f"the master refused this loader: {e}") from None
         self.on_welcome(reply["job"])
-        self.id, self.job = reply["session"], reply["job"]
+        self.id, self.token, self.job = reply["session"], reply["token"], reply["job"]
 
     def _rejoin(self, restart_run: bool) -> None:
         # The master does not know this session (a restart without a journal, or it timed the
@@ -111,7 +113,7 @@ class ClientSession:
     def _start(self, start: RunStart) -> dict:
         reply = self._call("start_epoch", session=self.id, epoch=start.epoch, consumed=start.consumed,
                            done=start.done)
-        self.run = RunId(self.id, int(reply["seq"]), start.epoch)
+        self.run = RunId(self.id, int(reply["seq"]), start.epoch, self.token)
         return reply
 
     def heartbeat(self, acks: list, stats: Optional[dict] = None) -> dict:

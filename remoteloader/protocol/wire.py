@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = 7  # 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 8  # 8: capabilities (required fields, so incompatible): welcome/credit token (the master's signature of the session), registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
 MAX_PIECES = 64  # pieces in one batch message
@@ -56,14 +56,14 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     # worker -> master
     "register": {"addr": (_STR, True), "pid": (_INT, True), "fingerprint": (_STR, True)},
     "get_spec": {},
-    "heartbeat": {"worker_id": (_STR, True), "buffered": (_INT, True), "stats": (_MAP, False)},
-    "get_split": {"worker_id": (_STR, True), "avoid_ranks": (_LIST, False)},
-    "splits_released": {"worker_id": (_STR, True), "splits": (_LIST, True), "reason": (_STR, True)},
-    "split_produced": {"worker_id": (_STR, True), "epoch": (_INT, True), "split_id": (_INT, True)},
-    "split_failed": {"worker_id": (_STR, True), "epoch": (_INT, True), "split_id": (_INT, True),
+    "heartbeat": {"worker_id": (_STR, True), "token": (_STR, True), "buffered": (_INT, True), "stats": (_MAP, False)},
+    "get_split": {"worker_id": (_STR, True), "token": (_STR, True), "avoid_ranks": (_LIST, False)},
+    "splits_released": {"worker_id": (_STR, True), "token": (_STR, True), "splits": (_LIST, True), "reason": (_STR, True)},
+    "split_produced": {"worker_id": (_STR, True), "token": (_STR, True), "epoch": (_INT, True), "split_id": (_INT, True)},
+    "split_failed": {"worker_id": (_STR, True), "token": (_STR, True), "epoch": (_INT, True), "split_id": (_INT, True),
                      "error": (_STR, True)},
-    "drain": {"worker_id": (_STR, True)},
-    "bye": {"worker_id": (_STR, True)},
+    "drain": {"worker_id": (_STR, True), "token": (_STR, True)},
+    "bye": {"worker_id": (_STR, True), "token": (_STR, True)},
     # client -> master
     "hello": {"rank": (_INT, True), "world_size": (_INT, True), "spec": (_MAP, True), "fingerprint": (_STR, True)},
     "start_epoch": {"session": (_STR, True), "epoch": (_INT, True), "consumed": (_LIST, False),
@@ -74,19 +74,20 @@ SCHEMAS: dict[str, dict[str, tuple[tuple, bool]]] = {
     "goodbye": {"session": (_STR, True)},
     "status": {},
     # master -> worker / client
-    "registered": {"worker_id": (_STR, True), "heartbeat_interval": (_NUM, True), "fingerprint": (_STR, True)},
+    "registered": {"worker_id": (_STR, True), "heartbeat_interval": (_NUM, True), "fingerprint": (_STR, True),
+                   "token": (_STR, True), "verify_key": (_STR, True)},
     "spec": {"spec": (_MAP, True), "schema": (_MAP, True), "fingerprint": (_STR, True)},
     "heartbeat_ok": {"state": (_STR, True), "sessions": (_LIST, False)},
     "split": {"split": (_MAP, True)},
     "no_split": {"retry_ms": (_INT, True), "reason": (_STR, True)},
-    "welcome": {"session": (_STR, True), "job": (_MAP, True)},
+    "welcome": {"session": (_STR, True), "token": (_STR, True), "job": (_MAP, True)},
     "epoch": {"epoch": (_INT, True), "seq": (_INT, True), "splits": (_LIST, True)},
     "membership": {"workers": (_LIST, True), "errors": (_LIST, True), "master": (_STR, False)},
     "ok": {},
     "error": {"message": (_STR, True), "code": (_STR, False)},
     "status_reply": {"status": (_MAP, True)},
     # client -> worker and back
-    "credit": {"session": (_STR, True), "seq": (_INT, True), "batches": (_INT, True), "bytes": (_INT, True)},
+    "credit": {"session": (_STR, True), "token": (_STR, True), "seq": (_INT, True), "batches": (_INT, True), "bytes": (_INT, True)},
     "batch": {"session": (_STR, True), "seq": (_INT, True), "split_id": (_INT, True), "piece": (_INT, True),
               "rows": (_LIST, True), "held": (_INT, True), "tensors": (_LIST, True)},
 }

@@ -10,6 +10,7 @@ from typing import Optional
 
 import psutil
 
+from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
 from .buffer import WRONG_JOB, PieceBuffer
 from .lifecycle import Lifecycle
@@ -22,8 +23,9 @@ RELEASE_CHUNK = 1024  # splits per splits_released (the master's limit)
 
 class Control:
     def __init__(self, lifecycle: Lifecycle, current: CurrentSession, registrar: Registrar, buffer: PieceBuffer,
-                 stats: ProducerStats, rpc: RpcClient, drain_timeout_s: float) -> None:
+                 stats: ProducerStats, rpc: RpcClient, drain_timeout_s: float, tokens: SessionTokens) -> None:
         self.lifecycle = lifecycle
+        self.tokens = tokens  # the pusher's check of client tokens: it needs our master's key
         self.current = current
         self.registrar = registrar
         self.buffer = buffer
@@ -80,6 +82,7 @@ class Control:
             return None
         if previous is not None and session.fingerprint != previous.fingerprint:
             self.buffer.discard_all(WRONG_JOB)
+        self.tokens.set_master(session.verify_key)
         self.current.publish(session)
         return session
 
@@ -87,7 +90,8 @@ class Control:
         self._drain_reported = True
         self._drain_deadline = now + self.drain_timeout_s
         try:
-            self.rpc.call("drain", worker_id=session.worker_id, timeout_s=2.0, stop=self.lifecycle.stop)
+            self.rpc.call("drain", worker_id=session.worker_id, token=session.token, timeout_s=2.0,
+                          stop=self.lifecycle.stop)
         except (MasterUnavailable, RemoteError) as e:
             # No master to hand splits to (e.g. the whole service is shutting down): nothing to wait for.
             log.warning("drain: %s; exiting", e)
@@ -102,7 +106,8 @@ class Control:
                      io=session.processor.io.to_dict(), discarded=self.buffer.discarded())
         mark = self.buffer.mark()
         try:
-            reply = self.rpc.call("heartbeat", worker_id=session.worker_id, buffered=len(self.buffer), stats=stats,
+            reply = self.rpc.call("heartbeat", worker_id=session.worker_id, token=session.token,
+                                  buffered=len(self.buffer), stats=stats,
                                   timeout_s=min(self.rpc.timeout_s, 2.0))
         except (MasterUnavailable, RemoteError) as e:
             log.warning("heartbeat: %s", e)
@@ -136,7 +141,8 @@ class Control:
             while splits:
                 chunk = splits[:RELEASE_CHUNK]
                 try:
-                    self.rpc.call("splits_released", worker_id=session.worker_id, splits=chunk, reason=reason,
+                    self.rpc.call("splits_released", worker_id=session.worker_id, token=session.token, splits=chunk,
+                                  reason=reason,
                                   timeout_s=min(self.rpc.timeout_s, 2.0))
                 except (MasterUnavailable, RemoteError) as e:
                     log.warning("splits_released: %s; retrying", e)

@@ -85,7 +85,8 @@ class Producer:
     def _next_task(self, rpc: RpcClient, session: WorkerSession) -> Optional[SplitTask]:
         stop = self.lifecycle.stop
         try:
-            reply = rpc.call("get_split", worker_id=session.worker_id, avoid_ranks=self.buffer.blocked_ranks(),
+            reply = rpc.call("get_split", worker_id=session.worker_id, token=session.token,
+                             avoid_ranks=self.buffer.blocked_ranks(),
                              stop=stop)
         except (MasterUnavailable, RemoteError) as e:  # an unknown worker: the control thread registers again
             log.warning("get_split: %s", e)
@@ -130,7 +131,8 @@ class Producer:
             self.stats.splits += 1
             # Still reported as producing until the master knows it is produced, so a
             # heartbeat in between never makes the split look abandoned.
-            self._call_quietly(rpc, "split_produced", worker_id=session.worker_id, epoch=task.epoch,
+            self._call_quietly(rpc, "split_produced", worker_id=session.worker_id, token=session.token,
+                               epoch=task.epoch,
                                split_id=task.split_id)
         except SplitError as e:
             self._report_failure(rpc, session, task, str(e))
@@ -141,12 +143,13 @@ class Producer:
             self.stats.busy_s += time.perf_counter() - start
 
     def _release(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, reason: str) -> None:
-        self._call_quietly(rpc, "splits_released", worker_id=session.worker_id, splits=[[task.epoch, task.split_id]],
+        self._call_quietly(rpc, "splits_released", worker_id=session.worker_id, token=session.token,
+                           splits=[[task.epoch, task.split_id]],
                            reason=reason)
 
     def _report_failure(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, message: str) -> None:
         log.error("%s", message)
-        self._call_quietly(rpc, "split_failed", worker_id=session.worker_id, epoch=task.epoch,
+        self._call_quietly(rpc, "split_failed", worker_id=session.worker_id, token=session.token, epoch=task.epoch,
                            split_id=task.split_id, error=message[:8000])
 
     def _call_quietly(self, rpc: RpcClient, t: str, **fields) -> None:

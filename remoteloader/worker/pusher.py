@@ -8,6 +8,7 @@ import time
 import zmq
 
 from ..protocol import wire
+from ..protocol.capability import SessionTokens
 from ..protocol.rpc import has_message
 from .buffer import PieceBuffer
 from .credit import Credit, CreditBook
@@ -21,8 +22,9 @@ EXPIRE_EVERY_S = 1.0  # how often credit entries are checked for silence
 
 class Pusher:
     def __init__(self, data: zmq.Socket, ctx: zmq.Context, buffer: PieceBuffer, credit: CreditBook,
-                 lifecycle: Lifecycle) -> None:
+                 lifecycle: Lifecycle, tokens: SessionTokens) -> None:
         self.data = data
+        self.tokens = tokens
         self.ctx = ctx
         self.buffer = buffer
         self.credit = credit
@@ -61,6 +63,12 @@ class Pusher:
             log.warning("dropped %r from a client: workers only take credit", header["t"])
             return
         run = (header["session"], header["seq"])
+        # Only the connection of the client the master admitted for that session may take its
+        # pieces or move it to another run: a session id alone (status shows them) does not.
+        # Refused credit leaves nothing behind, so made-up sessions cannot fill any table.
+        if not self.tokens.allows(identity, run[0], header["token"]):
+            log.debug("dropped credit for session %.80s: its token does not verify", run[0])
+            return
         # Credit for a run that is not wanted (its client moved on, or its session is gone)
         # is ignored; credit for a run with no task here yet is kept: the task may come.
         if self.buffer.credited(run):

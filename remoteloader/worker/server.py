@@ -25,6 +25,7 @@ import zmq
 from ..core.allowlist import TableAllowlist
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
+from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from .buffer import PieceBuffer
 from .control import Control
@@ -70,9 +71,11 @@ class Worker:
         self.buffer = PieceBuffer(buffer_batches, silent_after_s=client_timeout_s)
         self.producer = Producer(self.lifecycle, self.current, self.buffer, self.ctx, self._connect, allowlist,
                                  faults or Faults())
-        self.pusher = Pusher(self.data, self.ctx, self.buffer, CreditBook(client_timeout_s), self.lifecycle)
+        # Which client connections proved (by the master's signature) the session they credit.
+        tokens = SessionTokens()
+        self.pusher = Pusher(self.data, self.ctx, self.buffer, CreditBook(client_timeout_s), self.lifecycle, tokens)
         self.control = Control(self.lifecycle, self.current, Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle),
-                               self.buffer, self.producer.stats, self._connect(), drain_timeout_s)
+                               self.buffer, self.producer.stats, self._connect(), drain_timeout_s, tokens)
 
     def request(self, what: str) -> None:
         """For signal handlers: ``drain`` (finish what is held, then leave) or ``stop``."""
@@ -104,7 +107,7 @@ class Worker:
         if session is None or self.control.master_gone:
             return
         try:
-            self.control.rpc.call("bye", worker_id=session.worker_id, timeout_s=1.0)
+            self.control.rpc.call("bye", worker_id=session.worker_id, token=session.token, timeout_s=1.0)
         except (MasterUnavailable, RemoteError):
             pass
 

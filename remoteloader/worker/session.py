@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerSession:
     worker_id: str
+    token: str  # proves to the master that a request naming worker_id comes from us
+    verify_key: str  # the master's public key: client sessions' tokens verify under it
     fingerprint: str  # the job (spec fingerprint) the processor was compiled for
     processor: SplitProcessor
     heartbeat_interval: float
@@ -96,11 +98,12 @@ class Registrar:
                                  stop=self.lifecycle.stop)
                 if reply["fingerprint"] != fingerprint:
                     log.warning("the master runs job %s, not %s: rebuilding", reply["fingerprint"], fingerprint)
-                    self._leave(rpc, reply["worker_id"])
+                    self._leave(rpc, reply["worker_id"], reply["token"])
                     processor = None
                     continue
                 log.info("worker %s serving on %s (job %s)", reply["worker_id"], self.addr, fingerprint)
-                return WorkerSession(reply["worker_id"], fingerprint, processor, float(reply["heartbeat_interval"]))
+                return WorkerSession(reply["worker_id"], reply["token"], reply["verify_key"], fingerprint, processor,
+                                     float(reply["heartbeat_interval"]))
             except MasterUnavailable as e:
                 log.warning("%s; retrying", e)
             except RemoteError as e:
@@ -123,9 +126,9 @@ class Registrar:
         processor.warm_up()
         return processor, reply["fingerprint"]
 
-    def _leave(self, rpc: RpcClient, worker_id: str) -> None:
+    def _leave(self, rpc: RpcClient, worker_id: str, token: str) -> None:
         """Undo a registration made with the wrong pipeline, so it never gets a split."""
         try:
-            rpc.call("bye", worker_id=worker_id, timeout_s=1.0, stop=self.lifecycle.stop)
+            rpc.call("bye", worker_id=worker_id, token=token, timeout_s=1.0, stop=self.lifecycle.stop)
         except (MasterUnavailable, RemoteError):
             pass  # it times out on the master instead
