@@ -53,17 +53,25 @@ def encode_request(version: int, t: str, **fields) -> bytes:
 
 class Peers:
     """The simulated peers' requests in the protocol version of the master under test (from 7
-    on, the master issues client sessions and runs, and workers name their job)."""
+    on, the master issues client sessions and runs, and workers name their job; from 8 on, a
+    worker proves who it is with the token ``registered`` gave it)."""
 
     def __init__(self, version: int, fingerprint: str) -> None:
         self.version, self.fingerprint = version, fingerprint
         self.request = partial(encode_request, version)
         self.sessions: dict[int, str] = {}
         self.seqs: dict[int, int] = {}
+        self.workers: dict[int, dict] = {}  # worker -> its worker_id (and token, from 8 on)
 
     def register(self, i: int) -> bytes:
         extra = {"fingerprint": self.fingerprint} if self.version >= 7 else {}
         return self.request("register", addr=f"tcp://127.0.0.1:{10000 + i}", pid=1000 + i, **extra)
+
+    def registered(self, i: int, reply: dict) -> None:
+        self.workers[i] = {"worker_id": reply["worker_id"], **({"token": reply["token"]} if self.version >= 8 else {})}
+
+    def heartbeat(self, i: int, stats: dict) -> bytes:
+        return self.request("heartbeat", buffered=4, stats=stats, **self.workers[i])
 
     def hello(self, r: int, ranks: int, spec: dict) -> bytes:
         extra = {} if self.version >= 7 else {"client_id": f"c{r}"}
@@ -144,8 +152,8 @@ def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: floa
     try:
         spec = DatasetSpec.from_file(spec_path)
         peers = Peers(protocol_version(src), spec.fingerprint())
-        request = peers.request
-        ids = [load.call(i, peers.register(i))["worker_id"] for i in range(workers)]
+        for i in range(workers):
+            peers.registered(i, load.call(i, peers.register(i)))
         splits = {}
         for r in range(ranks):
             peers.welcomed(r, load.call(r, peers.hello(r, ranks, spec.to_dict())))
@@ -163,7 +171,7 @@ def run_load(src: Path, spec_path: Path, workers: int, ranks: int, seconds: floa
         while (now := time.perf_counter()) - start < seconds:
             for i in np.flatnonzero(next_worker <= now):
                 stats["rows"] += 1000
-                load.send(i, request("heartbeat", worker_id=ids[i], buffered=4, stats=stats))
+                load.send(i, peers.heartbeat(i, stats))
                 next_worker[i] += 0.5
             for r in np.flatnonzero(next_rank <= now):
                 acked[r] += 1  # one more piece of the rank's first split consumed, as a training loop does

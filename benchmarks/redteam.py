@@ -1,12 +1,17 @@
 """Red team: hostile peers against a real, authenticated cluster on 127.0.0.1.
 
-Starts a master (``--auth``, ``--allow-table``, a journal, ``--autoscale``) with two
-workers, then runs the cases of issue 11 one by one: outsiders (no key, or a key of
-their own) and insiders (holding the cluster key, sending what a buggy or hostile
-member might), plus a long run of generated messages at the master and a worker. After
-every case it checks that every process is still the same process and that the master
-answers ``status`` within a second. At the end a legitimate client reads two epochs,
-which must hold every row exactly once.
+Starts a master (``--auth``, an allowlist in its environment, a journal, ``--autoscale``,
+metrics) with two workers, then runs the cases of issues 11 and 23 one by one:
+outsiders (no key, or a key of their own), local users (what a process list or a key
+directory shows), and insiders (holding the cluster key, sending what a buggy or
+hostile member might: reading tables outside the allowlist, taking or wrecking another
+rank's epoch, bloating the master's state, emptying the fleet), plus a long run of
+generated messages at the master and a worker. After every case it checks that every
+process is still the same process and that the master answers ``status`` within a
+second; at the end, how long the master takes to answer while idle (20 ``status``
+calls). A legitimate client reads an epoch before the insiders' cases and two after,
+each of which must hold every row exactly once. "rows exposed" counts rows of a table
+outside the allowlist, or of another rank's epoch, that an attacker received.
 
 Run: ``.venv/bin/python -m benchmarks.redteam [--messages 10000]``. Prints one table:
 case, survived, clear error, hang, rows exposed.
@@ -14,8 +19,15 @@ case, survived, clear error, hang, rows exposed.
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import os
+import re
+import statistics
 import subprocess
+import threading
+import urllib.error
+import urllib.request
 import sys
 import tempfile
 import time
@@ -29,12 +41,16 @@ import psutil
 import zmq
 
 from remoteloader import RemoteDataLoader
+from remoteloader.core.redact import ENV_ALLOW_TABLE
 from remoteloader.protocol import auth, wire
 from remoteloader.protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from remoteloader.spec import DatasetSpec, SpecError
 from remoteloader.tools.datagen import generate_table
 
 V = wire.PROTOCOL_VERSION
+SECRET = "wJalrXUtnREDTEAMbPxRfiCYEXAMPLEKEY"  # a credential that must show nowhere
+SECRET_ROWS = 1_000  # rows of the table outside the allowlist
+ROWS = [20_000]  # rows of the allowed table (set from --rows)
 
 
 @dataclass
@@ -62,12 +78,18 @@ class Target:
         self.keys = auth.load(auth.keygen(tmp / "keys"))
         self.rogue = auth.load(auth.keygen(tmp / "rogue-keys"))  # a key pair the cluster never saw
         self.ctx = zmq.Context.instance()
-        self.master = subprocess.Popen(
-            [sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0", "--auth", self.keys.directory,
-             "--allow-table", str(table), "--workers", "2", "--journal", str(tmp / "journal"), "--autoscale",
-             "--min-workers", "2", "--max-workers", "2", "--heartbeat-timeout", "5"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.log = tmp / "master.log"
+        # The allowlist travels in the environment: a table URI may hold a credential, and a
+        # command line is readable by every local user.
+        env = {**os.environ, ENV_ALLOW_TABLE: json.dumps([str(table)])}
+        with open(self.log, "w") as log:
+            self.master = subprocess.Popen(
+                [sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0", "--auth",
+                 self.keys.directory, "--workers", "2", "--journal", str(tmp / "journal"), "--autoscale",
+                 "--min-workers", "2", "--max-workers", "2", "--heartbeat-timeout", "5", "--metrics-port", "0"],
+                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.addr = self.master.stdout.readline().rsplit(" ", 1)[1].strip()
+        self.metrics = re.search(r"metrics on (http://\S+)", self.log.read_text()).group(1)
         self.rpc = RpcClient(self.ctx, self.addr, 5.0, auth=self.keys)
 
     def status(self, timeout_s: float = 1.0) -> Optional[dict]:
@@ -156,9 +178,32 @@ def before_the_job(t: Target) -> dict[str, Callable[[], Outcome]]:
         replies = [t.ask(t.addr, hello(spec_for(str(t.table))), creds) for creds in (None, t.rogue)]
         return Outcome(replies == [None, None])
 
+    def traversal() -> Outcome:  # issue 23, finding 1: a real table outside the allowlist
+        outside = t.ask(t.addr, hello(spec_for(f"file://{t.table}/%2e%2e/secret/t")), t.keys, 3.0)
+        missing = t.ask(t.addr, hello(spec_for(f"file://{t.table}/%2e%2e/missing/t")), t.keys, 3.0)
+        same = is_error(outside, "bad_spec") and is_error(missing, "bad_spec") and \
+            outside["message"] == missing["message"]
+        return Outcome(same, 0 if is_error(outside) else SECRET_ROWS)
+
+    def credentials() -> Outcome:  # finding 2: refused naming the key, the secret never echoed
+        reply = t.ask(t.addr, hello(spec_for(f"s3://AKIAREDTEAM:{SECRET}@bucket/t")), t.keys, 3.0)
+        said = str(reply)
+        return Outcome(is_error(reply, "bad_spec") and "table.path" in said and SECRET not in said)
+
+    def huge_borders() -> Outcome:  # finding 5: a 100,000-border onehot pushed a worker to 4.5 GB
+        spec = spec_for(str(t.table))
+        spec["features"]["dense"] = [{"name": "oh", "column": "float_0",
+                                      "transforms": [{"op": "onehot", "borders": list(range(100_000))}]}]
+        start = time.monotonic()
+        reply = t.ask(t.addr, hello(spec), t.keys, 5.0)
+        return Outcome(is_error(reply, "bad_spec") and "oh" in reply["message"] and time.monotonic() - start < 2.0)
+
     return {"outsider: hello with the table, no key / own key": outsider_spec,
             "insider: spec naming /etc/shadow vs a missing path (oracle)": oracle,
-            "insider: spec pointing at another object-store endpoint": endpoint}
+            "insider: spec pointing at another object-store endpoint": endpoint,
+            "insider: table outside the allowlist via %2e%2e": traversal,
+            "insider: table URI with credentials": credentials,
+            "insider: onehot with 100,000 borders": huge_borders}
 
 
 def spec_files(t: Target) -> dict[str, Callable[[], Outcome]]:
@@ -190,16 +235,17 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         for creds in (None, t.rogue):
             sock = t.socket(worker_addr, creds)
             for _ in range(40):
-                send(sock, msg("credit", session="s-0", seq=0, batches=1, bytes=1 << 30))
+                send(sock, msg("credit", session="s-0", token="", seq=0, batches=1, bytes=1 << 30))
             while sock.poll(500):
                 sock.recv_multipart()
                 rows += 1
-            send(sock, msg("drain", worker_id="w-x"))
+            send(sock, msg("drain", worker_id="w-x", token=""))
             sock.close()
         return Outcome(rows == 0, rows)
 
     def bad_stats(stats: dict) -> Callable[[], Outcome]:
-        return lambda: Outcome(is_error(t.ask(t.addr, msg("heartbeat", worker_id="w-x", buffered=0, stats=stats),
+        return lambda: Outcome(is_error(t.ask(t.addr, msg("heartbeat", worker_id="w-x", token="", buffered=0,
+                                                          stats=stats),
                                               t.keys), "protocol"))
 
     def huge_frames() -> Outcome:  # 1,500 frames of 1 MiB in one message, more than any request has
@@ -232,16 +278,120 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         sock = t.socket(worker_addr, t.keys)
         sock.setsockopt(zmq.RCVHWM, 10)
         for _ in range(5000):
-            send(sock, msg("credit", session="s-5", seq=0, batches=1, bytes=1 << 30))
+            send(sock, msg("credit", session="s-5", token="", seq=0, batches=1, bytes=1 << 30))
+        time.sleep(1.0)
+        sock.close()
+        return Outcome(True)
+
+    def command_lines() -> Outcome:  # finding 2: /proc/PID/cmdline is every local user's to read
+        shown = [pid for pid in t.pids() if str(t.table) in " ".join(psutil.Process(pid).cmdline())]
+        return Outcome(not shown, note=f"table path on the command line of {shown}" if shown else "")
+
+    def planted_key() -> Outcome:  # finding 6: a public_keys/ another user may write to
+        copy = t.tmp / "keys-group-writable"
+        shutil.copytree(t.keys.directory, copy)
+        os.chmod(copy / "public_keys", 0o770)
+        try:
+            auth.load(str(copy))
+        except auth.AuthError as e:
+            return Outcome("public_keys" in str(e))
+        return Outcome(False)
+
+    def metrics_page() -> Outcome:  # finding 7: any path answered, the table named
+        try:
+            urllib.request.urlopen(t.metrics.rsplit("/", 1)[0] + "/anything", timeout=5)
+            other_path = False
+        except urllib.error.HTTPError as e:
+            other_path = e.code == 404
+        page = urllib.request.urlopen(t.metrics, timeout=5).read().decode()
+        return Outcome(other_path and str(t.table) not in page)
+
+    def resume_flood() -> Outcome:  # finding 4: done lists of 2**20 ranges grew a master by 322 MB
+        welcome = t.ask(t.addr, hello(spec_for(str(t.table))), t.keys, 5.0)
+        master = psutil.Process(t.master.pid)
+        rss = master.memory_info().rss
+        fragments = [[0, 2 * i, 2 * i + 1] for i in range(1 << 20)]
+        refused = all(is_error(t.ask(t.addr, msg("start_epoch", session=welcome["session"], epoch=e, done=fragments),
+                                     t.keys, 30.0)) for e in range(10))
+        grown = (master.memory_info().rss - rss) >> 20
+        t.ask(t.addr, msg("goodbye", session=welcome["session"]), t.keys)
+        return Outcome(refused and grown < 64, note=f"master memory +{grown} MiB after 10 messages of 2**20 ranges")
+
+    def bad_address() -> Outcome:  # finding 5: tcp://*:1 was accepted and crashed every client
+        return Outcome(is_error(t.ask(t.addr, msg("register", addr="tcp://*:1", pid=1,
+                                                  fingerprint=t.status()["job"]["fingerprint"]), t.keys)))
+
+    def drain_all() -> Outcome:  # finding 5: drain sent for every worker emptied a fixed pool for good
+        replies = [t.ask(t.addr, msg("drain", worker_id=w["id"], token="forged"), t.keys)
+                   for w in t.status()["workers"]]
+        time.sleep(2.0)
+        return Outcome(all(is_error(r) for r in replies) and not any(w["draining"] for w in t.status()["workers"]))
+
+    def take_another_ranks_epoch() -> Outcome:  # finding 3: a member's credit took a victim's rows
+        spec = {**spec_for(str(t.table)), "features": {**spec_for(str(t.table))["features"], "passthrough": ["row_id"]}}
+        # The attacker holds the key and a session token of its own (from a hello before the
+        # victim's, which then takes the rank over), and learns the victim's session id.
+        own = t.ask(t.addr, hello(spec_for(str(t.table))), t.keys, 5.0)
+        token = own.get("token", "") if own and own["t"] == "welcome" else ""
+        victim = RemoteDataLoader(spec, master=t.addr, auth=t.keys.directory, timeout=120)
+        len(victim)  # hello: the victim has its session, not yet an epoch
+        workers = [w["addr"] for w in t.status()["workers"]]
+        socks = [t.socket(addr, t.keys) for addr in workers]
+
+        def steal() -> int:
+            rows = 0
+            for sock in socks:
+                for seq in range(3):
+                    send(sock, msg("credit", session=victim.session.id, token=token, seq=seq, batches=1 << 20,
+                                   bytes=1 << 40))
+            for sock in socks:
+                while sock.poll(300):
+                    header = wire.decode(sock.recv_multipart())[0]
+                    rows += sum(header["rows"]) if header["t"] == "batch" else 0
+            return rows
+
+        taken = steal()  # before the victim starts
+        rows: list[int] = []
+        started = threading.Event()
+
+        def read() -> None:
+            for b in victim:
+                rows.extend(b.passthrough["row_id"].tolist())
+                started.set()
+                time.sleep(0.005)
+        reader = threading.Thread(target=read)
+        reader.start()
+        started.wait(60)
+        taken += steal()  # during its epoch
+        reader.join(120)
+        victim.close()
+        for sock in socks:
+            sock.close()
+        exact = sorted(rows) == list(range(ROWS[0]))
+        return Outcome(exact and taken == 0, taken, "" if exact else f"the victim got {len(rows)} rows")
+
+    def made_up_sessions() -> Outcome:  # finding 3: credit for made-up ranks filled the table
+        sock = t.socket(t.status()["workers"][0]["addr"], t.keys)
+        for i in range(20_000):
+            send(sock, msg("credit", session=f"s-{i:012x}", token="", seq=0, batches=1, bytes=1))
         time.sleep(1.0)
         sock.close()
         return Outcome(True)
 
     return {
+        "local user: the table path in a process's command line": command_lines,
+        "local user: a key directory with group-writable public_keys/": planted_key,
+        "outsider: metrics at another path, and the table on the page": metrics_page,
+        "insider: 10 start_epoch with 2**20-range done lists": resume_flood,
+        "insider: register tcp://*:1": bad_address,
+        "insider: drain every worker": drain_all,
+        "insider: credit for another rank's session (before and during)": take_another_ranks_epoch,
+        "insider: credit from 20,000 made-up sessions": made_up_sessions,
         "outsider: status / get_spec / register at the master": outsider_master,
         "outsider: credit x40 and drain at a worker": outsider_worker,
         "insider: credit for run 2**62": lambda: Outcome(
-            t.ask(worker_addr, msg("credit", session="s-0", seq=2**62, batches=1, bytes=1 << 30), t.keys, 0.5) is None),
+            t.ask(worker_addr, msg("credit", session="s-0", token="", seq=2**62, batches=1, bytes=1 << 30), t.keys,
+                  0.5) is None),
         "insider: heartbeat stats cpu='x'": bad_stats({"cpu": "x"}),
         "insider: heartbeat stats rows='x'": bad_stats({"rows": "x"}),
         "insider: heartbeat stats split of two items": bad_stats({"split": [0, 1]}),
@@ -250,7 +400,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         "insider: hello with world_size 3e7": lambda: Outcome(is_error(t.ask(t.addr, hello(
             spec_for(str(t.table)), world_size=30_000_000), t.keys), "bad_rank", "spec_mismatch")),
         "insider: split_failed for a split it does not hold": lambda: Outcome(is_error(t.ask(t.addr, msg(
-            "split_failed", worker_id="w-x", epoch=0, split_id=0, error="forged"), t.keys), "unknown_worker")),
+            "split_failed", worker_id="w-x", token="", epoch=0, split_id=0, error="forged"), t.keys), "unknown_worker")),
         "insider: 1,500 x 1 MiB frames": huge_frames,
         "insider: 150 registers from one peer": register_flood,
         "insider: 5,000 credits, never read": never_reads,
@@ -312,6 +462,16 @@ def run_case(t: Target, name: str, case: Callable[[], Outcome]) -> Row:
     return Row(name, survived, outcome.clear_error, status is None, outcome.rows_exposed, outcome.note)
 
 
+def idle_latency_ms(t: Target) -> float:
+    """Median round trip of ``status`` to an idle master: its loop's pass time, from outside."""
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        t.status(5.0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def exact_epochs(t: Target, epochs: int, rows: int) -> bool:
     spec = {**spec_for(str(t.table)), "features": {**spec_for(str(t.table))["features"], "passthrough": ["row_id"]}}
     with RemoteDataLoader(spec, master=t.addr, auth=t.keys.directory, timeout=120) as loader:
@@ -324,9 +484,15 @@ def main() -> int:
     p.add_argument("--messages", type=int, default=10_000, help="generated messages, each at the master and a worker")
     p.add_argument("--rows", type=int, default=20_000)
     args = p.parse_args()
+    ROWS[0] = args.rows
     tmp = Path(tempfile.mkdtemp(prefix="rl-redteam-"))
     generate_table(str(tmp / "t"), rows=args.rows, partitions=2, dense=2, sparse=2, format="orc", seed=5,
                    progress=False)
+    # A table beside the allowed one, that no client may read (mode 0600, as the red team's).
+    generate_table(str(tmp / "secret" / "t"), rows=SECRET_ROWS, partitions=1, dense=2, sparse=2, format="orc",
+                   seed=6, progress=False)
+    for f in (tmp / "secret").rglob("*"):
+        f.chmod(0o700 if f.is_dir() else 0o600)
     t = Target(tmp, tmp / "t")
     rows: list[Row] = []
     try:
@@ -345,6 +511,7 @@ def main() -> int:
         rows.append(run_case(t, f"generated: {args.messages:,} messages at a worker",
                              lambda: blast(t, worker_addr, random_messages(rng, args.messages))))
         exact = exact and exact_epochs(t, 2, args.rows)
+        idle_ms = idle_latency_ms(t)
     finally:
         t.stop()
     width = max(len(r.case) for r in rows)
@@ -359,7 +526,8 @@ def main() -> int:
                                sum(r.rows_exposed for r in rows))
     print(f"\n{len(rows)} cases: {crashes} crashes, {hangs} hangs, {exposed} rows exposed without the key, "
           f"{sum(not r.clear_error for r in rows)} without a clear error; "
-          f"legitimate epochs afterwards exact: {'yes' if exact else 'NO'}")
+          f"legitimate epochs afterwards exact: {'yes' if exact else 'NO'}; idle master answers in {idle_ms:.2f} ms "
+          "(median of 20 status calls)")
     return 0 if crashes == hangs == exposed == 0 and exact else 1
 
 
