@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -15,8 +16,8 @@ from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
 
 # Every label a remoteloader metric may carry: none of them takes a random id or an epoch.
-STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "table", "version", "le", "reason"}
-WEIRD = 'tables/"quoted"\\back\\slash\nnew line'
+STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "version", "le", "reason"}
+SECRET_TABLE = "s3://ads-bucket-7/t?endpoint_override=h:9000&secret_key=NOT-FOR-METRICS"
 
 
 def test_rate_window_turns_counters_into_rates():
@@ -57,7 +58,7 @@ def test_slots_are_stable_and_bounded():
 
 
 SNAPSHOT = {
-    "job": {"fingerprint": "abc123", "table": WEIRD, "files": 4, "splits": 8, "rows": 5000, "world_size": 2},
+    "job": {"fingerprint": "abc123", "table": SECRET_TABLE, "files": 4, "splits": 8, "rows": 5000, "world_size": 2},
     "workers": [(0, {"id": "w-1f3a", "buffered": 3, "capacity": 16, "assigned": 1, "rows_per_s": 1500.0,
                      "cpu": 0.5, "mem": 1e8, "last_seen_s": 0.2, "draining": False}),
                 (1, {"id": "w-88c0", "buffered": 0, "capacity": 16, "assigned": 0, "rows_per_s": 0.0,
@@ -104,7 +105,7 @@ def test_families_follow_the_naming_conventions():
     parsed = _parse(text)
     _check_conventions(parsed)
     expected = {  # name (as the parser reports it, counters without _total) -> type, label names
-        "remoteloader_job_info": ("gauge", {"fingerprint", "table"}),  # the text format has no info type
+        "remoteloader_job_info": ("gauge", {"fingerprint"}),  # the text format has no info type
         "remoteloader_job_rows": ("gauge", set()),
         "remoteloader_workers": ("gauge", {"state"}),
         "remoteloader_worker_buffered_batches": ("gauge", {"slot"}),
@@ -154,12 +155,12 @@ def test_families_follow_the_naming_conventions():
     assert value("remoteloader_client_batch_wait_seconds_count", rank="0") == 120
 
 
-def test_label_values_are_escaped():
+def test_the_metrics_name_no_table():
+    """The endpoint is unauthenticated and a table URI may hold a credential (red team finding 2)."""
     text = _exposition(SNAPSHOT)
-    line = next(x for x in text.splitlines() if x.startswith("remoteloader_job_info{"))
-    assert '\\"quoted\\"' in line and "\\\\back\\\\slash" in line and "\\nnew line" in line  # one line, escaped
+    assert "ads-bucket-7" not in text and "NOT-FOR-METRICS" not in text
     (sample,) = _parse(text)["remoteloader_job_info"].samples
-    assert sample.labels["table"] == WEIRD  # and a parser reads back exactly what was labelled
+    assert sample.labels == {"fingerprint": "abc123"}
 
 
 @pytest.fixture
@@ -181,7 +182,7 @@ def _report(service: MasterService) -> list[str]:
     for step in range(1, 4):
         now[0] += 1
         for wid in ids:
-            call({"t": "heartbeat", "worker_id": wid, "buffered": step,
+            call({"t": "heartbeat", "worker_id": wid, "token": service.keys.worker_token(wid), "buffered": step,
                   "stats": {"rows": 100 * step, "batches": step, "busy_s": 0.5 * step, "cpu": 0.25,
                             "capacity": 16, "io": {"requests": step, "bytes_requested": 1000 * step}}})
     t, reply = call({"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
@@ -193,12 +194,12 @@ def _report(service: MasterService) -> list[str]:
         now[0] += 1
         call({"t": "client_heartbeat", "session": service.session, "seq": 0, "acks": [],
               "stats": {"wait_s": 0.5 * step, "starved_s": step / 6, "batches": 10 * step, "rows": 1000 * step, "queued": 1}})
-    call({"t": "get_split", "worker_id": "w-nobody"})  # answered with an error (unknown_worker)
+    call({"t": "get_split", "worker_id": "w-nobody", "token": ""})  # answered with an error (unknown_worker)
     return ids
 
 
 def _leave(service: MasterService, worker_id: str) -> None:
-    service.handle({"t": "bye", "worker_id": worker_id})
+    service.handle({"t": "bye", "worker_id": worker_id, "token": service.keys.worker_token(worker_id)})
     service.tick()  # forgets the worker that left
 
 
@@ -275,6 +276,22 @@ def test_a_busy_loop_does_not_hang_the_scrape(service):
     metrics.attach(FakeLoop())  # never runs: the master is stuck in a long request
     parsed = _parse(generate_latest(metrics.registry).decode())
     assert "remoteloader_build_info" in parsed and "remoteloader_workers" not in parsed
+
+
+def test_endpoint_answers_only_metrics_and_names_no_table(service):
+    """Red team finding 7: the unauthenticated endpoint answered any path."""
+    metrics = MasterMetrics(service, process_metrics=False)  # not attached: the scrape reads the state itself
+    port = metrics.serve(0, "127.0.0.1")
+    try:
+        for path in ("/", "/favicon.ico", "/metrics/", "/debug/vars"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+            assert refused.value.code == 404, path
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            body = response.read().decode()
+    finally:
+        metrics.close()
+    assert "remoteloader_job_info{" in body and service.spec.table.path not in body
 
 
 def test_client_wait_histogram_from_what_the_loader_reports(service):

@@ -15,7 +15,9 @@ key directory of the user's, it makes ephemeral keys in a private temporary dire
 (0700) that it removes at ``close``. The master gets the directory's path in
 ``REMOTELOADER_AUTH`` and hands it on to its workers the same way; rank 0 publishes the
 path (never the keys) beside the address, for ranks on this machine (the master binds
-loopback only) to read.
+loopback only) to read. The table the master may serve goes in its environment too
+(``REMOTELOADER_ALLOW_TABLE``): a table URI may hold a credential, and any local user can
+read a process's command line.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ import select
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..core.procs import stop as stop_process
+from ..core.redact import allowlist_env
 from ..protocol.auth import ENV_AUTH, EphemeralKeys
 
 ENV_MASTER = "REMOTELOADER_MASTER"
@@ -34,8 +37,9 @@ ENV_MASTER = "REMOTELOADER_MASTER"
 
 class EmbeddedCluster:
     def __init__(self, num_workers: int, start_timeout: float = 60.0, extra_args: tuple = (),
-                 auth_dir: Optional[str] = None) -> None:
-        """``auth_dir``: the user's key directory; without it, ephemeral keys made here."""
+                 auth_dir: Optional[str] = None, allowed_tables: Sequence[str] = ()) -> None:
+        """``auth_dir``: the user's key directory; without it, ephemeral keys made here.
+        ``allowed_tables``: the prefixes the master may serve (none: no client spec)."""
         self._keys = EphemeralKeys() if auth_dir is None else None
         self.auth_dir = os.path.abspath(auth_dir) if auth_dir is not None else self._keys.directory
         self.proc = None
@@ -43,7 +47,8 @@ class EmbeddedCluster:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
                  "--workers", str(num_workers), "--die-with-parent", *extra_args],
-                stdout=subprocess.PIPE, text=True, env=dict(os.environ, **{ENV_AUTH: self.auth_dir}))
+                stdout=subprocess.PIPE, text=True,
+                env=dict(os.environ, **{ENV_AUTH: self.auth_dir}, **allowlist_env(allowed_tables)))
             self.addr = self._read_address(start_timeout)
         except BaseException:
             self.close()

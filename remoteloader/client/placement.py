@@ -14,6 +14,7 @@ import sys
 import weakref
 from typing import Any, Optional
 
+from ..core.redact import redact
 from ..spec import DatasetSpec
 from .embedded import ENV_MASTER, EmbeddedCluster
 from .ranks import Published, RankStore, default_store, find_master
@@ -67,13 +68,13 @@ class MasterPlacement:
 
 def _start_embedded(spec: DatasetSpec, num_workers: Optional[int], auth_dir: Optional[str]) -> EmbeddedCluster:
     scaling = spec.autoscale
-    extra = ("--allow-table", spec.table.path)  # the embedded master serves this table only
-    extra += () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
-                                        "--max-workers", str(scaling.get("max_workers", os.cpu_count() or 1)))
+    extra = () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
+                                       "--max-workers", str(scaling.get("max_workers", os.cpu_count() or 1)))
     workers = num_workers or os.cpu_count() or 1
     if not os.environ.get("REMOTELOADER_QUIET"):
         # One line rather than seconds of silence: a first start compiles the kernels.
         print(f"remoteloader: starting an embedded master and {workers} local workers for "
-              f"{spec.table.path} (a first start on this machine compiles the transform kernels; "
+              f"{redact(spec.table.path)} (a first start on this machine compiles the transform kernels; "
               "later ones load them from the cache)", file=sys.stderr, flush=True)
-    return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir)
+    # The embedded master serves this table only (told in its environment, off the command line).
+    return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir, allowed_tables=[spec.table.path])

@@ -13,8 +13,10 @@ import zmq
 
 from .. import __version__
 from ..core.procs import die_with_parent
+from ..core.redact import ENV_ALLOW_TABLE, allowlist_env, allowlist_from_env, log_to_stderr, redact_text
 from ..protocol import auth as cluster_auth
 from ..protocol.address import DefaultsHelpFormatter, address_type
+from ..protocol.capability import MasterKeys
 from ..spec import DatasetSpec, SpecError
 from .autoscale import AutoscaleConfig, Autoscaler, CpuTargetConfig, CpuTargetPolicy
 from .journal import Journal
@@ -38,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_auth.add_server_options(p, "every socket, and hand the directory to launched workers", "--bind")
     p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
     p.add_argument("--allow-table", action="append", default=[], metavar="PREFIX",
-                   help="a table path or URI prefix clients' specs may read (repeatable); without it and without "
+                   help=f"a table path or URI prefix clients' specs may read (repeatable; also ${ENV_ALLOW_TABLE}, "
+                        "a JSON list, which keeps prefixes off the command line); without either and without "
                         "--spec, the master accepts no client spec")
     p.add_argument("--journal", metavar="DIR",
                    help="directory of the state journal; without it state lives in memory only")
@@ -80,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on --metrics-host:PORT/metrics (0: any free port; "
                         "without it: no metrics endpoint)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="interface the metrics endpoint binds to")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="interface the metrics endpoint binds to (plain HTTP, never authenticated: a non-loopback "
+                        "host needs --insecure)")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level")
     return p
@@ -90,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s master %(levelname)s %(message)s")
+    log_to_stderr(args.log_level.upper(), "%(asctime)s master %(levelname)s %(message)s")
     if args.ray_actor:
         return _as_ray_actor(p, args, argv)
     if args.die_with_parent:
@@ -100,18 +105,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except cluster_auth.AuthError as e:
         print(e, file=sys.stderr)
         return 2
+    if args.metrics_port is not None and not args.insecure and not cluster_auth.is_loopback(args.metrics_host):
+        print(f"remoteloader-master: --metrics-host {args.metrics_host} is not a loopback address and the metrics "
+              "endpoint is plain, unauthenticated HTTP: pass --insecure to serve it there anyway", file=sys.stderr)
+        return 2
+    try:
+        allowed = [*args.allow_table, *allowlist_from_env()]
+    except ValueError as e:
+        print(f"remoteloader-master: {e}", file=sys.stderr)
+        return 2
 
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
                           split_timeout=args.split_timeout, prefetch_next_epoch=not args.no_prefetch,
-                          allowed_tables=tuple(args.allow_table),
+                          allowed_tables=tuple(allowed),
                           popularity_log=args.popularity_log or (os.path.join(args.journal, "popularity.jsonl")
                                                                  if args.journal else None))
-    service = MasterService(config, Journal(args.journal) if args.journal else None)
+    journal = Journal(args.journal) if args.journal else None
+    # The keys that sign sessions and workers live beside the journal: a restarted master
+    # replays sessions and workers whose tokens must still verify.
+    service = MasterService(config, journal, keys=MasterKeys.stored(args.journal) if args.journal else None)
     if args.spec and service.state.job is None:
         try:
             service.submit(DatasetSpec.from_file(args.spec))
         except SpecError as e:
-            print(f"remoteloader-master: {e}", file=sys.stderr)
+            print(f"remoteloader-master: {redact_text(str(e))}", file=sys.stderr)
             return 2
     try:
         server = MasterServer(service, args.bind, auth=creds)
@@ -131,14 +148,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         print(f"remoteloader-master metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr)
 
-    # Workers it starts check the same tables again (a second line of defence).
-    served = [*args.allow_table, *([service.state.job.spec["table"]["path"]] if service.state.job else [])]
-    worker_args = [*(a for prefix in served for a in ("--allow-table", prefix)), *shlex.split(args.worker_args)]
+    # Workers it starts check the same tables again (a second line of defence), told through
+    # their environment: a table path may hold a credential, and command lines are public.
+    served = [*allowed, *([service.state.job.spec["table"]["path"]] if service.state.job else [])]
     try:
         engine = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
                                ray_auth_token_path=args.ray_auth_token_file,
                                ray_detached_prefix=args.ray_detached_workers,
-                               worker_args=worker_args, buffer_batches=args.worker_buffer,
+                               worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer,
+                               worker_env=allowlist_env(served) if served else {},
                                auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
     except (ValueError, ImportError, ConnectionError) as e:
         print(f"remoteloader-master: {e}", file=sys.stderr)
@@ -165,8 +183,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         launcher.start(max(0, args.workers - launcher.running()))  # a restarted master may have adopted some
 
         def keep_workers() -> None:  # DPP's master restarts failed workers; so does this one
-            if launcher.reap():
-                launcher.start(args.workers - launcher.running())
+            # Whatever the exit code: a worker drained by a member, or stopped by hand, leaves
+            # the pool short as surely as one that crashed.
+            launcher.reap()
+            launcher.start(args.workers - launcher.running())
         server.periodic.append(keep_workers)
     elif not launcher.running():  # otherwise a client would wait out its timeout in silence
         log.warning("this master starts no workers (--workers 0, no autoscaling): start them by hand with "

@@ -11,17 +11,23 @@ master restarts (a counter reset, which Prometheus' ``rate()`` handles).
 (never the global default one), a collector that reads the master's state at scrape time
 on the master's own loop (the state has no locks, so the scrape thread asks the loop
 for a snapshot), a histogram of request handling time per message type, and the
-process collectors. docs/operations.md lists every metric.
+process collectors. docs/operations.md lists every metric. The endpoint is plain HTTP
+that anyone who reaches it may read, so it answers ``/metrics`` only and carries no table
+path (a table URI may hold a credential); the master binds it to loopback unless told
+``--insecure``.
 """
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from collections import deque
+from socketserver import ThreadingMixIn
 from typing import Callable, Iterable, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -44,6 +50,9 @@ CUMULATIVE = frozenset({"rows", "batches", "splits", "busy_s", "wait_s", "starve
 # ``discarded.<reason>``: pieces a worker threw away, by reason (the wire admits only
 # ``DISCARD_REASONS``), exported at zero from the start so that ``rate()`` sees the first one.
 _DISCARDED = frozenset(f"discarded.{reason}" for reason in DISCARD_REASONS)
+# Counters whose last change time is kept (``unchanged_for``): only what a metric reads, as
+# this runs for every heartbeat.
+_TRACK_CHANGE = frozenset({"batches"})
 REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0)
 _CODE = re.compile(r"[a-z_]{1,32}")
@@ -95,12 +104,11 @@ class RateWindow:
         if key not in self._group:
             self._group[key] = self.group_of(key)
         last, totals = self._last.setdefault(key, {}), self._totals.setdefault(key, {})
-        changed = self._changed.setdefault(key, {})
         for name, value in _flatten(counters):
             if not _is_cumulative(name):
                 continue
-            if name not in last or value != last[name]:
-                changed[name] = time
+            if name in _TRACK_CHANGE and (name not in last or value != last[name]):
+                self._changed.setdefault(key, {})[name] = time
             before = last.get(name, 0.0)
             # Below the last value: the reporter restarted its count (a reset), so all of it is new.
             totals[name] = totals.get(name, 0.0) + (value - before if value >= before else value)
@@ -185,9 +193,10 @@ def families(snap: dict) -> list[Metric]:
 
     job = snap.get("job")
     if job:
+        # No table label: the endpoint is unauthenticated, and `remoteloader status` names the table.
         info = InfoMetricFamily("remoteloader_job", "The job this master serves (value 1).",
-                                labels=["fingerprint", "table"])
-        info.add_metric([str(job["fingerprint"]), str(job["table"])], {})
+                                labels=["fingerprint"])
+        info.add_metric([str(job["fingerprint"])], {})
         out.append(info)
         gauge("remoteloader_job_rows", "Rows selected by the job's spec.", samples=[(job["rows"],)])
         gauge("remoteloader_job_splits", "Base splits of the job.", samples=[(job["splits"],)])
@@ -446,8 +455,10 @@ class MasterMetrics:
         return dict(snap, age_s=max(0.0, time.monotonic() - snap["time"]))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve the registry over HTTP (any path, e.g. /metrics); returns the port bound."""
-        self._http, _ = start_http_server(port, host, registry=self.registry)
+        """Serve the registry over HTTP at ``/metrics`` (other paths: 404) on a thread of
+        its own; returns the port bound."""
+        self._http = _metrics_server(host, port, make_wsgi_app(self.registry))
+        threading.Thread(target=self._http.serve_forever, name="remoteloader-metrics", daemon=True).start()
         self.port = self._http.server_address[1]
         return self.port
 
@@ -456,6 +467,37 @@ class MasterMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """A threaded WSGI server on IPv4 or IPv6, as the host is written."""
+
+    daemon_threads = True  # a hung scraper never keeps the master from exiting
+
+    def __init__(self, address: tuple[str, int], handler: type) -> None:
+        # Read by the base class when it makes the socket (it defaults to IPv4).
+        self.address_family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        super().__init__(address, handler)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:
+        """Scrapes are not logged (one line per scrape, every few seconds)."""
+
+
+def _only_metrics(app: Callable) -> Callable:
+    """``app`` at ``/metrics``; 404 elsewhere (an endpoint that answers any path tells a
+    scanner it found something, and serves the metrics to whoever guesses any URL)."""
+    def serve(environ: dict, start_response: Callable) -> list[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: the metrics are at /metrics\n"]
+        return app(environ, start_response)
+    return serve
+
+
+def _metrics_server(host: str, port: int, app: Callable) -> WSGIServer:
+    return make_server(host.strip("[]"), port, _only_metrics(app), _Server, _QuietHandler)
 
 
 class _Constant(Collector):

@@ -18,7 +18,10 @@ import msgpack
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.plan import make_task
 from ..core.popularity import record_projection
+from ..core.redact import redact, redact_text
 from ..core.sampling import plan_job_splits
+from ..protocol.address import AddressError, validate_address
+from ..protocol.capability import MasterKeys
 from ..protocol.wire import MASTER_REQUESTS
 from ..spec import DatasetSpec, SpecError
 from . import updates as U
@@ -117,8 +120,11 @@ def _check_acks(acks: list) -> list:
 
 class MasterService:
     def __init__(self, config: MasterConfig, journal: Optional[Journal] = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, keys: Optional[MasterKeys] = None) -> None:
         self.config = config
+        # Signs client sessions and worker ids (protocol/capability.py); a journaled master
+        # passes the keys kept beside its journal, so replayed sessions' tokens still verify.
+        self.keys = keys if keys is not None else MasterKeys.ephemeral()
         self.journal = journal
         self.clock = clock
         self.state = JobState()
@@ -196,7 +202,8 @@ class MasterService:
         try:
             return handler(self, header)
         except RequestError as e:
-            return "error", {"message": str(e), **({"code": e.code} if e.code else {})}
+            # Errors name tables; a URI's credentials stay out of what a client is told.
+            return "error", {"message": redact_text(str(e)), **({"code": e.code} if e.code else {})}
 
     def tick(self) -> None:
         """Periodic duties: dead workers lose their splits, hung workers the split they hold."""
@@ -221,9 +228,14 @@ class MasterService:
         if self.state.job is None:
             raise RequestError("no job yet: the master waits for the first client's spec", code="no_job")
 
-    def _require_worker(self, worker_id: str) -> None:
-        if worker_id not in self.state.workers:
-            raise RequestError(f"unknown worker {worker_id}", code="unknown_worker")
+    def _require_worker(self, m: dict) -> None:
+        """The sender is the worker it names: registered, and holding its ``registered.token``
+        (a member who read a worker id in ``status`` cannot drain it or take its splits)."""
+        if not self._is_worker(m):
+            raise RequestError(f"unknown worker {m['worker_id'][:80]}", code="unknown_worker")
+
+    def _is_worker(self, m: dict) -> bool:
+        return m["worker_id"] in self.state.workers and self.keys.worker_token_ok(m["worker_id"], m["token"])
 
     def _require_client(self, session: str) -> int:
         if session not in self.state.clients:
@@ -237,8 +249,7 @@ class MasterService:
     def _on_register(self, m: dict) -> Reply:
         if len(self.state.workers) >= self.config.max_workers:
             raise RequestError(f"the master already has {len(self.state.workers)} workers (max_workers)", code="full")
-        if not m["addr"].startswith("tcp://") or len(m["addr"]) > 256:
-            raise RequestError(f"register: addr must be a tcp:// endpoint, got {m['addr'][:80]!r}")
+        self._check_worker_addr(m["addr"])
         job = self.state.job
         if job is not None and m["fingerprint"] != job.fingerprint:
             # A worker still compiled for a job this master no longer serves (a master
@@ -250,7 +261,22 @@ class MasterService:
         log.info("worker %s registered from %s (pid %d)", worker_id, m["addr"], m["pid"])
         # Split tasks name the job too: a worker that registered before one existed checks each.
         return "registered", {"worker_id": worker_id, "heartbeat_interval": self.config.heartbeat_interval,
-                              "fingerprint": m["fingerprint"] if job is None else job.fingerprint}
+                              "fingerprint": m["fingerprint"] if job is None else job.fingerprint,
+                              "token": self.keys.worker_token(worker_id), "verify_key": self.keys.verify_key}
+
+    @staticmethod
+    def _check_worker_addr(addr: str) -> None:
+        """An address every client can connect to: a concrete host (not ``*``, not an
+        any-address) and a port in 1..65535. A bind-only address would make every
+        client's connect fail."""
+        try:
+            validate_address(addr)
+        except AddressError as e:
+            raise RequestError(f"register: {e}") from None
+        host = addr[len("tcp://"):].rpartition(":")[0]
+        if host in ("0.0.0.0", "[::]", "[0:0:0:0:0:0:0:0]") or len(addr) > 256:
+            raise RequestError(f"register: addr {addr[:80]!r} is not one clients can connect to "
+                               "(a concrete host, e.g. the worker's IP)")
 
     def _on_get_spec(self, m: dict) -> Reply:
         self._require_job()
@@ -259,7 +285,7 @@ class MasterService:
 
     def _on_heartbeat(self, m: dict) -> Reply:
         w = self.state.workers.get(m["worker_id"])
-        if w is None:
+        if w is None or not self._is_worker(m):
             return "heartbeat_ok", {"state": "unknown", "sessions": []}
         stats = m.get("stats", {})
         self._commit(U.WorkerHeartbeat(m["worker_id"], self.clock(), m["buffered"], stats))
@@ -275,7 +301,8 @@ class MasterService:
         return "heartbeat_ok", {"state": "stop", "sessions": sessions}
 
     def _on_drain(self, m: dict) -> Reply:
-        self._require_worker(m["worker_id"])
+        # Only the worker itself (SIGTERM) or the autoscaler (``drain``, in process) drains it.
+        self._require_worker(m)
         self.drain(m["worker_id"])
         return "ok", {}
 
@@ -290,12 +317,12 @@ class MasterService:
                 self._commit(U.SplitRevoked(epoch, split_id, worker_id, "its worker is draining"))
 
     def _on_bye(self, m: dict) -> Reply:
-        if m["worker_id"] in self.state.workers:
+        if self._is_worker(m):
             self._commit(U.WorkerLost(m["worker_id"], "left"))
         return "ok", {}
 
     def _on_get_split(self, m: dict) -> Reply:
-        self._require_worker(m["worker_id"])
+        self._require_worker(m)
         avoid = m.get("avoid_ranks", [])
         if len(avoid) > self.config.max_world_size or not all(type(r) is int for r in avoid):
             raise RequestError("avoid_ranks must be a list of ranks")
@@ -335,7 +362,7 @@ class MasterService:
         """The worker gives splits back: their rank went silent (its pieces were dropped) or
         its share of the worker's buffer is full while other ranks starve. They are handed
         out again from what the rank consumed, as after a worker failure."""
-        self._require_worker(m["worker_id"])
+        self._require_worker(m)
         what = "splits must be [[epoch, split_id], ...] (at most 1024)"
         if len(m["splits"]) > 1024:
             raise RequestError(what)
@@ -349,7 +376,7 @@ class MasterService:
     def _holds(self, m: dict) -> bool:
         """Whether the reporting worker still holds that split; if it was re-assigned
         meanwhile (the worker was presumed dead, or the rank restarted), the report is stale."""
-        self._require_worker(m["worker_id"])
+        self._require_worker(m)
         return (m["epoch"], m["split_id"]) in self.state.workers[m["worker_id"]].assigned
 
     # -- clients ------------------------------------------------------------------------
@@ -372,7 +399,9 @@ class MasterService:
         session = "s-" + uuid.uuid4().hex[:12]
         self._commit(U.ClientJoined(session, m["rank"], m["world_size"], self.clock()))
         shares = self.state.shares()
-        return "welcome", {"session": session, "job": {
+        # The token is what lets this client's credit take the session's pieces at workers;
+        # the session id alone (which status shows) does not.
+        return "welcome", {"session": session, "token": self.keys.session_token(session), "job": {
             "fingerprint": job.fingerprint, "total_rows": job.total_rows,
             "rank_rows": shares.rows[m["rank"]] + shares.padding[m["rank"]], "dropped_rows": shares.dropped,
             "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys,
@@ -532,7 +561,8 @@ class MasterService:
             ranks[str(rank)] = {"epoch": re.epoch, "session": re.session, "seq": re.seq, "splits": len(re.splits), "done": done,
                                 "pending": len(re.pending), "finished": re.finished}
         return {
-            "job": None if job is None else {"fingerprint": job.fingerprint, "table": job.spec["table"]["path"],
+            # Redacted: any key holder may ask for the status (and it ends up in logs and tickets).
+            "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec["table"]["path"]),
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size},
             "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, "buffered": w.buffered,
@@ -547,7 +577,7 @@ class MasterService:
                         for cid, rank in st.clients.items()],
             "autoscaler": self.decision_log(),
             "ranks": ranks,
-            "errors": st.errors[-20:],
+            "errors": [dict(e, message=redact_text(e["message"])) for e in st.errors[-20:]],  # they name files
         }
 
 
