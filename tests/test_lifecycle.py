@@ -24,6 +24,7 @@ JOB_WAIT_S = 90
 
 JOB = """
 import json, os, sys
+import torch
 from remoteloader import RemoteDataLoader
 
 master, spec, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
