@@ -156,8 +156,16 @@ def spec_for(path: str) -> dict:
 
 
 def hello(spec: dict, world_size: int = 1, rank: int = 0) -> list:
-    return msg("hello", rank=rank, world_size=world_size, spec=spec,
-               fingerprint=DatasetSpec.from_dict(spec).fingerprint())
+    try:
+        fingerprint = DatasetSpec.from_dict(spec).fingerprint()
+    except SpecError:  # a spec the client library refuses still goes to the master, as an attacker's would
+        fingerprint = "hostile"
+    return msg("hello", rank=rank, world_size=world_size, spec=spec, fingerprint=fingerprint)
+
+
+def job_spec(t: "Target") -> dict:
+    """The spec of the job the legitimate client started (row ids, to count rows)."""
+    return {**spec_for(str(t.table)), "features": {**spec_for(str(t.table))["features"], "passthrough": ["row_id"]}}
 
 
 # -- cases ----------------------------------------------------------------------------------
@@ -307,7 +315,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         return Outcome(other_path and str(t.table) not in page)
 
     def resume_flood() -> Outcome:  # finding 4: done lists of 2**20 ranges grew a master by 322 MB
-        welcome = t.ask(t.addr, hello(spec_for(str(t.table))), t.keys, 5.0)
+        welcome = t.ask(t.addr, hello(job_spec(t)), t.keys, 5.0)
         master = psutil.Process(t.master.pid)
         rss = master.memory_info().rss
         fragments = [[0, 2 * i, 2 * i + 1] for i in range(1 << 20)]
@@ -328,10 +336,10 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         return Outcome(all(is_error(r) for r in replies) and not any(w["draining"] for w in t.status()["workers"]))
 
     def take_another_ranks_epoch() -> Outcome:  # finding 3: a member's credit took a victim's rows
-        spec = {**spec_for(str(t.table)), "features": {**spec_for(str(t.table))["features"], "passthrough": ["row_id"]}}
+        spec = job_spec(t)
         # The attacker holds the key and a session token of its own (from a hello before the
         # victim's, which then takes the rank over), and learns the victim's session id.
-        own = t.ask(t.addr, hello(spec_for(str(t.table))), t.keys, 5.0)
+        own = t.ask(t.addr, hello(spec), t.keys, 5.0)
         token = own.get("token", "") if own and own["t"] == "welcome" else ""
         victim = RemoteDataLoader(spec, master=t.addr, auth=t.keys.directory, timeout=120)
         len(victim)  # hello: the victim has its session, not yet an epoch
@@ -368,7 +376,8 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         for sock in socks:
             sock.close()
         exact = sorted(rows) == list(range(ROWS[0]))
-        return Outcome(exact and taken == 0, taken, "" if exact else f"the victim got {len(rows)} rows")
+        note = ("" if exact else f"the victim got {len(rows)} rows; ") + ("" if token else "the attacker had no token")
+        return Outcome(exact and taken == 0 and bool(token), taken, note)
 
     def made_up_sessions() -> Outcome:  # finding 3: credit for made-up ranks filled the table
         sock = t.socket(t.status()["workers"][0]["addr"], t.keys)
@@ -473,8 +482,7 @@ def idle_latency_ms(t: Target) -> float:
 
 
 def exact_epochs(t: Target, epochs: int, rows: int) -> bool:
-    spec = {**spec_for(str(t.table)), "features": {**spec_for(str(t.table))["features"], "passthrough": ["row_id"]}}
-    with RemoteDataLoader(spec, master=t.addr, auth=t.keys.directory, timeout=120) as loader:
+    with RemoteDataLoader(job_spec(t), master=t.addr, auth=t.keys.directory, timeout=120) as loader:
         return all(sorted(r for b in loader for r in b.passthrough["row_id"].tolist()) == list(range(rows))
                    for _ in range(epochs))
 
