@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 SEED_FILE = "capability.key"  # in the master's journal directory
 SEED_BYTES = 32
+MAX_WORKER_TOKENS = 1 << 14  # worker ids whose token the master keeps computed
 
 
 def _derive(seed: bytes, purpose: bytes) -> bytes:
@@ -45,6 +46,7 @@ class MasterKeys:
             raise ValueError(f"a capability seed is {SEED_BYTES} bytes, got {len(seed)}")
         self._signer = Ed25519PrivateKey.from_private_bytes(_derive(seed, b"session"))
         self._worker_key = _derive(seed, b"worker")
+        self._worker_tokens: dict[str, bytes] = {}
         self.verify_key: str = self._signer.public_key().public_bytes_raw().hex()
 
     @classmethod
@@ -79,7 +81,14 @@ class MasterKeys:
         return hmac.new(self._worker_key, worker_id.encode(), hashlib.sha256).hexdigest()
 
     def worker_token_ok(self, worker_id: str, token: str) -> bool:
-        return hmac.compare_digest(self.worker_token(worker_id).encode(), token.encode("utf-8", "replace"))
+        # Checked on every heartbeat and split request: the HMAC of a known worker id is
+        # computed once (a bounded memo: ids are the master's own, made at registration).
+        expected = self._worker_tokens.get(worker_id)
+        if expected is None:
+            if len(self._worker_tokens) >= MAX_WORKER_TOKENS:
+                self._worker_tokens.clear()
+            expected = self._worker_tokens[worker_id] = self.worker_token(worker_id).encode()
+        return hmac.compare_digest(expected, token.encode("utf-8", "replace"))
 
 
 class SessionTokens:
