@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remoteloader.columns import SparseColumn
-from remoteloader.core.processor import SplitBatch
+from remoteloader.core.processor import TransformedSplit
 
 
 def _column(rng: np.random.Generator, rows: int, weighted: bool, skew: int) -> SparseColumn:
@@ -36,7 +36,7 @@ def test_consecutive_pieces_are_views_of_their_own_layout(rows, batch, keys, wei
     sparse = [_column(rng, rows, weighted[k], skew=k) for k in range(keys)]
     dense = rng.random((rows, 3)).astype(np.float32)
     labels = rng.random(rows).astype(np.float32)
-    split = SplitBatch.build(dense, labels, sparse, {"row_id": np.arange(rows)}, None, batch)
+    split = TransformedSplit.build(dense, labels, sparse, {"row_id": np.arange(rows)}, None, batch)
     bounds = list(range(0, rows, batch)) + [rows]
     for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         got = split.arrays(lo, hi)
@@ -54,4 +54,4 @@ def test_consecutive_pieces_are_views_of_their_own_layout(rows, batch, keys, wei
     parts = [split.arrays(lo, hi) for lo, hi in zip(bounds[first:last], bounds[first + 1:last + 1])]
     for name in run:
         assert np.array_equal(run[name], np.concatenate([p[name] for p in parts]))
-        assert np.shares_memory(run[name], split.values) or name != "sparse.values" or run[name].size == 0
+        assert np.shares_memory(run[name], split.tensors["sparse.values"]) or name != "sparse.values" or run[name].size == 0

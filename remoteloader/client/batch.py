@@ -25,6 +25,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from .. import jagged
+
 
 class _Jagged:
     """torchrec's accessors over ``_values`` (ids), ``_lengths`` (per row) and ``_weights``."""
@@ -120,12 +122,9 @@ class KeyedJaggedTensor(_Jagged):
             k = self._keys.index(key)
         except ValueError:
             raise KeyError(f"no sparse feature {key!r} (features: {', '.join(self._keys)})") from None
-        lo, hi = self.offset_per_key()[k], self.offset_per_key()[k + 1]
-        return JaggedTensor(
-            self._values[lo:hi],
-            self._lengths[k * self._stride : (k + 1) * self._stride],
-            None if self._weights is None else self._weights[lo:hi],
-        )
+        lengths, values = jagged.key_ranges(k, self._stride, self.offset_per_key())
+        return JaggedTensor(self._values[values], self._lengths[lengths],
+                            None if self._weights is None else self._weights[values])
 
     def to_dict(self) -> dict[str, JaggedTensor]:
         return {k: self[k] for k in self._keys}
@@ -206,6 +205,11 @@ class KeyedJaggedTensor(_Jagged):
             offset_per_key.append(offset_per_key[-1] + n)
         return _torchrec_kjt()(keys=keys, values=values, lengths=lengths, weights=weights, stride=self._stride,
                                length_per_key=length_per_key, offset_per_key=offset_per_key)
+
+    def _jagged(self) -> jagged.Jagged:
+        """The same arrays as numpy views (CPU tensors only)."""
+        return jagged.Jagged(len(self._keys), self._stride, self._lengths.numpy(), self._values.numpy(),
+                             None if self._weights is None else self._weights.numpy())
 
     def __repr__(self) -> str:
         return f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, values={self._values.numel()})"
@@ -314,35 +318,14 @@ class Batch:
 
 
 def concat_rows(pieces: Sequence[tuple[Batch, int, int]]) -> Batch:
-    """Rows ``[start, stop)`` of each batch, in order, as one new batch.
-
-    The per-key loop runs over features x pieces (a few dozen slices), never over rows.
-    """
+    """Rows ``[start, stop)`` of each batch (on the CPU), in order, as one new batch: the
+    sparse features in one compiled copy per batch, the rest one slice per batch."""
     first = pieces[0][0]
-    keys = first.sparse_features.keys()
-    scored = first.sparse_features.weights_or_none() is not None
-    values, lengths, weights = [], [], []
-    for k in range(len(keys)):
-        for b, start, stop in pieces:
-            kjt = b.sparse_features
-            stride = kjt.stride()
-            key_lengths = kjt.lengths()[k * stride : (k + 1) * stride]
-            base = kjt.offset_per_key()[k]
-            lo = base + int(key_lengths[:start].sum())
-            hi = lo + int(key_lengths[start:stop].sum())
-            lengths.append(key_lengths[start:stop])
-            values.append(kjt.values()[lo:hi])
-            if scored:
-                weights.append(kjt.weights()[lo:hi])
-    rows = sum(stop - start for _, start, stop in pieces)
-    empty_i64 = first.sparse_features.values()[:0]
+    sparse = jagged.concat_rows([(b.sparse_features._jagged(), start, stop) for b, start, stop in pieces])
     kjt = KeyedJaggedTensor(
-        keys,
-        torch.cat(values) if values else empty_i64,
-        torch.cat(lengths) if lengths else first.sparse_features.lengths()[:0],
-        torch.cat(weights) if scored else None,
-        stride=rows,
-        scored=first.sparse_features._scored,
+        first.sparse_features.keys(), torch.from_numpy(sparse.values), torch.from_numpy(sparse.lengths),
+        None if sparse.weights is None else torch.from_numpy(sparse.weights),
+        stride=sparse.rows, scored=first.sparse_features._scored,
     )
 
     def rows_of(get):

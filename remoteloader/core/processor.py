@@ -1,9 +1,9 @@
-"""One split in, its batches out: read, select rows, transform, cut.
+"""One split in, its pieces out: read, select rows, transform, cut.
 
 The pieces of a split are a pure function of (spec, epoch, split): the row order
 comes from ``epoch_rng(seed, epoch, base split)``, so a split re-processed after a
 worker failure yields the very same pieces, and the new worker can skip the ones the
-client already consumed. Every split yields ``rows // batch_size`` full batches and,
+client already consumed. Every split yields ``rows // batch_size`` full pieces and,
 if rows remain, one short tail piece that the client merges with other tails.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from functools import cached_property
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
-from numba import njit
 
+from .. import jagged
 from ..columns import Column, DenseColumn, SparseColumn
 from ..formats import DEFAULT_COALESCE_GAP, DataFile, IOStats, TableError, read_split
 from ..transforms import sampling_keep, validate_sampling
@@ -33,7 +33,7 @@ class Piece:
     split_id: int
     index: int
     rows: int
-    source: "SplitBatch"
+    source: "TransformedSplit"
     lo: int
     hi: int
 
@@ -60,13 +60,13 @@ class SplitProcessor:
         self.sampling = validate_sampling(self.spec.sampling) if self.spec.sampling else None
 
     def pieces(self, task: SplitTask) -> Iterator[Piece]:
-        batch = self.transform(task)
+        split = self.transform(task)
         size = self.spec.batch_size
         for i in range(task.skip, pieces_of(task.row_hi - task.row_lo, size)):
-            lo, hi = i * size, min((i + 1) * size, batch.rows)
-            yield Piece(task.split_id, i, hi - lo, batch, lo, hi)
+            lo, hi = i * size, min((i + 1) * size, split.rows)
+            yield Piece(task.split_id, i, hi - lo, split, lo, hi)
 
-    def transform(self, task: SplitTask) -> "SplitBatch":
+    def transform(self, task: SplitTask) -> TransformedSplit:
         columns = self._read(task.file, task.first_unit, task.stop_unit, self.bound.read_columns, task.raw_rows,
                              task.describe())
         # The epoch's rows of this split, as indices into the stored rows: sampling first,
@@ -93,7 +93,7 @@ class SplitProcessor:
         n = task.row_hi - task.row_lo
         labels = _float_rows(columns[self.spec.label]) if self.spec.label else np.zeros(n, np.float32)
         passthrough = {name: columns[name].values for name in self.spec.passthrough}
-        return SplitBatch.build(features.dense, labels, features.sparse, passthrough, weights, self.spec.batch_size)
+        return TransformedSplit.build(features.dense, labels, features.sparse, passthrough, weights, self.spec.batch_size)
 
     def warm_up(self) -> None:
         """Run the pipeline once on a few synthetic rows so that its kernels are compiled
@@ -103,7 +103,7 @@ class SplitProcessor:
         try:
             features = self.bound.pipeline.run(columns)
             # And the piece layout's copy kernel, for the dtypes this pipeline produces.
-            SplitBatch.build(features.dense, np.zeros(3, np.float32), features.sparse, {}, None, 2)
+            TransformedSplit.build(features.dense, np.zeros(3, np.float32), features.sparse, {}, None, 2)
         except (ValueError, ArithmeticError):
             pass  # synthetic values may not suit every parameter; real splits report real errors
 
@@ -161,87 +161,35 @@ def _float_rows(column: Column) -> np.ndarray:
 
 
 @dataclass
-class SplitBatch:
-    """A whole split after transforms, in wire layout: the arrays of any run of
-    consecutive pieces are views (``arrays(lo, hi)``), so a message of many pieces is
-    one frame per tensor, with no copy.
+class TransformedSplit:
+    """A whole split after transforms, in the wire's layout: ``tensors`` by their wire names,
+    the sparse ones a run of pieces (``jagged``), so the tensors of any run of consecutive
+    pieces are views (``arrays(lo, hi)``) and a message of many pieces is one frame per
+    tensor, with no copy."""
 
-    Sparse features are **piece-major**: piece 0's rows of feature 0, its rows of
-    feature 1, ..., then piece 1's. Within a piece that is torchrec's key-major
-    KeyedJaggedTensor layout; across pieces it keeps each piece contiguous."""
-
-    dense: np.ndarray  # float32 [rows, D]
-    labels: np.ndarray  # float32 [rows]
-    values: np.ndarray  # int64, piece-major
-    lengths: np.ndarray  # int32 [keys * rows], piece-major
-    piece_starts: np.ndarray  # int64 [pieces + 1]: where each piece's values start
+    tensors: dict[str, np.ndarray]
     keys: int
-    batch_size: int
-    passthrough: dict[str, np.ndarray]
-    weights: Optional[np.ndarray] = None  # per-row sampling weights (sampling.weight: true)
-    value_weights: Optional[np.ndarray] = None  # float32, like values (id-score features)
+    piece_rows: int  # the batch size: every piece but a short last one has this many rows
+    value_starts: np.ndarray  # int64 [pieces + 1]: where each piece's sparse values start
 
     @classmethod
     def build(cls, dense: np.ndarray, labels: np.ndarray, sparse: list[SparseColumn],
-              passthrough: dict[str, np.ndarray], weights: Optional[np.ndarray], batch_size: int) -> "SplitBatch":
-        rows = int(labels.shape[0])
-        values, lengths, piece_starts, value_weights = _piece_major(sparse, rows, batch_size)
-        return cls(dense, labels, values, lengths, piece_starts, len(sparse), batch_size, passthrough, weights,
-                   value_weights)
+              passthrough: dict[str, np.ndarray], weights: Optional[np.ndarray], batch_size: int
+              ) -> "TransformedSplit":
+        run, value_starts = jagged.piece_major(sparse, int(labels.shape[0]), batch_size)
+        tensors = {"dense": dense, "labels": labels, jagged.VALUES: run.values, jagged.LENGTHS: run.lengths}
+        if run.weights is not None:
+            tensors[jagged.WEIGHTS] = run.weights
+        tensors.update({"pt." + name: column for name, column in passthrough.items()})
+        if weights is not None:  # per-row sampling weights (sampling.weight: true)
+            tensors["weights"] = weights
+        return cls(tensors, len(sparse), batch_size, value_starts)
 
     @property
     def rows(self) -> int:
-        return int(self.labels.shape[0])
+        return int(self.tensors["labels"].shape[0])
 
     def arrays(self, lo: int, hi: int) -> dict[str, np.ndarray]:
-        """Rows ``[lo, hi)``, which must start and end on piece boundaries."""
-        a, b = self.keys * lo, self.keys * hi
-        va, vb = int(self.piece_starts[lo // self.batch_size]), int(self.piece_starts[-(-hi // self.batch_size)])
-        out = {"dense": self.dense[lo:hi], "labels": self.labels[lo:hi],
-               "sparse.values": self.values[va:vb], "sparse.lengths": self.lengths[a:b]}
-        if self.value_weights is not None:
-            out["sparse.weights"] = self.value_weights[va:vb]
-        for name, column in self.passthrough.items():
-            out["pt." + name] = column[lo:hi]
-        if self.weights is not None:
-            out["weights"] = self.weights[lo:hi]
-        return out
-
-
-def _piece_major(sparse: list[SparseColumn], rows: int, batch_size: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    """Values, lengths, where each piece's values start and (if any feature has them)
-    weights of the sparse features in piece-major order. A piece's rows of one feature
-    are one contiguous block of that feature's values, so this is a copy of pieces x
-    features blocks (compiled: no Python per block), never a gather per value."""
-    keys = len(sparse)
-    bounds = np.append(np.arange(0, rows, batch_size), rows)
-    if keys == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(bounds.shape[0], np.int64), None
-    full = rows // batch_size * batch_size
-    lengths = np.stack([np.diff(c.offsets) for c in sparse])  # [keys, rows]
-    head = lengths[:, :full].reshape(keys, -1, batch_size).transpose(1, 0, 2).ravel()
-    piece_lengths = np.concatenate([head, lengths[:, full:].ravel()]).astype(np.int32)
-
-    starts = np.stack([c.offsets[bounds] for c in sparse])  # [keys, pieces + 1], into each feature's values
-    sizes = np.diff(starts, axis=1)  # [keys, pieces]: values per block
-    dest = np.zeros(sizes.size + 1, np.int64)
-    np.cumsum(sizes.T.ravel(), out=dest[1:])  # blocks in (piece, feature) order
-    piece_starts = dest[::keys].copy()  # each piece's first block, and the end
-    dest = dest[:-1].reshape(-1, keys).T  # [keys, pieces]: where each block goes
-    values = np.empty(int(sizes.sum()), np.int64)
-    weighted = any(c.weights is not None for c in sparse)
-    value_weights = np.empty(values.shape[0], np.float32) if weighted else None
-    for k, c in enumerate(sparse):
-        _copy_blocks(c.values, starts[k, :-1], dest[k], sizes[k], values)
-        if weighted:
-            w = c.weights if c.weights is not None else np.ones(c.values.shape[0], np.float32)
-            _copy_blocks(w, starts[k, :-1], dest[k], sizes[k], value_weights)
-    return values, piece_lengths, piece_starts, value_weights
-
-
-@njit(cache=True, nogil=True)
-def _copy_blocks(src, src_starts, dest_starts, sizes, out):  # pragma: no cover (compiled)
-    for i in range(src_starts.shape[0]):
-        n, s, d = sizes[i], src_starts[i], dest_starts[i]
-        out[d:d + n] = src[s:s + n]
+        """Rows ``[lo, hi)``, which must start and end on piece boundaries (views)."""
+        values = int(self.value_starts[lo // self.piece_rows]), int(self.value_starts[-(-hi // self.piece_rows)])
+        return jagged.take_rows(self.tensors, self.keys, (lo, hi), values)

@@ -1,0 +1,183 @@
+"""The jagged layout of sparse features, written once for both sides of the wire.
+
+``keys`` sparse features over ``rows`` rows are ``lengths`` (``keys * rows`` entries,
+**key-major**: all rows of key 0, then of key 1, ..., as torchrec's KeyedJaggedTensor),
+``values`` (the ids, in the same order) and optional ``weights`` (one per value).
+
+A *run* of consecutive pieces puts the pieces one after the other, each key-major over
+its own rows (piece-major across pieces). Every piece is then one contiguous range of
+every tensor, so a worker sends a run as one frame per tensor and the client cuts it back
+into its pieces, both as views; a batch is a run of one piece.
+
+Tensors go by their wire names: ``sparse.values`` and ``sparse.weights`` hold one entry
+per value, ``sparse.lengths`` one per row and key, every other tensor one per row.
+Slicing works on numpy arrays and torch tensors alike. Copies are compiled: Python calls
+one copy per source array (a split's feature columns on the worker, a merge's tails on the
+client), never one per block, row or value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Protocol, Sequence, TypeVar
+
+import numpy as np
+from numba import njit
+
+VALUES, WEIGHTS, LENGTHS = "sparse.values", "sparse.weights", "sparse.lengths"
+PER_VALUE = (VALUES, WEIGHTS)
+
+T = TypeVar("T")  # an array: numpy's or torch's (only sliced)
+
+
+class SparseColumn(Protocol):
+    """One feature's ids over rows (``columns.SparseColumn``; not imported, so that this
+    module, which the wire uses, sits below every layer of the package)."""
+
+    @property
+    def values(self) -> np.ndarray: ...
+
+    @property
+    def offsets(self) -> np.ndarray: ...  # int64 [rows + 1]
+
+    @property
+    def weights(self) -> Optional[np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class Jagged:
+    """The sparse tensors of one piece (key-major) or of a run of pieces (piece-major)."""
+
+    keys: int
+    rows: int
+    lengths: np.ndarray  # [keys * rows]
+    values: np.ndarray
+    weights: Optional[np.ndarray] = None  # like values
+
+
+def offsets(lengths: np.ndarray) -> np.ndarray:
+    """int64 ``[n + 1]``: where the values of each length start, then the end."""
+    out = np.zeros(lengths.shape[0] + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def take_rows(tensors: Mapping[str, T], keys: int, rows: tuple[int, int], values: tuple[int, int]) -> dict[str, T]:
+    """Rows ``[lo, hi)`` of a run, starting and ending on piece boundaries, whose values are
+    ``[va, vb)`` of the run's: views."""
+    lo, hi = rows
+    va, vb = values
+    return {name: t[va:vb] if name in PER_VALUE else t[keys * lo:keys * hi] if name == LENGTHS else t[lo:hi]
+            for name, t in tensors.items()}
+
+
+def cut(tensors: Mapping[str, T], keys: int, row_bounds: np.ndarray, value_bounds: np.ndarray) -> list[dict[str, T]]:
+    """A run cut into its pieces (views): piece ``i`` holds rows ``row_bounds[i:i + 2]`` and
+    values ``value_bounds[i:i + 2]``."""
+    return [take_rows(tensors, keys, (row_bounds[i], row_bounds[i + 1]), (value_bounds[i], value_bounds[i + 1]))
+            for i in range(len(row_bounds) - 1)]
+
+
+def key_ranges(key: int, rows: int, offset_per_key: Sequence[int]) -> tuple[slice, slice]:
+    """Where feature ``key`` of a key-major piece lies: its lengths, and its values (and weights)."""
+    return slice(key * rows, (key + 1) * rows), slice(offset_per_key[key], offset_per_key[key + 1])
+
+
+def piece_major(sparse: Sequence[SparseColumn], rows: int, piece_rows: int) -> tuple[Jagged, np.ndarray]:
+    """Features (one column per key) as a run of pieces of ``piece_rows`` rows (the last may be
+    short), and where each piece's values start (int64 ``[pieces + 1]``). A piece's rows of one
+    feature are one contiguous block of that column's values: a copy of pieces x keys blocks,
+    never a gather per value. Weights are there when any column has them (1.0 for the others)."""
+    keys = len(sparse)
+    bounds = np.append(np.arange(0, rows, piece_rows), rows)
+    if keys == 0:
+        return Jagged(0, rows, np.zeros(0, np.int32), np.zeros(0, np.int64)), np.zeros(bounds.shape[0], np.int64)
+    full = rows // piece_rows * piece_rows
+    per_key = np.stack([np.diff(c.offsets) for c in sparse])  # [keys, rows]
+    head = per_key[:, :full].reshape(keys, -1, piece_rows).transpose(1, 0, 2).ravel()
+    lengths = np.concatenate([head, per_key[:, full:].ravel()]).astype(np.int32)
+
+    starts = np.stack([c.offsets[bounds] for c in sparse])  # [keys, pieces + 1], into each column's values
+    sizes = np.diff(starts, axis=1)  # [keys, pieces]
+    values = np.empty(int(sizes.sum()), np.int64)
+    value_starts = _interleave([c.values for c in sparse], starts[:, :-1], sizes, values)
+    weights = None
+    if any(c.weights is not None for c in sparse):
+        weights = np.empty(values.shape[0], np.float32)
+        _interleave([c.weights if c.weights is not None else np.ones(c.values.shape[0], np.float32) for c in sparse],
+                    starts[:, :-1], sizes, weights)
+    return Jagged(keys, rows, lengths, values, weights), value_starts
+
+
+def concat_rows(parts: Sequence[tuple[Jagged, int, int]]) -> Jagged:
+    """Rows ``[start, stop)`` of each key-major piece, in order, as one key-major piece (the
+    client's tail merge): per part, one compiled pass finds its keys' ranges, and one
+    compiled copy per tensor moves all of them."""
+    first = parts[0][0]
+    keys = first.keys
+    rows = np.array([stop - start for _, start, stop in parts], np.int64)
+    length_at, value_at, value_sizes = (np.empty((len(parts), keys), np.int64) for _ in range(3))
+    for p, (piece, start, stop) in enumerate(parts):
+        _key_ranges(piece.lengths, keys, piece.rows, start, stop, length_at[p], value_at[p], value_sizes[p])
+    total = int(rows.sum())
+    lengths = np.empty(keys * total, first.lengths.dtype)
+    _interleave([piece.lengths for piece, _, _ in parts], length_at, np.repeat(rows[:, None], keys, axis=1), lengths)
+    values = np.empty(int(value_sizes.sum()), first.values.dtype)
+    _interleave([piece.values for piece, _, _ in parts], value_at, value_sizes, values)
+    weights = None
+    if first.weights is not None:
+        weights = np.empty(values.shape[0], first.weights.dtype)
+        _interleave([piece.weights for piece, _, _ in parts], value_at, value_sizes, weights)
+    return Jagged(keys, total, lengths, values, weights)
+
+
+def _interleave(sources: Sequence[np.ndarray], starts: np.ndarray, sizes: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Copy block ``b`` of each source ``s`` (``sizes[s, b]`` entries from ``starts[s, b]``) into
+    ``out`` in (block, source) order: the worker's sources are keys and its blocks pieces, the
+    client's sources are pieces and its blocks keys. Returns where each block starts, then the end."""
+    at, block_starts = _places(sizes)
+    for s, source in enumerate(sources):
+        _copy_blocks(source, starts[s], at[s], sizes[s], out)
+    return block_starts
+
+
+@njit(cache=True, nogil=True)
+def _places(sizes):  # pragma: no cover (compiled)
+    """Where block ``b`` of source ``s`` goes (``[sources, blocks]``, in (block, source) order),
+    and where each block starts, then the end. Compiled: numpy's reductions over a few dozen
+    entries cost more than this loop."""
+    sources, blocks = sizes.shape
+    at = np.empty((sources, blocks), np.int64)
+    block_starts = np.empty(blocks + 1, np.int64)
+    pos = 0
+    for b in range(blocks):
+        block_starts[b] = pos
+        for s in range(sources):
+            at[s, b] = pos
+            pos += sizes[s, b]
+    block_starts[blocks] = pos
+    return at, block_starts
+
+
+@njit(cache=True, nogil=True)
+def _key_ranges(lengths, keys, rows, start, stop, length_at, value_at, value_sizes):  # pragma: no cover (compiled)
+    """Per key of a key-major piece: where its rows ``[start, stop)`` start in ``lengths`` and in
+    the values, and how many values they hold (one pass over the piece's lengths)."""
+    pos = 0
+    for k in range(keys):
+        row0 = k * rows
+        for i in range(row0, row0 + start):
+            pos += lengths[i]
+        length_at[k] = row0 + start
+        value_at[k] = pos
+        for i in range(row0 + start, row0 + stop):
+            pos += lengths[i]
+        value_sizes[k] = pos - value_at[k]
+        for i in range(row0 + stop, row0 + rows):
+            pos += lengths[i]
+
+
+@njit(cache=True, nogil=True)
+def _copy_blocks(src, src_starts, dest_starts, sizes, out):  # pragma: no cover (compiled)
+    for i in range(src_starts.shape[0]):
+        n, s, d = sizes[i], src_starts[i], dest_starts[i]
+        out[d:d + n] = src[s:s + n]
