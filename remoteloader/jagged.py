@@ -66,8 +66,15 @@ def take_rows(tensors: Mapping[str, T], keys: int, rows: tuple[int, int], values
     ``[va, vb)`` of the run's: views."""
     lo, hi = rows
     va, vb = values
-    return {name: t[va:vb] if name in PER_VALUE else t[keys * lo:keys * hi] if name == LENGTHS else t[lo:hi]
-            for name, t in tensors.items()}
+    out = {}
+    for name, t in tensors.items():  # a handful of tensors, per piece: plain comparisons are the cheapest here
+        if name == VALUES or name == WEIGHTS:
+            out[name] = t[va:vb]
+        elif name == LENGTHS:
+            out[name] = t[keys * lo:keys * hi]
+        else:
+            out[name] = t[lo:hi]
+    return out
 
 
 def cut(tensors: Mapping[str, T], keys: int, row_bounds: np.ndarray, value_bounds: np.ndarray) -> list[dict[str, T]]:
