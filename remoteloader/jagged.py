@@ -80,8 +80,8 @@ def take_rows(tensors: Mapping[str, T], keys: int, rows: tuple[int, int], values
 def cut(tensors: Mapping[str, T], keys: int, row_bounds: np.ndarray, value_bounds: np.ndarray) -> list[dict[str, T]]:
     """A run cut into its pieces (views): piece ``i`` holds rows ``row_bounds[i:i + 2]`` and
     values ``value_bounds[i:i + 2]``."""
-    return [take_rows(tensors, keys, (row_bounds[i], row_bounds[i + 1]), (value_bounds[i], value_bounds[i + 1]))
-            for i in range(len(row_bounds) - 1)]
+    rows, values = row_bounds.tolist(), value_bounds.tolist()  # Python ints slice faster than numpy's
+    return [take_rows(tensors, keys, (rows[i], rows[i + 1]), (values[i], values[i + 1])) for i in range(len(rows) - 1)]
 
 
 def key_ranges(key: int, rows: int, offset_per_key: Sequence[int]) -> tuple[slice, slice]:

@@ -170,7 +170,7 @@ class TransformedSplit:
     tensors: dict[str, np.ndarray]
     keys: int
     piece_rows: int  # the batch size: every piece but a short last one has this many rows
-    value_starts: np.ndarray  # int64 [pieces + 1]: where each piece's sparse values start
+    value_starts: list[int]  # [pieces + 1]: where each piece's sparse values start (Python ints: read per piece)
 
     @classmethod
     def build(cls, dense: np.ndarray, labels: np.ndarray, sparse: list[SparseColumn],
@@ -183,7 +183,7 @@ class TransformedSplit:
         tensors.update({"pt." + name: column for name, column in passthrough.items()})
         if weights is not None:  # per-row sampling weights (sampling.weight: true)
             tensors["weights"] = weights
-        return cls(tensors, len(sparse), batch_size, value_starts)
+        return cls(tensors, len(sparse), batch_size, value_starts.tolist())
 
     @property
     def rows(self) -> int:
@@ -191,5 +191,5 @@ class TransformedSplit:
 
     def arrays(self, lo: int, hi: int) -> dict[str, np.ndarray]:
         """Rows ``[lo, hi)``, which must start and end on piece boundaries (views)."""
-        values = int(self.value_starts[lo // self.piece_rows]), int(self.value_starts[-(-hi // self.piece_rows)])
+        values = self.value_starts[lo // self.piece_rows], self.value_starts[-(-hi // self.piece_rows)]
         return jagged.take_rows(self.tensors, self.keys, (lo, hi), values)
