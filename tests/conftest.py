@@ -1,4 +1,5 @@
-"""Shared fixtures: small generated tables and real master/worker processes on loopback."""
+"""Shared fixtures: small generated tables, in-process clusters (``inprocess``, the fast
+tier) and real master/worker processes on loopback (``cluster``, marked slow)."""
 from __future__ import annotations
 
 import json
@@ -139,7 +140,8 @@ def wait_gone(pids, timeout: float = 15.0) -> None:
 
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start real processes are ``slow`` (``pytest -m "not slow"`` skips them);
-    every test using the ``cluster`` or ``ray_cluster`` fixture is one, others say so."""
+    every test using the ``cluster`` or ``ray_cluster`` fixture is one, others say so.
+    ``inprocess`` clusters start none: their tests are the fast tier's end to end."""
     for item in items:
         if {"cluster", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
@@ -150,3 +152,20 @@ def cluster():
     c = Cluster()
     yield c
     c.stop()
+
+
+@pytest.fixture
+def inprocess():
+    """Makes in-process clusters (tests/cluster.py: master, workers and loaders on threads
+    of this process); each is stopped at the end."""
+    from .cluster import InProcessCluster  # cluster.py imports the worker fakes, which import this module
+
+    made: list[InProcessCluster] = []
+
+    def make(workers: int = 1, **worker_args) -> InProcessCluster:
+        made.append(InProcessCluster(workers, **worker_args))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.stop()

@@ -38,6 +38,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, code: int, *expected
     return last
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_version(script):
     out = run(script, "--version")
@@ -74,6 +75,7 @@ def test_every_option_has_help_and_a_visible_default(parser):
     (("remoteloader", "gen-data", "--help"), ["(default: 13)", "(default: orc)"]),
     (("remoteloader", "status", "--help"), ["(default: 5.0)"]),
 ])
+@pytest.mark.slow
 def test_help_shows_defaults(args, expected):
     out = run(*args)
     assert out.returncode == 0, out.stderr
@@ -92,10 +94,12 @@ def test_help_shows_defaults(args, expected):
     (("remoteloader", "status", "--master", "localhost:5555"), "--master", "no scheme"),
     (("remoteloader", "status", "--master", "udp://127.0.0.1:5555"), "--master", "only tcp"),
 ])
+@pytest.mark.slow
 def test_bad_address_is_one_line_and_exit_2(args, flag, why):
     assert_one_line_error(run(*args), 2, f"argument {flag}:", why)
 
 
+@pytest.mark.slow
 def test_master_bind_in_use_is_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -105,11 +109,13 @@ def test_master_bind_in_use_is_one_line():
     assert_one_line_error(out, 2, f"--bind tcp://127.0.0.1:{port}", "in use")
 
 
+@pytest.mark.slow
 def test_unreachable_master_status_is_one_line():
     out = run("remoteloader", "status", "--master", "tcp://127.0.0.1:9", "--timeout", "0.5")
     assert_one_line_error(out, 1, "did not answer")
 
 
+@pytest.mark.slow
 def test_bad_spec_is_one_line(tmp_path, tables):
     spec = spec_dict(tables["orc"])
     spec["features"]["dense"].append({"name": "ghost", "column": "no_such_column"})
@@ -153,6 +159,7 @@ def test_loader_with_a_bad_master_address_is_a_value_error(tables):
         RemoteDataLoader(spec_dict(tables["orc"]), master="localhost:5555")
 
 
+@pytest.mark.slow
 def test_master_console_script_serves_metrics(tmp_path):
     proc = subprocess.Popen([str(BIN / "remoteloader-master"), "--bind", "tcp://127.0.0.1:0", "--workers", "0",
                              "--metrics-port", "0", "--metrics-host", "127.0.0.1"],
@@ -186,6 +193,7 @@ def test_ray_actor_forwards_every_argument_but_its_own():
     (("--ray-actor", "m", "--bind", "tcp://127.0.0.1:5555"), "--ray-actor needs --ray-address"),
     (("--ray-actor", "m", "--ray-address", "127.0.0.1:1", "--bind", "tcp://127.0.0.1:0"), "needs a fixed --bind port"),
 ])
+@pytest.mark.slow
 def test_ray_actor_needs_an_address_and_a_fixed_port(args, why):
     out = run("remoteloader-master", *args)
     assert out.returncode == 2 and why in out.stderr

@@ -4,9 +4,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import zmq
 
 from remoteloader.client.credit import CreditWindow
-from remoteloader.client.fetch import Stream
+from remoteloader.client.fetch import Stream, WorkerFetcher
+from remoteloader.client.session import RunId
 from remoteloader.protocol.rpc import BACKOFF_MAX_S, backoff_delay
 from remoteloader.worker.credit import Credit
 
@@ -20,6 +22,77 @@ def test_window_starts_at_inflight_per_worker_and_doubles_when_credit_was_the_li
     assert window.pieces == 24 and window.grown == 2
     window.fit(1)  # a smaller partition never shrinks what was learned
     assert window.pieces == 24
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_window_halves_back_to_its_initial_size_while_the_loop_never_waits():
+    clock = Clock()
+    window = CreditWindow(initial_per_worker=2, max_bytes=1 << 20, period_s=5.0, clock=clock)
+    window.fit(2)
+    for _ in range(3):
+        window.starved()  # a burst: 4 -> 32
+    assert window.pieces == 32
+    sizes = []
+    for _ in range(5):  # then a slow loop: a batch is always queued for it
+        for _ in range(10):
+            clock.now += 0.5
+            window.queued(1)
+        sizes.append(window.pieces)
+    assert sizes == [16, 8, 4, 4, 4] and window.shrunk == 3  # never below inflight x workers
+
+
+def test_window_keeps_its_size_when_the_loop_waited_in_the_period():
+    clock = Clock()
+    window = CreditWindow(initial_per_worker=2, max_bytes=1 << 20, period_s=5.0, clock=clock)
+    window.fit(1)
+    window.starved()
+    window.starved()
+    for queued in (8, 3, 0, 8, 8):  # one wait (nothing queued): the window may be needed
+        clock.now += 1.0
+        window.queued(queued)
+    assert window.pieces == 8 and window.shrunk == 0
+    clock.now += 4.5  # a queue long for less than a whole period is not enough either
+    window.queued(8)
+    assert window.pieces == 8
+    clock.now += 0.5
+    window.queued(8)
+    assert window.pieces == 4 and window.shrunk == 1
+
+
+def test_the_fetcher_samples_the_queue_at_each_top_up_and_grants_less_once_the_window_shrank():
+    clock = Clock()
+    window = CreditWindow(initial_per_worker=2, max_bytes=1 << 20, period_s=5.0, clock=clock)
+    ctx = zmq.Context.instance()
+    worker = ctx.socket(zmq.ROUTER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.bind("tcp://127.0.0.1:*")
+    fetcher = WorkerFetcher(ctx, 0, RunId("s-1", 0, 0, "t"), window, ["s0"])
+    try:
+        fetcher.set_workers([["w-1", worker.getsockopt(zmq.LAST_ENDPOINT).decode()]])
+        window.starved()
+        window.starved()  # a burst: 2 -> 8
+        fetcher.top_up(0)
+        stream = fetcher.streams["w-1"]
+        assert stream.granted == 8
+        stream.arrived(8, 8000, held=4, window=window)  # all of it, and the loop is slow
+        for _ in range(10):  # the period of the first top-up (nothing queued), then one with 7 queued
+            clock.now += 1.0
+            fetcher.top_up(7)  # less than a chunk of the window is free: nothing is granted
+        assert window.pieces == 4 and stream.granted == 8
+        fetcher.top_up(3)
+        assert stream.granted == 9  # the free quarter of 4, not 5 of 8
+    finally:
+        fetcher.close()
+        worker.close(linger=0)
 
 
 def test_window_is_capped_by_prefetch_bytes_at_the_measured_piece_size():

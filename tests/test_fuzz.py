@@ -114,6 +114,7 @@ def full_epoch(service: MasterService, spec: DatasetSpec, epoch: int) -> list[in
     return rows
 
 
+@pytest.mark.slow  # 300 examples, each a journaled master, its replay and a whole epoch: seconds
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(st.lists(master_messages(), min_size=1, max_size=12))

@@ -61,6 +61,7 @@ def check(spec: dict, runs: list, equal: bool = True) -> None:
 
 
 # 3 DataLoader workers on a small CI machine: torch warns about oversubscription, which is the point here.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("num_workers", [0, 2, 3])
 def test_equal_counts_equal_len_with_dataloader_workers(table, num_workers):
@@ -73,6 +74,7 @@ def test_equal_counts_equal_len_with_dataloader_workers(table, num_workers):
         != sorted(np.concatenate([ids for ids, _ in runs[1][0]]).tolist())  # set_epoch reached the workers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [{"even_batches": "drop"}, {"drop_last": True}, {"even_batches": "off"}])
 def test_drop_modes_with_dataloader_workers(table, overrides):
     spec = spec_dict(table, batch_size=BATCH, split_rows=250, shuffle=True, **overrides)

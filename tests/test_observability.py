@@ -28,6 +28,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- start-up warning
 
+@pytest.mark.slow
 def test_a_master_that_starts_no_workers_says_how_to_start_them():
     proc = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_clean_env())
@@ -53,10 +54,12 @@ def _numba_cache_dir(env: dict[str, str]) -> str:
                           check=True, cwd=REPO).stdout.strip()
 
 
+@pytest.mark.slow
 def test_importing_the_package_puts_numba_s_cache_in_the_user_cache(tmp_path):
     assert _numba_cache_dir(_clean_env(XDG_CACHE_HOME=str(tmp_path))) == str(tmp_path / "remoteloader" / "numba")
 
 
+@pytest.mark.slow
 def test_a_user_s_numba_cache_dir_is_kept(tmp_path):
     assert _numba_cache_dir(_clean_env(NUMBA_CACHE_DIR=str(tmp_path / "mine"))) == str(tmp_path / "mine")
 

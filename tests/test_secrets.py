@@ -121,6 +121,7 @@ def _until(what, timeout: float = 60.0):
     raise AssertionError("timed out waiting")
 
 
+@pytest.mark.slow
 def test_a_master_with_a_secret_table_uri_shows_it_nowhere(tables, tmp_path):
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec_dict(secret_uri(tables["orc"]), batch_size=100)))
@@ -155,6 +156,7 @@ def test_a_master_with_a_secret_table_uri_shows_it_nowhere(tables, tmp_path):
     assert MARKER not in (journal / "popularity.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_the_embedded_default_keeps_the_table_uri_off_command_lines(tables, capfd, monkeypatch):
     monkeypatch.delenv("REMOTELOADER_QUIET", raising=False)
     loader = RemoteDataLoader(spec_dict(secret_uri(tables["orc"]), batch_size=500), num_workers=1)
@@ -210,6 +212,7 @@ def test_a_key_file_another_user_owns_is_refused(keys):
 
 
 # -- the metrics endpoint follows the bind rule -------------------------------------------------
+@pytest.mark.slow
 def test_a_non_loopback_metrics_host_needs_insecure():
     refused = subprocess.run([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
                               "--metrics-port", "0", "--metrics-host", "0.0.0.0"],

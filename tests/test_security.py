@@ -85,6 +85,7 @@ def test_a_worker_refuses_a_job_outside_its_allowlist(tables, cluster, tmp_path)
         assert sum(len(b) for b in loader) == ROWS
 
 
+@pytest.mark.slow
 def test_a_master_refuses_a_percent_encoded_traversal_as_it_refuses_a_missing_table(tmp_path):
     """The red team read 1,000 of 1,000 rows of a mode-0600 table through
     ``file://ALLOWED/%2e%2e/secret/t``, and told existing from missing paths apart."""

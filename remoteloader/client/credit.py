@@ -10,14 +10,28 @@ window doubles. A wait with credit still out at every worker that holds data is 
 (the pieces are on their way), and a wait on workers that hold nothing is theirs:
 more credit would not help, more workers would, which is the autoscaler's business.
 
+The window halves again when, for a whole period (``period_s``), the training loop
+never emptied its queue: at every top-up of credit another batch waited beyond the one
+it was taking, so the window held more than the loop needed (after a burst, or while the loop is slow or idle), and
+keeping it would keep a burst's worth of data waiting in memory. If half is too little,
+the next wait on credit doubles it back, so the window stays within a factor of two of
+what the loop needs. It never shrinks below ``initial`` per worker of the partition.
+
 The window never holds more than ``max_bytes`` of batches at the measured mean piece
 size, so memory stays bounded whatever the batch size.
 """
 from __future__ import annotations
 
+import math
+import time
+from typing import Callable
+
+SHRINK_PERIOD_S = 5.0
+
 
 class CreditWindow:
-    def __init__(self, initial_per_worker: int, max_bytes: int) -> None:
+    def __init__(self, initial_per_worker: int, max_bytes: int, period_s: float = SHRINK_PERIOD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if initial_per_worker < 1:
             raise ValueError(f"inflight must be >= 1, got {initial_per_worker}")
         if max_bytes < 1:
@@ -27,11 +41,17 @@ class CreditWindow:
         self.pieces = initial_per_worker  # the window in pieces
         self.piece_bytes = 0.0  # running mean size of a piece
         self.grown = 0  # times the window doubled (what the benchmarks report)
+        self.shrunk = 0  # times it halved
+        self.period_s, self.clock = period_s, clock
+        self._floor = initial_per_worker
         self._arrived = 0
+        self._period_start = clock()
+        self._least_queued: float = math.inf  # the shortest queue sampled in this period
 
     def fit(self, workers: int) -> None:
         """At least ``initial`` per worker of the partition (it may have grown past that)."""
-        self.pieces = min(self.cap, max(self.pieces, self.initial_per_worker * max(1, workers)))
+        self._floor = self.initial_per_worker * max(1, workers)
+        self.pieces = min(self.cap, max(self.pieces, self._floor))
 
     def arrived(self, pieces: int, nbytes: int) -> None:
         """``pieces`` arrived in one message of ``nbytes``."""
@@ -44,6 +64,18 @@ class CreditWindow:
         if self.pieces < self.cap:
             self.pieces = min(self.cap, 2 * self.pieces)
             self.grown += 1
+
+    def queued(self, batches: int) -> None:
+        """``batches`` wait for the training loop now (sampled at each top-up of credit; 0 when
+        it waits or takes the last one); after a period without a 0, the window halves."""
+        now = self.clock()
+        self._least_queued = min(self._least_queued, batches)
+        if now - self._period_start < self.period_s:
+            return
+        if self._least_queued > 0 and self.pieces > self._floor:
+            self.pieces = max(self._floor, self.pieces // 2)
+            self.shrunk += 1
+        self._period_start, self._least_queued = now, batches
 
     @property
     def cap(self) -> int:

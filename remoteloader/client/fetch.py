@@ -90,6 +90,7 @@ class WorkerFetcher:
         """Grant each worker credit up to its even share of the window, less what the loop
         has queued; in chunks, not piece by piece. Shares are independent: credit held by a
         worker with nothing left to send must not starve the others."""
+        self.window.queued(queued)  # a queue that never empties shrinks the window
         if not self.sockets:
             return
         n = len(self.sockets)

@@ -76,7 +76,8 @@ class RemoteDataLoader:
             ``RANK``/``WORLD_SIZE`` environment variables, then 0/1.
         pin_memory: return batches in pinned memory (ignored with a warning without an accelerator).
         inflight: pieces of credit per worker to start with; the client grows its credit
-            window while the training loop waits on batches a worker holds but may not send.
+            window while the training loop waits on batches a worker holds but may not send,
+            and shrinks it back (never below this) while its queue of batches never empties.
         prefetch_bytes: the most the credit window may hold (batches in flight and queued).
         timeout: seconds without any progress (no batch, no master answer) before an error.
         connect_timeout: seconds to wait for the master's first answer.
