@@ -96,8 +96,12 @@ class Peers:
 
 def protocol_version(src: Path) -> int:
     """The protocol version the master under ``src`` speaks (the baseline may be older)."""
-    text = (src / "remoteloader" / "protocol" / "wire.py").read_text()
-    return int(re.search(r"^PROTOCOL_VERSION = (\d+)", text, re.M).group(1))
+    for name in ("messages.py", "wire.py"):  # protocol 9 moved it into messages.py
+        path = src / "remoteloader" / "protocol" / name
+        match = path.exists() and re.search(r"^PROTOCOL_VERSION = (\d+)", path.read_text(), re.M)
+        if match:
+            return int(match.group(1))
+    raise ValueError(f"no PROTOCOL_VERSION under {src}")
 
 
 class Load:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import msgpack
+import msgspec
 import numpy as np
 import psutil
 import zmq
@@ -43,6 +44,7 @@ import zmq
 from remoteloader import RemoteDataLoader
 from remoteloader.core.redact import ENV_ALLOW_TABLE
 from remoteloader.protocol import auth, wire
+from remoteloader.protocol import messages as M
 from remoteloader.protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from remoteloader.spec import DatasetSpec, SpecError
 from remoteloader.tools.datagen import generate_table
@@ -94,7 +96,7 @@ class Target:
 
     def status(self, timeout_s: float = 1.0) -> Optional[dict]:
         try:
-            return self.rpc.call("status", timeout_s=timeout_s)["status"]
+            return self.rpc.call(M.Status(), timeout_s=timeout_s).status
         except (MasterUnavailable, RemoteError):
             return None
 
@@ -117,7 +119,7 @@ class Target:
             send(sock, parts)
             if not sock.poll(int(wait_s * 1000)):
                 return None
-            return wire.decode(sock.recv_multipart())[0]
+            return header_of(sock.recv_multipart())
         finally:
             sock.close()
 
@@ -143,6 +145,11 @@ def send(sock: zmq.Socket, parts: list) -> bool:
 
 def msg(t: str, **fields) -> list:
     return [msgpack.packb({"v": V, "t": t, **fields}, use_bin_type=True)]
+
+
+def header_of(parts: list) -> dict:
+    """A reply's header as the map it travels as."""
+    return msgspec.to_builtins(wire.decode(parts)[0])
 
 
 def is_error(reply: Optional[dict], *codes: str) -> bool:
@@ -243,7 +250,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         for creds in (None, t.rogue):
             sock = t.socket(worker_addr, creds)
             for _ in range(40):
-                send(sock, msg("credit", session="s-0", token="", seq=0, batches=1, bytes=1 << 30))
+                send(sock, msg("credit", session="s-0", token="", seq=0, pieces=1, bytes=1 << 30))
             while sock.poll(500):
                 sock.recv_multipart()
                 rows += 1
@@ -277,7 +284,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         for i in range(150):
             send(sock, msg("register", addr=f"tcp://127.0.0.1:{20000 + i}", pid=1, fingerprint="x"))
             if sock.poll(2000):
-                codes.append(wire.decode(sock.recv_multipart())[0].get("code"))
+                codes.append(header_of(sock.recv_multipart()).get("code"))
         sock.close()
         time.sleep(6.0)  # the fakes never heartbeat: past --heartbeat-timeout they are gone again
         return Outcome("flood" in codes)
@@ -286,7 +293,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         sock = t.socket(worker_addr, t.keys)
         sock.setsockopt(zmq.RCVHWM, 10)
         for _ in range(5000):
-            send(sock, msg("credit", session="s-5", token="", seq=0, batches=1, bytes=1 << 30))
+            send(sock, msg("credit", session="s-5", token="", seq=0, pieces=1, bytes=1 << 30))
         time.sleep(1.0)
         sock.close()
         return Outcome(True)
@@ -350,11 +357,11 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
             rows = 0
             for sock in socks:
                 for seq in range(3):
-                    send(sock, msg("credit", session=victim.session.id, token=token, seq=seq, batches=1 << 20,
+                    send(sock, msg("credit", session=victim.session.id, token=token, seq=seq, pieces=1 << 20,
                                    bytes=1 << 40))
             for sock in socks:
                 while sock.poll(300):
-                    header = wire.decode(sock.recv_multipart())[0]
+                    header = header_of(sock.recv_multipart())
                     rows += sum(header["rows"]) if header["t"] == "batch" else 0
             return rows
 
@@ -382,7 +389,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
     def made_up_sessions() -> Outcome:  # finding 3: credit for made-up ranks filled the table
         sock = t.socket(t.status()["workers"][0]["addr"], t.keys)
         for i in range(20_000):
-            send(sock, msg("credit", session=f"s-{i:012x}", token="", seq=0, batches=1, bytes=1))
+            send(sock, msg("credit", session=f"s-{i:012x}", token="", seq=0, pieces=1, bytes=1))
         time.sleep(1.0)
         sock.close()
         return Outcome(True)
@@ -399,7 +406,7 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         "outsider: status / get_spec / register at the master": outsider_master,
         "outsider: credit x40 and drain at a worker": outsider_worker,
         "insider: credit for run 2**62": lambda: Outcome(
-            t.ask(worker_addr, msg("credit", session="s-0", token="", seq=2**62, batches=1, bytes=1 << 30), t.keys,
+            t.ask(worker_addr, msg("credit", session="s-0", token="", seq=2**62, pieces=1, bytes=1 << 30), t.keys,
                   0.5) is None),
         "insider: heartbeat stats cpu='x'": bad_stats({"cpu": "x"}),
         "insider: heartbeat stats rows='x'": bad_stats({"rows": "x"}),
@@ -419,7 +426,8 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
 def random_messages(rng: np.random.Generator, n: int) -> list[list]:
     """Generated messages: every documented type with random or hostile fields, random
     bytes, truncated msgpack, extra frames."""
-    kinds = sorted(wire.SCHEMAS)
+    fields = {M.tag(c): [f for f in c.__struct_fields__ if f != "v"] for c in M.MESSAGE_TYPES}
+    kinds = sorted(fields)
     pool: list = [0, 1, -1, 2**62, -(2**63), 3.5, float("nan"), "", "w-x", "x" * 5000, None, True, [], {},
                   [[0, 1]], [[0, 1, 2]], {"cpu": "x"}, {"split": [0]}, b"\x00"]
     out = []
@@ -430,7 +438,7 @@ def random_messages(rng: np.random.Generator, n: int) -> list[list]:
             continue
         t = kinds[int(rng.integers(len(kinds)))]
         header = {"v": V, "t": t}
-        for name in wire.SCHEMAS[t]:
+        for name in fields[t]:
             if rng.random() < 0.8:
                 header[name] = pool[int(rng.integers(len(pool)))]
         raw = msgpack.packb(header, use_bin_type=True)

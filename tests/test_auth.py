@@ -12,9 +12,11 @@ import pytest
 import zmq
 
 from remoteloader import RemoteDataLoader
-from remoteloader.protocol import auth, wire
+from remoteloader.protocol import auth
 from remoteloader.protocol.rpc import RpcClient
 from tests.conftest import BIN, ROWS, spec_dict
+from tests.wire_helpers import encode
+from remoteloader.protocol import messages as M
 
 SILENCE_S = 2.0  # how long an unauthenticated peer waits for a reply that must never come
 
@@ -101,12 +103,12 @@ def test_curve_router_answers_only_the_cluster_key(keys, tmp_path):
         while not stop:
             if router.poll(50):
                 identity, *body = router.recv_multipart()
-                router.send_multipart([identity, *wire.encode("ok")])
+                router.send_multipart([identity, *encode("ok")])
 
     t = threading.Thread(target=echo, daemon=True)
     t.start()
     try:
-        status = wire.encode("status")
+        status = encode("status")
         assert _replies(addr, status, creds, timeout_s=10)  # the cluster key: answered
         assert not _replies(addr, status)  # plain ZeroMQ: the handshake fails, nothing arrives
         # A CURVE client with its own key pair that knows the server's public key: the
@@ -140,7 +142,7 @@ def test_authenticated_cluster_serves_only_key_holders(tables, cluster, keys, tm
 
         rpc = RpcClient(zmq.Context.instance(), master.addr, 10, auth=creds)
         deadline = time.monotonic() + 60  # the epoch may end before the second worker has registered
-        while len(workers := rpc.call("status")["status"]["workers"]) < 2 and time.monotonic() < deadline:
+        while len(workers := rpc.call(M.Status()).status["workers"]) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         rpc.close()
         assert len(workers) == 2
@@ -149,9 +151,9 @@ def test_authenticated_cluster_serves_only_key_holders(tables, cluster, keys, tm
         other = auth.load(auth.keygen(tmp_path / "other"))
         for creds_tried in (None, other):
             for t in ("status", "get_spec"):
-                assert not _replies(master.addr, wire.encode(t), creds_tried, server_public=creds.public_key)
+                assert not _replies(master.addr, encode(t), creds_tried, server_public=creds.public_key)
             for w in workers:
-                assert not _replies(w["addr"], wire.encode("credit", session="s-0", token="", seq=1, batches=1, bytes=1 << 20), creds_tried,
+                assert not _replies(w["addr"], encode("credit", session="s-0", token="", seq=1, pieces=1, bytes=1 << 20), creds_tried,
                                     server_public=creds.public_key)
         # ... while a key holder still gets batches of the next epoch from the same processes.
         seen = _one_epoch(loader)
@@ -181,7 +183,7 @@ def test_standalone_worker_with_auth_flag(tables, cluster, keys):
         seen = _one_epoch(loader)
         assert len(seen) == ROWS and set(seen.values()) == {1}
         rpc = RpcClient(zmq.Context.instance(), master.addr, 10, auth=auth.load(keys))
-        assert len(rpc.call("status")["status"]["workers"]) == 1
+        assert len(rpc.call(M.Status()).status["workers"]) == 1
         rpc.close()
 
 
@@ -191,7 +193,7 @@ def test_embedded_default_is_authenticated(tables):
     try:
         key_dir = loader._cluster.auth_dir
         assert _mode(key_dir) == 0o700 and auth.load(key_dir)
-        assert not _replies(loader.master, wire.encode("status"))  # the embedded master wants the key too
+        assert not _replies(loader.master, encode("status"))  # the embedded master wants the key too
         seen = _one_epoch(loader)
         assert len(seen) == ROWS and set(seen.values()) == {1}
     finally:

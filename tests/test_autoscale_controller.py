@@ -15,6 +15,7 @@ import pytest
 from remoteloader.master.autoscale import (AutoscaleConfig, AutoscalePolicy, Autoscaler, CpuTargetConfig,
                                            CpuTargetPolicy, Decision, Snapshot)
 from remoteloader.master.service import MasterConfig, MasterService
+from tests.wire_helpers import ask
 
 
 class FakeLauncher:
@@ -50,16 +51,16 @@ class Fleet:
     def __init__(self, service: MasterService, rates: list[float]) -> None:
         self.service, self.rates = service, rates
         fingerprint = ""  # no job: workers of any job may register
-        self.ids = [service.handle({"t": "register", "addr": f"tcp://127.0.0.1:{7000 + i}", "pid": 100 + i,
+        self.ids = [ask(service, {"t": "register", "addr": f"tcp://127.0.0.1:{7000 + i}", "pid": 100 + i,
                                     "fingerprint": fingerprint})[1]["worker_id"] for i in range(len(rates))]
         self.rows = [0.0] * len(rates)
 
     def heartbeat(self, wobble: float = 0.0) -> None:
         for i, wid in enumerate(self.ids):
             self.rows[i] += self.rates[i] * (1 + wobble)
-            t, _ = self.service.handle({"t": "heartbeat", "worker_id": wid, "token": self.service.keys.worker_token(wid),
+            t, _ = ask(self.service, {"t": "heartbeat", "worker_id": wid, "token": self.service.keys.worker_token(wid),
                                         "buffered": 0,
-                                        "stats": {"rows": self.rows[i], "capacity": 8, "cpu": 0.5}})
+                                        "stats": {"rows": round(self.rows[i]), "capacity": 8, "cpu": 0.5}})  # a count
             assert t == "heartbeat_ok"
 
 
@@ -150,7 +151,7 @@ def test_a_corrupt_or_unsupported_state_file_is_ignored(tmp_path: Path, content:
 
 def test_recent_decisions_are_the_policys_and_status_shows_them(tmp_path: Path) -> None:
     clock, service, scaler, fleet = make(tmp_path, state_path=None)
-    assert service.handle({"t": "status"})[1]["status"]["autoscaler"] == []    # no autoscaler attached
+    assert ask(service, {"t": "status"})[1]["status"]["autoscaler"] == []    # no autoscaler attached
     service.decision_log = scaler.recent_decisions                            # as the master's main does
     run(clock, scaler, fleet, 30)
     policy = scaler.policy
@@ -158,7 +159,7 @@ def test_recent_decisions_are_the_policys_and_status_shows_them(tmp_path: Path) 
     last = policy.decisions[-1]
     assert scaler.recent_decisions()[-1] == {"time": last.time, "action": last.action, "count": last.count,
                                              "workers": last.workers, "reason": last.reason, "remove": []}
-    t, reply = service.handle({"t": "status"})
+    t, reply = ask(service, {"t": "status"})
     assert t == "status_reply" and reply["status"]["autoscaler"] == scaler.recent_decisions()
     json.dumps(reply["status"]["autoscaler"])       # plain data for the wire
 
@@ -170,7 +171,7 @@ def test_recent_decisions_are_the_policys_and_status_shows_them(tmp_path: Path) 
     assert [d["time"] for d in recent][:2] == [12.0, 14.0], "the first of a repeated reason is kept"
     assert recent[-1]["remove"] == ["w-a"]
     assert [d["reason"] for d in scaler.recent_decisions(3)] == ["reason 13", "reason 14", "fewer will do"]
-    assert service.handle({"t": "status"})[1]["status"]["autoscaler"] == recent
+    assert ask(service, {"t": "status"})[1]["status"]["autoscaler"] == recent
 
 
 # ----------------------------------------------------------------------------- acting

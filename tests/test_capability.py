@@ -19,11 +19,13 @@ from remoteloader import RemoteDataLoader
 from remoteloader.client.credit import CreditWindow
 from remoteloader.client.fetch import WorkerFetcher
 from remoteloader.client.session import RunId
-from remoteloader.protocol import auth, wire
+from remoteloader.protocol import auth
 from remoteloader.protocol.capability import SEED_FILE, MasterKeys, SessionTokens
 from remoteloader.protocol.rpc import RemoteError, RpcClient
 from remoteloader.spec import DatasetSpec
 from remoteloader.worker.runs import MAX_SESSIONS
+from tests.wire_helpers import decode, encode
+from remoteloader.protocol import messages as M
 
 from .conftest import ROWS, master_status, spec_dict
 from .test_master_service import Clock, call, make_service, register, spec  # noqa: F401 (spec: a fixture)
@@ -157,15 +159,15 @@ class Thief:
         for sock in self.socks:
             for seq in (0, 1, 2):  # the victim's run, and later ones that would retire it
                 for token in self.tokens:
-                    sock.send_multipart(wire.encode("credit", session=self.session, token=token, seq=seq,
-                                                    batches=1 << 20, bytes=1 << 40))
+                    sock.send_multipart(encode("credit", session=self.session, token=token, seq=seq,
+                                               pieces=1 << 20, bytes=1 << 40))
 
     def _run(self) -> None:
         while not self.stop.is_set():
             self.credit_once()
             for sock in self.socks:
                 while sock.poll(0):
-                    header, _ = wire.decode(sock.recv_multipart())
+                    header, _ = decode(sock.recv_multipart())
                     self.rows += sum(header.get("rows", []))
             self.stop.wait(0.05)
 
@@ -187,7 +189,7 @@ def test_a_key_holder_without_the_token_takes_no_row_of_another_rank(tables, clu
     parsed = DatasetSpec.from_dict(spec)
     rpc = RpcClient(zmq.Context.instance(), master.addr, 10, auth=creds)
     try:
-        own = rpc.call("hello", rank=0, world_size=1, spec=parsed.to_dict(), fingerprint=parsed.fingerprint())
+        own = rpc.call(M.Hello(rank=0, world_size=1, spec=parsed.to_dict(), fingerprint=parsed.fingerprint()))
     finally:
         rpc.close()
     with RemoteDataLoader(spec, master=master.addr, auth=keys, timeout=60) as victim:
@@ -196,7 +198,7 @@ def test_a_key_holder_without_the_token_takes_no_row_of_another_rank(tables, clu
         while len((status := master_status(master.addr, auth=keys))["workers"]) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         (session,) = [c["id"] for c in status["clients"]]  # what status shows every member
-        thief = Thief(creds, status["workers"], session, ["", "00" * 64, own["token"]])
+        thief = Thief(creds, status["workers"], session, ["", "00" * 64, own.token])
         thief.credit_once()  # before the victim starts its epoch
         thief.thread.start()  # and all through it
         try:
@@ -224,7 +226,7 @@ def test_only_the_worker_drains_itself_and_a_fixed_pool_refills_after_exits_with
     try:
         for w in workers:  # a member that read the ids in status
             with pytest.raises(RemoteError, match="unknown worker"):
-                rpc.call("drain", worker_id=w["id"], token="")
+                rpc.call(M.Drain(worker_id=w["id"], token=""))
     finally:
         rpc.close()
     assert not any(w["draining"] for w in master_status(master.addr, auth=keys)["workers"])

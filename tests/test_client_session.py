@@ -10,11 +10,13 @@ import pytest
 import zmq
 
 from remoteloader.client.session import ClientSession, RunStart
-from remoteloader.protocol import wire
 from remoteloader.protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from remoteloader.spec import load_spec
+from tests.wire_helpers import decode, encode
+from remoteloader.protocol import messages as M
 
-JOB = {"fingerprint": "f", "plan": "p", "rank_rows": 10, "sparse_keys": []}
+JOB = {"fingerprint": "f", "plan": "p", "total_rows": 10, "rank_rows": 10, "dropped_rows": 0, "world_size": 1,
+       "sparse_keys": [], "sparse_scored": [], "dense_width": 0}
 
 
 class FakeMaster:
@@ -37,12 +39,12 @@ class FakeMaster:
             if not self.sock.poll(50):
                 continue
             ident, *parts = self.sock.recv_multipart()
-            header, _ = wire.decode(parts)
+            header, _ = decode(parts)
             self.requests.append(header)
             reply = self.answer(header)
             if reply is not None:
                 t, fields = reply
-                self.sock.send_multipart([ident, *wire.encode(t, **fields)])
+                self.sock.send_multipart([ident, *encode(t, **fields)])
 
     def types(self) -> list[str]:
         return [r["t"] for r in self.requests]
@@ -104,7 +106,7 @@ def test_start_epoch_rejoins_when_the_master_forgot_the_client(master):
     first = session.id
     master.logic.forget()  # restarted without a journal between two epochs (defect 7)
     reply = session.start_epoch(RunStart(1, [], []))
-    assert reply["epoch"] == 1 and session.id != first and session.run.session == session.id
+    assert reply.epoch == 1 and session.id != first and session.run.session == session.id
     assert master.types() == ["hello", "start_epoch", "client_heartbeat", "finish_epoch", "start_epoch", "hello",
                               "start_epoch"]
     assert len(welcomed) == 2  # the plan is checked again on the new welcome
@@ -190,7 +192,7 @@ def test_the_retry_policy_gives_up_at_the_deadline_in_one_line():
     try:
         rpc = RpcClient(ctx, f"tcp://127.0.0.1:{port}", 0.1)
         with pytest.raises(MasterUnavailable, match="gave up after") as err:
-            rpc.call_with_retry("status", time.monotonic() + 0.5)
+            rpc.call_with_retry(M.Status(), time.monotonic() + 0.5)
         assert "\n" not in str(err.value)
         rpc.close()
     finally:

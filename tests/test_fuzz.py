@@ -3,6 +3,8 @@ the master's journal invalid, and afterwards both still serve a full, exact epoc
 from __future__ import annotations
 
 import msgpack
+import msgspec
+import msgspec.inspect as mi
 import numpy as np
 import pytest
 import zmq
@@ -13,10 +15,12 @@ from remoteloader.core.plan import SplitTask
 from remoteloader.core.processor import SplitProcessor
 from remoteloader.master.journal import Journal
 from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.protocol import messages as M
 from remoteloader.protocol import wire
 from remoteloader.spec import DatasetSpec
 from remoteloader import RemoteDataLoader
 from tests.conftest import ROWS, master_status, spec_dict
+from tests.wire_helpers import ask
 
 # Values a peer might send: the right types with hostile values, and the wrong types.
 # Weighted towards values that reach past the first checks (epoch 0, split 1, a known client).
@@ -27,6 +31,24 @@ texts = st.one_of(st.sampled_from(["$C", "$W"]), st.sampled_from(["w-x", "tcp://
 leaves = st.one_of(ints, texts, st.floats(allow_nan=True), st.booleans(), st.none())
 values = st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                       st.dictionaries(texts, inner, max_size=4)), max_leaves=12)
+
+
+_TYPES = {mi.IntType: (int,), mi.StrType: (str,), mi.EnumType: (str,), mi.ListType: (list,), mi.DictType: (dict,),
+          mi.StructType: (dict,)}
+_BY_TAG = {M.tag(c): c for c in M.MESSAGE_TYPES}
+
+
+def schema(t: str) -> dict[str, tuple[tuple, bool]]:
+    """Each field of message type ``t``: the python types a map field of it takes, and
+    whether it is required (``v`` is the envelope's, drawn separately)."""
+    out = {}
+    for f in mi.type_info(_BY_TAG[t]).fields:
+        kind = f.type
+        if isinstance(kind, mi.UnionType):  # an optional record
+            kind = next(k for k in kind.types if not isinstance(k, mi.NoneType))
+        if f.name != "v":
+            out[f.name] = (_TYPES.get(type(kind), (object,)), f.required)
+    return out
 
 
 def near_value(types: tuple) -> st.SearchStrategy:
@@ -54,7 +76,7 @@ def hostile_value(types: tuple) -> st.SearchStrategy:
 def master_messages(draw) -> tuple:
     t = draw(st.sampled_from(sorted(wire.MASTER_REQUESTS)))
     value = near_value if draw(st.booleans()) else hostile_value
-    fields = {name: draw(value(types)) for name, (types, required) in wire.SCHEMAS[t].items()
+    fields = {name: draw(value(types)) for name, (types, required) in schema(t).items()
               if required or draw(st.booleans())}
     if draw(st.integers(0, 9)) == 0:
         fields[draw(texts)] = draw(values)  # an unknown field
@@ -84,32 +106,32 @@ def serve(service: MasterService, parts: list) -> None:
         header, _ = wire.decode(parts)
     except wire.ProtocolError:
         return
-    t, fields = service.handle(header)  # must not raise: handlers refuse with an error reply
-    wire.encode(t, **fields)            # and the reply must itself follow the protocol
+    reply = service.handle(header)  # must not raise: handlers refuse with an error reply
+    wire.decode(wire.encode(reply))  # and the reply must itself follow the protocol
 
 
 def full_epoch(service: MasterService, spec: DatasetSpec, epoch: int) -> list[int]:
     """A worker and a client, in process: every row of the epoch, through the real processor."""
-    w = service.handle({"t": "register", "addr": "tcp://127.0.0.1:9", "pid": 1,
-                        "fingerprint": spec.fingerprint()})[1]["worker_id"]
-    t, reply = service.handle({"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
+    w = ask(service, {"t": "register", "addr": "tcp://127.0.0.1:9", "pid": 1,
+                      "fingerprint": spec.fingerprint()})[1]["worker_id"]
+    t, reply = ask(service, {"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
                                "fingerprint": spec.fingerprint()})
     assert t == "welcome", reply
     session = reply["session"]
-    t, reply = service.handle({"t": "start_epoch", "session": session, "epoch": epoch})
+    t, reply = ask(service, {"t": "start_epoch", "session": session, "epoch": epoch})
     assert t == "epoch"
     seq = reply["seq"]
     processor, rows = SplitProcessor(service.bound), []
     token = service.keys.worker_token(w)
-    while (reply := service.handle({"t": "get_split", "worker_id": w, "token": token}))[0] == "split":
-        task = SplitTask.from_wire(reply[1]["split"])
+    while (reply := ask(service, {"t": "get_split", "worker_id": w, "token": token}))[0] == "split":
+        task = SplitTask.from_wire(msgspec.convert(reply[1]["split"], M.SplitTaskRecord))
         if task.epoch != epoch:  # the worker reads ahead into the next epoch: this one is all out
             break
         pieces = list(processor.pieces(task))
         rows += [int(r) for p in pieces for r in p.arrays["pt.row_id"]]
-        service.handle({"t": "split_produced", "worker_id": w, "token": token, "epoch": epoch,
+        ask(service, {"t": "split_produced", "worker_id": w, "token": token, "epoch": epoch,
                         "split_id": task.split_id})
-        service.handle({"t": "client_heartbeat", "session": session, "seq": seq,
+        ask(service, {"t": "client_heartbeat", "session": session, "seq": seq,
                         "acks": [[task.split_id, len(pieces)]]})
     return rows
 
@@ -122,11 +144,11 @@ def test_generated_messages_neither_crash_nor_poison_the_master(spec, tmp_path_f
     directory = tmp_path_factory.mktemp("journal")
     service = MasterService(MasterConfig(allowed_tables=(str(spec.table.path),)), Journal(directory))
     service.submit(spec)
-    worker_id = service.handle({"t": "register", "addr": "tcp://127.0.0.1:8", "pid": 2,
-                                "fingerprint": spec.fingerprint()})[1]["worker_id"]
-    session = service.handle({"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
-                              "fingerprint": spec.fingerprint()})[1]["session"]
-    service.handle({"t": "start_epoch", "session": session, "epoch": 0})
+    worker_id = ask(service, {"t": "register", "addr": "tcp://127.0.0.1:8", "pid": 2,
+                              "fingerprint": spec.fingerprint()})[1]["worker_id"]
+    session = ask(service, {"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
+                            "fingerprint": spec.fingerprint()})[1]["session"]
+    ask(service, {"t": "start_epoch", "session": session, "epoch": 0})
     for message in messages:
         serve(service, packed(message, worker_id, session))
         service.tick()
@@ -158,10 +180,10 @@ def worker_messages(draw, session: str) -> list:
     if kind == "bytes":
         return [draw(st.binary(max_size=200))]
     if kind == "oversize":
-        return [msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "session": "s-0", "seq": 0, "batches": 1,
+        return [msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "session": "s-0", "seq": 0, "pieces": 1,
                                "bytes": 1}), b"x" * (70 << 10)]
-    t = "credit" if kind in ("credit", "frames") else draw(st.sampled_from(sorted(wire.SCHEMAS)))
-    fields = {name: draw(hostile_value(types)) for name, (types, required) in wire.SCHEMAS[t].items()
+    t = "credit" if kind in ("credit", "frames") else draw(st.sampled_from(sorted(_BY_TAG)))
+    fields = {name: draw(hostile_value(types)) for name, (types, required) in schema(t).items()
               if required or draw(st.booleans())}
     message = packed(({"v": wire.PROTOCOL_VERSION, "t": t, **fields},
                       draw(st.one_of(st.none(), st.floats(0, 1))) if draw(st.integers(0, 5)) == 0 else None, []), "",

@@ -18,6 +18,7 @@ from remoteloader.master import __main__ as master_main
 from remoteloader.master.launcher import LauncherThread
 from remoteloader.master.server import MasterServer
 from remoteloader.protocol.rpc import MasterUnavailable, RpcClient
+from remoteloader.protocol import messages as M
 
 WAIT_S = 30.0  # generous bound on waits that normally end at once
 
@@ -104,7 +105,7 @@ def test_the_master_answers_while_its_launcher_blocks(master, args):
         rpc = RpcClient(zmq.Context.instance(), server.addr, timeout_s=WAIT_S)
         try:
             seen["launcher_blocked"] = fake.entered.wait(WAIT_S)
-            seen["reply"] = rpc.call("status")["t"]
+            seen["reply"] = M.tag(rpc.call(M.Status()))
             seen["answered_while_blocked"] = not fake.release.is_set()
         except MasterUnavailable as e:  # today's tree: the loop (or main before it) waits in start()
             seen["reply"] = e

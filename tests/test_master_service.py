@@ -13,6 +13,7 @@ from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol.wire import PROTOCOL_VERSION, ProtocolError, decode
 from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
+from tests.wire_helpers import ask
 
 
 class Clock:
@@ -38,7 +39,7 @@ def make_service(spec: DatasetSpec, clock: Clock, journal: Journal | None = None
 def call(service: MasterService, t: str, **fields) -> tuple[str, dict]:
     if "worker_id" in fields and "token" not in fields:  # sent as that worker, holding its registered.token
         fields["token"] = service.keys.worker_token(fields["worker_id"])
-    return service.handle({"v": PROTOCOL_VERSION, "t": t, **fields})
+    return ask(service, {"v": PROTOCOL_VERSION, "t": t, **fields})
 
 
 def register(service: MasterService, n: int = 1) -> list[str]:
@@ -289,14 +290,14 @@ def encoded(t: str, **fields) -> list:
 
 
 @pytest.mark.parametrize("parts,match", [
-    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"cpu": "x"}), "stats 'cpu'"),
-    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"rows": "x"}), "stats 'rows'"),
-    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"split": [0, 1]}), "stats 'split'"),
-    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"cpu": float("nan")}), "stats 'cpu'"),
-    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"evil": 1}), "unknown stats key"),
-    (encoded("start_epoch", session="c", epoch=-1), "must be >= 0"),
-    (encoded("register", addr="tcp://" + "a" * 10_000, pid=1), "characters long"),
-    (encoded("client_heartbeat", session="c", seq=0, acks=[], stats={"wait_s": -1.0}), "stats 'wait_s'"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"cpu": "x"}), r"at `\$\.stats\.cpu`"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"rows": "x"}), r"at `\$\.stats\.rows`"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"split": [0, 1]}), r"at `\$\.stats\.split`"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"cpu": float("nan")}), r"at `\$\.stats\.cpu`"),
+    (encoded("heartbeat", worker_id="w", token="t", buffered=0, stats={"evil": 1}), "unknown field `evil`"),
+    (encoded("start_epoch", session="c", epoch=-1), r">= 0 - at `\$\.epoch`"),
+    (encoded("register", addr="tcp://" + "a" * 10_000, pid=1), r"length <= 4096 - at `\$\.addr`"),
+    (encoded("client_heartbeat", session="c", seq=0, acks=[], stats={"wait_s": -1.0}), r"at `\$\.stats\.wait_s`"),
 ])
 def test_malformed_fields_are_refused_at_the_edge(parts, match):
     with pytest.raises(ProtocolError, match=match):
@@ -315,7 +316,8 @@ def test_requests_out_of_bounds_are_refused_before_the_journal(spec, tmp_path):
     call(service, "start_epoch", session=session(service, "c0"), epoch=0)
     assert call(service, "finish_epoch", session=session(service, "c0"), seq=5)[1]["code"] == "bad_epoch"
     register(service, 2)
-    assert call(service, "register", addr="tcp://127.0.0.1:9", pid=1)[1]["code"] == "full"
+    assert call(service, "register", addr="tcp://127.0.0.1:9", pid=1,
+                fingerprint=spec.fingerprint())[1]["code"] == "full"
     assert call(service, "register", addr="ipc:///x", pid=1)[0] == "error"
     grown = journal.path.stat().st_size - size
     before = grown

@@ -1,6 +1,7 @@
 """Rates and totals from heartbeat counters, and the Prometheus endpoint (prometheus_client)."""
 from __future__ import annotations
 
+import functools
 import threading
 import urllib.error
 import urllib.request
@@ -14,6 +15,7 @@ from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol.wire import MASTER_REQUESTS
 from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
+from tests.wire_helpers import ask
 
 # Every label a remoteloader metric may carry: none of them takes a random id or an epoch.
 STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "version", "le", "reason"}
@@ -176,7 +178,7 @@ def service(tables):
 def _report(service: MasterService) -> list[str]:
     """Two workers and a client report through the service, as over the socket."""
     now, spec = service.now, service.spec
-    call = service.handle
+    call = functools.partial(ask, service)
     ids = [call({"t": "register", "addr": f"tcp://127.0.0.1:{7000 + i}", "pid": 10 + i,
                  "fingerprint": spec.fingerprint()})[1]["worker_id"] for i in range(2)]
     for step in range(1, 4):
@@ -199,7 +201,7 @@ def _report(service: MasterService) -> list[str]:
 
 
 def _leave(service: MasterService, worker_id: str) -> None:
-    service.handle({"t": "bye", "worker_id": worker_id, "token": service.keys.worker_token(worker_id)})
+    ask(service, {"t": "bye", "worker_id": worker_id, "token": service.keys.worker_token(worker_id)})
     service.tick()  # forgets the worker that left
 
 
@@ -297,6 +299,7 @@ def test_endpoint_answers_only_metrics_and_names_no_table(service):
 def test_client_wait_histogram_from_what_the_loader_reports(service):
     from remoteloader.client.stats import WAIT_BUCKETS_S, ClientStats
     from remoteloader.protocol import wire
+    from remoteloader.protocol.messages import ClientHeartbeat
 
     metrics = MasterMetrics(service)
     _report(service)
@@ -304,9 +307,9 @@ def test_client_wait_histogram_from_what_the_loader_reports(service):
     stats.wait_buckets[0], stats.wait_buckets[4] = 5, 2                # 5 waits <= 1 ms, 2 <= 100 ms
     for _ in range(2):
         service.now[0] += 1
-        header, _ = wire.decode(wire.encode("client_heartbeat", session=service.session, seq=0, acks=[],
-                                            stats=stats.to_wire(0)))   # what goes over the socket
-        service.handle(header)
+        request, _ = wire.decode(wire.encode(ClientHeartbeat(session=service.session, seq=0, acks=[],
+                                                             stats=stats.to_wire(0))))   # what goes over the socket
+        service.handle(request)
     parsed = _parse(generate_latest(metrics.registry).decode())
     samples = {(s.name, s.labels.get("le")): s.value for s in parsed["remoteloader_client_batch_wait_seconds"].samples}
     assert samples[("remoteloader_client_batch_wait_seconds_count", None)] == 7

@@ -17,6 +17,7 @@ from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol.wire import DISCARD_REASONS
 from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
+from tests.wire_helpers import ask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,17 +97,17 @@ def _value(metrics: MasterMetrics, name: str, **labels) -> float:
 
 def _join(service: MasterService, rank: int, world_size: int) -> tuple[str, int]:
     spec = service.spec
-    t, welcome = service.handle({"t": "hello", "rank": rank, "world_size": world_size, "spec": spec.to_dict(),
+    t, welcome = ask(service, {"t": "hello", "rank": rank, "world_size": world_size, "spec": spec.to_dict(),
                                  "fingerprint": spec.fingerprint()})
     assert t == "welcome", welcome
     session = welcome["session"]
-    t, epoch = service.handle({"t": "start_epoch", "session": session, "epoch": 0})
+    t, epoch = ask(service, {"t": "start_epoch", "session": session, "epoch": 0})
     assert t == "epoch", epoch
     return session, epoch["seq"]
 
 
 def _client_heartbeat(service: MasterService, session: str, seq: int, stats: dict) -> None:
-    t, reply = service.handle({"t": "client_heartbeat", "session": session, "seq": seq, "acks": [], "stats": stats})
+    t, reply = ask(service, {"t": "client_heartbeat", "session": session, "seq": seq, "acks": [], "stats": stats})
     assert t == "membership", reply
 
 
@@ -131,14 +132,14 @@ def test_discarded_pieces_are_counted_by_reason_through_worker_restarts(service)
         assert _value(metrics, "remoteloader_worker_pieces_discarded_total", reason=reason) == 0
 
     def worker(port: int) -> str:
-        t, reply = service.handle({"t": "register", "addr": f"tcp://127.0.0.1:{port}", "pid": port,
+        t, reply = ask(service, {"t": "register", "addr": f"tcp://127.0.0.1:{port}", "pid": port,
                                    "fingerprint": service.spec.fingerprint()})
         assert t == "registered", reply
         return reply["worker_id"]
 
     def heartbeat(worker_id: str, discarded: dict) -> None:
         service.now[0] += 1
-        t, _ = service.handle({"t": "heartbeat", "worker_id": worker_id, "token": service.keys.worker_token(worker_id),
+        t, _ = ask(service, {"t": "heartbeat", "worker_id": worker_id, "token": service.keys.worker_token(worker_id),
                                "buffered": 0,
                                "stats": {"discarded": discarded}})
         assert t == "heartbeat_ok"
@@ -147,7 +148,7 @@ def test_discarded_pieces_are_counted_by_reason_through_worker_restarts(service)
     heartbeat(a, {"stale_run": 2})
     heartbeat(a, {"stale_run": 5, "session_gone": 1})
     heartbeat(b, {"stale_run": 1, "yielded": 4})
-    service.handle({"t": "bye", "worker_id": a, "token": service.keys.worker_token(a)})
+    ask(service, {"t": "bye", "worker_id": a, "token": service.keys.worker_token(a)})
     service.tick()                                    # a is forgotten: what it counted stays
     heartbeat(b, {"stale_run": 1, "yielded": 6})
     assert _value(metrics, "remoteloader_worker_pieces_discarded_total", reason="stale_run") == 6

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
-import msgpack
+from dataclasses import replace
+
+import msgspec
 import numpy as np
 import pytest
 
 from remoteloader.formats import DataFile, Unit
+from remoteloader.protocol.messages import SplitTaskRecord
 from remoteloader.core.plan import (SplitTask, make_task, pieces_of, plan_base_splits, plan_epoch, rank_shares,
                                     remaining_rows)
 
@@ -125,11 +128,13 @@ def test_split_task_travels_as_named_fields_and_rejects_anything_else():
     base = plan_base_splits([f], 100)[0]
     split = plan_epoch([base], 0, 0, False, 1)[0]
     task = make_task([f], base, split, epoch=3, skip=1)
-    wire = msgpack.unpackb(msgpack.packb(task.to_wire()))
-    assert wire["file"]["path"] == "f" and SplitTask.from_wire(wire) == task
+    wire = msgspec.to_builtins(task.to_wire())
+    received = SplitTask.from_wire(msgspec.convert(wire, SplitTaskRecord))
+    assert wire["file"]["path"] == "f" and wire["file"]["units"] == [[0, 0, 100, 1000]]  # the split's unit only
+    assert received == replace(task, file=replace(f, units=f.units[:1]))
     for bad in ({**wire, "file": ["f", "orc", "", 200, 2000, []]},        # the old positional form
                 {**wire, "file": {**wire["file"], "num_rows": "200"}},
                 {**wire, "file": {**wire["file"], "units": [[0, 0, 100]]}},
                 {**wire, "extra": 1}):
-        with pytest.raises(ValueError, match="malformed"):
-            SplitTask.from_wire(bad)
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(bad, SplitTaskRecord)

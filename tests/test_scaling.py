@@ -28,6 +28,7 @@ from remoteloader.spec import DatasetSpec
 from remoteloader.tools.datagen import generate_table
 from tests.conftest import BIN, master_status, spec_dict
 from tests.test_end_to_end import assert_same, collect, read_reference
+from remoteloader.protocol import messages as M
 
 
 def test_local_autoscaler_converges_to_the_needed_count(tmp_path, cluster):
@@ -156,7 +157,7 @@ def test_ray_launcher_starts_and_drains_real_actors(tables, ray_cluster):
         # Drain one through the master's loop, as the worker does on SIGTERM (with its token): the
         # actor leaves by itself.
         rpc = RpcClient(zmq.Context.instance(), server.addr, 10)
-        rpc.call("drain", worker_id=workers[0]["id"], token=server.service.keys.worker_token(workers[0]["id"]))
+        rpc.call(M.Drain(worker_id=workers[0]["id"], token=server.service.keys.worker_token(workers[0]["id"])))
         rpc.close()
         while launcher.running() > 1 and time.monotonic() < deadline:
             launcher.reap()

@@ -29,6 +29,7 @@ from remoteloader.master.updates import ClientLeft
 from remoteloader.protocol import auth
 from remoteloader.spec import DatasetSpec
 from tests.conftest import BIN, ROWS, master_status, spec_dict, wait_gone
+from tests.wire_helpers import ask
 
 MARKER = "S2-NOT-TO-BE-SEEN"
 
@@ -103,7 +104,7 @@ def test_status_names_the_table_redacted(tables):
     status = json.dumps(service.status())
     assert MARKER not in status and f"secret={MASK}" in status
     # The authenticated get_spec still gives workers the table they must read.
-    assert service.handle({"t": "get_spec"})[1]["spec"]["table"]["path"] == secret_uri(tables["orc"])
+    assert ask(service, {"t": "get_spec"})[1]["spec"]["table"]["path"] == secret_uri(tables["orc"])
 
 
 # -- real processes: no command line, status, metrics page or log shows the secret ---------------

@@ -4,21 +4,22 @@ import msgpack
 import numpy as np
 import pytest
 
-from remoteloader.protocol import wire
+from remoteloader.protocol import docs, wire
+from remoteloader.protocol.messages import MESSAGE_TYPES, Batch, tag
 
 
 def _run(rows: list[int], keys: int = 2, seed: int = 0):
     """A run of consecutive pieces as a worker sends it, and each piece on its own."""
     from remoteloader.columns import SparseColumn
-    from remoteloader.core.processor import SplitBatch
+    from remoteloader.core.processor import TransformedSplit
 
     rng, total = np.random.default_rng(seed), sum(rows)
     sparse = []
     for _ in range(keys):
         offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 4, total))])
         sparse.append(SparseColumn(rng.integers(0, 99, int(offsets[-1])), offsets))
-    split = SplitBatch.build(rng.random((total, 3)).astype(np.float32), rng.random(total).astype(np.float32),
-                             sparse, {"row_id": np.arange(total)}, None, rows[0])
+    split = TransformedSplit.build(rng.random((total, 3)).astype(np.float32), rng.random(total).astype(np.float32),
+                                   sparse, {"row_id": np.arange(total)}, None, rows[0])
     bounds = np.concatenate([[0], np.cumsum(rows)])
     return split.arrays(0, total), [split.arrays(int(a), int(b)) for a, b in zip(bounds, bounds[1:])]
 
@@ -26,7 +27,7 @@ def _run(rows: list[int], keys: int = 2, seed: int = 0):
 def _message(arrays: dict, rows: list[int], **fields) -> dict:
     descs, frames = wire.pack_arrays(arrays)
     header = {"session": "s-1", "seq": 1, "split_id": 7, "piece": 3, "rows": rows, "held": 0, "tensors": descs, **fields}
-    parts = wire.encode("batch", frames, **header)
+    parts = wire.encode(Batch(**header), frames)
     return wire.decode([bytes(p) for p in parts])
 
 
@@ -51,9 +52,9 @@ def _broken(change) -> tuple[dict, list]:
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda a: {"rows": []}, "pieces"),
-    (lambda a: {"rows": [1] * 65}, "pieces"),
-    (lambda a: {"rows": [4, 0, 4]}, "at least one row"),
+    (lambda a: {"rows": []}, r"length >= 1 - at `\$\.rows`"),  # refused by the decoder
+    (lambda a: {"rows": [1] * 65}, r"length <= 64 - at `\$\.rows`"),
+    (lambda a: {"rows": [4, 0, 4]}, r">= 1 - at `\$\.rows\[1\]`"),
     (lambda a: {"rows": [4, 5]}, "lengths"),
     (lambda a: a.__delitem__("sparse.lengths"), "sparse"),
     (lambda a: a.update({"sparse.lengths": -a["sparse.lengths"]}), "lengths"),
@@ -66,8 +67,8 @@ def _broken(change) -> tuple[dict, list]:
     (lambda a: a.__delitem__("labels"), "labels"),
 ])
 def test_bad_runs_are_refused(change, match):
-    header, frames = _broken(change)
     with pytest.raises(wire.ProtocolError, match=match):
+        header, frames = _broken(change)
         wire.unpack_pieces(header, frames, 2)
 
 
@@ -85,9 +86,14 @@ def test_descriptors_and_frames_must_match():
     ([msgpack.packb({"v": 99, "t": "ok"})], "version"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "pickle_me"})], "unknown message type"),
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split"})], "missing"),
-    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split", "worker_id": 5})], "must be str"),
-    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "session": "s", "token": "t", "seq": True})], "got bool"),
-    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok", "extra": 1})], "unknown fields"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "get_split", "worker_id": 5})], "Expected `str`, got `int`"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "credit", "session": "s", "token": "t", "seq": True})],
+     "got `bool`"),
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok", "extra": 1})], "unknown field `extra`"),
+    ([msgpack.packb({"v": 8, "t": "credit", "session": "s", "token": "t", "seq": 0, "batches": 1, "bytes": 1})],
+     "protocol version 8"),  # another version is named as such, not as its fields
+    ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "start_epoch", "session": "s", "epoch": 0,
+                     "done": [[0, 1]]})], r"at `\$\.done\[0\]`"),  # nested records are checked too
     ([msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "ok"})] + [b""] * 65, "frames"),
 ])
 def test_malformed_messages_are_rejected(parts, match):
@@ -98,20 +104,28 @@ def test_malformed_messages_are_rejected(parts, match):
 
 @pytest.mark.parametrize("descs,frames,match", [
     ([["a", "float32", [3]]], [b"\0" * 8], "needs 12"),
-    ([["a", "object", [1]]], [b"\0" * 8], "descriptor"),
-    ([["a", "int64", [1, 1, 1]]], [b"\0" * 8], "descriptor"),
-    ([["a", "int64", [-1]]], [b"\0" * 8], "descriptor"),
+    ([["a", "object", [1]]], [b"\0" * 8], r"at `\$\.tensors\[0\]\[1\]`"),
+    ([["a", "int64", [1, 1, 1]]], [b"\0" * 8], r"length <= 2 - at `\$\.tensors\[0\]\[2\]`"),
+    ([["a", "int64", [-1]]], [b"\0" * 8], r">= 0 - at `\$\.tensors\[0\]\[2\]\[0\]`"),
     ([["a", "int64", [1]]], [], "frames"),
 ])
 def test_bad_tensor_descriptors(descs, frames, match):
+    """Descriptors are checked by the decoder, each frame's size against them after."""
+    header = {"v": wire.PROTOCOL_VERSION, "t": "batch", "session": "s", "seq": 0, "split_id": 0, "piece": 0,
+              "rows": [1], "held": 0, "tensors": descs}
     with pytest.raises(wire.ProtocolError, match=match):
-        wire.unpack_arrays(descs, frames)
+        message, frames = wire.decode([msgpack.packb(header), *frames])
+        wire.unpack_arrays(message.tensors, frames)
 
 
 def test_every_message_type_is_documented():
-    """docs/protocol.md and wire.SCHEMAS describe the same protocol."""
+    for cls in MESSAGE_TYPES:
+        assert f"`{tag(cls)}`" in docs.generated()
+
+
+def test_protocol_doc_tables_are_generated_from_the_types():
+    """docs/protocol.md's tables are the types' (python -m remoteloader.protocol.docs docs/protocol.md)."""
     from pathlib import Path
 
-    doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
-    missing = [t for t in wire.SCHEMAS if f"`{t}" not in doc]
-    assert not missing, f"message types missing from docs/protocol.md: {missing}"
+    page = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    assert docs.current(page) == docs.generated()

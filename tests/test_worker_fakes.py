@@ -14,8 +14,10 @@ from remoteloader.core.binding import bind
 from remoteloader.core.plan import SplitTask, plan_base_splits
 from remoteloader.protocol import wire
 from remoteloader.protocol.capability import MasterKeys
+from remoteloader.protocol.messages import SplitTaskRecord
 from remoteloader.spec import DatasetSpec
 from remoteloader.worker.server import Worker
+from tests.wire_helpers import as_map, decode, encode
 
 from .conftest import spec_dict
 
@@ -37,7 +39,7 @@ class Job:
         self.batch_size = spec.batch_size
 
     def task(self, index: int, session: str, seq: int = 0, epoch: int = 0, rank: int = 0,
-             fingerprint: Optional[str] = None) -> dict:
+             fingerprint: Optional[str] = None) -> SplitTaskRecord:
         b = self.splits[index]
         return SplitTask(epoch=epoch, split_id=index, rank=rank, base=b.id, file=self.files[b.file],
                          first_unit=b.first_unit, stop_unit=b.stop_unit, raw_rows=b.raw_rows, position=b.position,
@@ -109,12 +111,12 @@ class FakeMaster:
             if not self.sock.poll(50):
                 continue
             identity, *body = self.sock.recv_multipart()
-            m, _ = wire.decode(body)
+            m, _ = decode(body)
             self.seen.append(m)
             self.requests.put(m)
             reply = self.respond(m)
             if reply is not None:
-                self.sock.send_multipart([identity, *wire.encode(reply[0], **reply[1])])
+                self.sock.send_multipart([identity, *encode(reply[0], **reply[1])])
 
 
 class RunningWorker:
@@ -155,13 +157,13 @@ class Client:
                token: Optional[str] = None) -> None:
         """Credit as the session's client (``token``: by default the fake master's signature of it)."""
         token = MASTER_KEYS.session_token(session) if token is None else token
-        self.sock.send_multipart(wire.encode("credit", session=session, token=token, seq=seq, batches=batches,
-                                             bytes=nbytes))
+        self.sock.send_multipart(encode("credit", session=session, token=token, seq=seq, pieces=batches,
+                                        bytes=nbytes))
 
     def batch(self, timeout_s: float = 60.0) -> tuple[dict, dict]:
         assert self.sock.poll(int(timeout_s * 1000)), "no batch from the worker"
-        header, frames = wire.decode(self.sock.recv_multipart(copy=False))
-        return header, wire.unpack_arrays(header["tensors"], frames)
+        message, frames = wire.decode(self.sock.recv_multipart(copy=False))
+        return as_map(message), wire.unpack_arrays(message.tensors, frames)
 
     def close(self) -> None:
         self.sock.close(linger=0)

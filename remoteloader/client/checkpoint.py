@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..protocol.messages import JobInfo
 from . import resume
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def state_dict(loader: "RemoteDataLoader") -> dict:
 
 
 def _part(loader: "RemoteDataLoader") -> dict:
-    plan = loader._hello()["plan"]
+    plan = loader._hello().plan
     run = loader._current
     if run is not None and not run.assembler.exhausted:
         consumed = []
@@ -73,9 +74,9 @@ def check_epoch(loader: "RemoteDataLoader", epoch: int) -> None:
                          f"starts epoch {epoch} from its beginning)")
 
 
-def check_plan(loader: "RemoteDataLoader", job: dict, plan: Optional[str] = None) -> None:
+def check_plan(loader: "RemoteDataLoader", job: JobInfo, plan: Optional[str] = None) -> None:
     expected = plan if plan is not None else loader._plan
-    if expected is not None and job["plan"] != expected:
-        raise RuntimeError(f"the table's split plan changed ({expected} -> {job['plan']}): files were added or "
+    if expected is not None and job.plan != expected:
+        raise RuntimeError(f"the table's split plan changed ({expected} -> {job.plan}): files were added or "
                            "removed, so the epoch in progress cannot be continued exactly")
-    loader._plan = job["plan"]
+    loader._plan = job.plan

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from ..protocol import messages as M
 from ..protocol.auth import Credentials
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
 from .session import RunId
@@ -38,14 +39,14 @@ class ControlChannel:
     """
 
     def __init__(self, ctx: zmq.Context, master: str, run: Callable[[], RunId],
-                 stats: Callable[[], dict], interval_s: float, auth: Optional[Credentials] = None,
+                 stats: Callable[[], M.ClientStats], interval_s: float, auth: Optional[Credentials] = None,
                  call_timeout_s: float = 2.0) -> None:
         self._rpc = RpcClient(ctx, master, call_timeout_s, auth=auth)
         self.run, self.interval_s = run, interval_s  # run(): read per beat, as a rejoin replaces it
         self._stats = stats
         self._lock = threading.Lock()
         self._acks: dict[int, int] = {}  # split id -> pieces consumed, not yet delivered
-        self._reply: Optional[dict] = None
+        self._reply: Optional[M.Membership] = None
         self._error: Optional[RemoteError] = None
         self._last_answer = time.monotonic()
         self._wake = threading.Event()  # report() with urgent=True beats at once (at most every URGENT_GAP_S)
@@ -70,7 +71,7 @@ class ControlChannel:
         """Block until the master answers a heartbeat (or ``timeout_s`` passes)."""
         self._replied.wait(timeout_s)
 
-    def take_reply(self) -> Optional[dict]:
+    def take_reply(self) -> Optional[M.Membership]:
         """The newest reply since the last call; raises the master's error, if it sent one."""
         with self._lock:
             error, self._error = self._error, None
@@ -114,9 +115,9 @@ class ControlChannel:
             sending = dict(self._acks)
         run = self.run()
         try:
-            reply = self._rpc.call("client_heartbeat", session=run.session, seq=run.seq,
-                                   acks=[[sid, p] for sid, p in sorted(sending.items())], stats=self._stats(),
-                                   stop=self._stop)
+            reply = self._rpc.call(M.ClientHeartbeat(session=run.session, seq=run.seq,
+                                                     acks=[M.Ack(sid, p) for sid, p in sorted(sending.items())],
+                                                     stats=self._stats()), stop=self._stop)
         except MasterUnavailable as e:
             log.warning("%s; heartbeats retry with backoff", e)
             return False

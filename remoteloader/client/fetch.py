@@ -15,6 +15,7 @@ from typing import Optional
 import zmq
 
 from ..protocol import wire
+from ..protocol.messages import Batch as BatchHeader, Credit
 from ..protocol.address import AddressError, validate_address
 from ..protocol.auth import Credentials, secure_client
 from ..protocol.rpc import has_message
@@ -107,8 +108,8 @@ class WorkerFetcher:
             stream.granted += pieces
             stream.granted_bytes = stream.received_bytes + byte_share
             stream.last_grant = now
-            sock.send_multipart(wire.encode("credit", session=self.run.session, token=self.run.token,
-                                            seq=self.run.seq, batches=stream.granted, bytes=stream.granted_bytes))
+            sock.send_multipart(wire.encode(Credit(session=self.run.session, token=self.run.token, seq=self.run.seq,
+                                                   pieces=stream.granted, bytes=stream.granted_bytes)))
 
     def credit_limited(self) -> bool:
         """Some worker held more pieces for us, when it sent its last one, than the credit
@@ -129,11 +130,11 @@ class WorkerFetcher:
                 if msg is None:
                     continue
                 header, frames = msg
-                if header["t"] != "batch" or header["session"] != self.run.session or header["seq"] != self.run.seq:
+                if not isinstance(header, BatchHeader) or header.session != self.run.session \
+                        or header.seq != self.run.seq:
                     continue
                 # Counted as received before it is checked: the worker has charged it to our credit.
-                count = len(header["rows"]) or 1
-                self.streams[wid].arrived(count, sum(len(f) for f in frames), header["held"], self.window)
+                self.streams[wid].arrived(len(header.rows), sum(len(f) for f in frames), header.held, self.window)
                 try:
                     pieces = wire.unpack_pieces(header, frames, len(self.sparse_keys))
                     batches = [(split_id, piece, Batch.from_numpy(arrays, self.sparse_keys, self.sparse_scored))

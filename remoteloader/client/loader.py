@@ -30,6 +30,7 @@ from .session import ClientSession, RunStart, acks_of
 from .stats import ClientStats
 from .stream import EpochRun, EpochStream, StreamConfig
 from ..protocol import auth as cluster_auth
+from ..protocol.messages import JobInfo
 from ..protocol.rpc import RpcClient
 from ..spec import DatasetSpec, load_spec
 
@@ -139,13 +140,13 @@ class RemoteDataLoader:
         warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=3)
         return False
 
-    def _hello(self) -> dict:
+    def _hello(self) -> JobInfo:
         return self.session.hello()
 
-    def _welcomed(self, job: dict) -> None:
+    def _welcomed(self, job: JobInfo) -> None:
         checkpoint.check_plan(self, job)
-        if job.get("dropped_rows"):
-            self._warn(f"{job['dropped_rows']} rows of each epoch are left out so that every rank "
+        if job.dropped_rows:
+            self._warn(f"{job.dropped_rows} rows of each epoch are left out so that every rank "
                        f"gets the same number of batches (even_batches: {self.spec.even_batches}"
                        f"{', drop_last' if self.drop_last else ''})")
 
@@ -157,12 +158,12 @@ class RemoteDataLoader:
     def __len__(self) -> int:
         """Batches of this rank in a whole epoch; equal on every rank with ``even_batches``.
         (A resumed epoch yields only its remaining batches.)"""
-        rows = self._hello()["rank_rows"]
+        rows = self._hello().rank_rows
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
     @property
     def sparse_keys(self) -> list[str]:
-        return list(self._hello()["sparse_keys"])
+        return list(self._hello().sparse_keys)
 
     # -- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -192,7 +193,7 @@ class RemoteDataLoader:
         else:
             start, consumed = RunStart(epoch, [], []), {}
         reply = self.session.start_epoch(start)
-        splits = {int(sid): (int(rows), int(base), int(lo), bool(pad)) for sid, rows, base, lo, pad in reply["splits"]}
+        splits = {s.split_id: (s.rows, s.base_split, s.row_lo, s.padding) for s in reply.splits}
         assembler = EpochAssembler([(sid, s[0]) for sid, s in splits.items()], self.batch_size, self.drop_last,
                                    consumed=consumed)
         run = EpochRun(epoch, start.done, splits, assembler)

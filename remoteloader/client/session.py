@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
+from ..protocol import messages as M
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from ..spec import DatasetSpec, SpecError
 
@@ -47,6 +48,11 @@ def acks_of(consumed: dict[int, tuple[int, int]]) -> list[list[int]]:
     return [[sid, pieces] for sid, (pieces, _) in sorted(consumed.items())]
 
 
+def ack_records(acks: Iterable[Sequence[int]]) -> list[M.Ack]:
+    """``[[split id, pieces], ...]`` as the wire's acks."""
+    return [M.Ack(sid, pieces) for sid, pieces in acks]
+
+
 class ClientSession:
     """One rank's session: ``job`` after hello, ``run`` while an epoch is iterated.
 
@@ -55,19 +61,19 @@ class ClientSession:
     """
 
     def __init__(self, rpc: RpcClient, spec: DatasetSpec, rank: int, world_size: int, timeout: float,
-                 connect_timeout: float, on_welcome: Callable[[dict], None]) -> None:
+                 connect_timeout: float, on_welcome: Callable[[M.JobInfo], None]) -> None:
         self.rpc, self.spec, self.rank, self.world_size = rpc, spec, rank, world_size
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.on_welcome = on_welcome
         self.id: Optional[str] = None
         self.token = ""  # welcome.token, for this session's credit
-        self.job: Optional[dict] = None
+        self.job: Optional[M.JobInfo] = None
         self.run: Optional[RunId] = None
         self.resume_point: Optional[Callable[[], RunStart]] = None
         self.stop = threading.Event()  # set by close(): retries end at once
 
     # -- hello and rejoin ---------------------------------------------------------------------
-    def hello(self) -> dict:
+    def hello(self) -> M.JobInfo:
         """The job, saying hello first if this client has no session."""
         if self.id is None:
             self._say_hello()
@@ -78,9 +84,9 @@ class ClientSession:
         while True:
             try:
                 reply = self.rpc.call_with_retry(
-                    "hello", time.monotonic() + self.connect_timeout, stop=self.stop, timeout_s=CALL_TIMEOUT_S,
-                    rank=self.rank, world_size=self.world_size, spec=self.spec.to_dict(),
-                    fingerprint=self.spec.fingerprint())
+                    M.Hello(rank=self.rank, world_size=self.world_size, spec=self.spec.to_dict(),
+                            fingerprint=self.spec.fingerprint()),
+                    time.monotonic() + self.connect_timeout, stop=self.stop, timeout_s=CALL_TIMEOUT_S)
                 break
             except MasterUnavailable as e:
                 raise MasterUnavailable(f"{e}: is a remoteloader-master running there?") from None
@@ -91,8 +97,8 @@ class ClientSession:
                 if e.code == "bad_spec":  # the message names the spec key or column at fault
                     raise SpecError(str(e)) from None
                 raise RuntimeError(f"the master refused this loader: {e}") from None
-        self.on_welcome(reply["job"])
-        self.id, self.token, self.job = reply["session"], reply["token"], reply["job"]
+        self.on_welcome(reply.job)
+        self.id, self.token, self.job = reply.session, reply.token, reply.job
 
     def _rejoin(self, restart_run: bool) -> None:
         # The master does not know this session (a restart without a journal, or it timed the
@@ -105,22 +111,21 @@ class ClientSession:
             self._start(self.resume_point())
 
     # -- calls ----------------------------------------------------------------------------------
-    def start_epoch(self, start: RunStart) -> dict:
+    def start_epoch(self, start: RunStart) -> M.Epoch:
         """Start a run of ``start.epoch``; returns the master's ``epoch`` reply (splits, seq)."""
         self.hello()
         return self._with_rejoin(lambda: self._start(start), restart_run=False)
 
-    def _start(self, start: RunStart) -> dict:
-        reply = self._call("start_epoch", session=self.id, epoch=start.epoch, consumed=start.consumed,
-                           done=start.done)
-        self.run = RunId(self.id, int(reply["seq"]), start.epoch, self.token)
+    def _start(self, start: RunStart) -> M.Epoch:
+        reply = self._call(M.StartEpoch(session=self.id, epoch=start.epoch, consumed=ack_records(start.consumed),
+                                        done=[M.DoneRange(*d) for d in start.done]))
+        self.run = RunId(self.id, reply.seq, start.epoch, self.token)
         return reply
 
-    def heartbeat(self, acks: list, stats: Optional[dict] = None) -> dict:
+    def heartbeat(self, acks: list, stats: Optional[M.ClientStats] = None) -> M.Membership:
         """A synchronous heartbeat of the current run, from the training thread."""
-        extra = {} if stats is None else {"stats": stats}
-        return self._with_rejoin(lambda: self._call("client_heartbeat", session=self.id, seq=self.run.seq,
-                                                    acks=acks, **extra))
+        return self._with_rejoin(lambda: self._call(M.ClientHeartbeat(session=self.id, seq=self.run.seq,
+                                                                      acks=ack_records(acks), stats=stats)))
 
     def finish_run(self, acks: list, timeout_s: float) -> None:
         """The end of a run whose every batch was delivered: last acks, then ``finish_epoch``.
@@ -132,9 +137,9 @@ class ClientSession:
         run, self.run = self.run, None
         deadline = time.monotonic() + timeout_s
         try:
-            self.rpc.call_with_retry("client_heartbeat", deadline, stop=self.stop, session=run.session, seq=run.seq,
-                                     acks=acks)
-            self.rpc.call_with_retry("finish_epoch", deadline, stop=self.stop, session=run.session, seq=run.seq)
+            self.rpc.call_with_retry(M.ClientHeartbeat(session=run.session, seq=run.seq, acks=ack_records(acks)),
+                                     deadline, stop=self.stop)
+            self.rpc.call_with_retry(M.FinishEpoch(session=run.session, seq=run.seq), deadline, stop=self.stop)
         except (MasterUnavailable, RemoteError) as e:
             log.warning("rank %d epoch %d: every batch was delivered, but the master did not take the end of the "
                         "epoch (%s); going on", self.rank, run.epoch, e)
@@ -147,7 +152,7 @@ class ClientSession:
 
     def status(self) -> str:
         try:
-            return str(self.rpc.call("status", timeout_s=2.0)["status"])
+            return str(self.rpc.call(M.Status(), timeout_s=2.0).status)
         except (MasterUnavailable, RemoteError) as e:
             return f"unavailable ({e})"
 
@@ -156,12 +161,12 @@ class ClientSession:
         if self.id is None:
             return
         try:
-            self.rpc.call("goodbye", session=self.id, timeout_s=timeout_s)
+            self.rpc.call(M.Goodbye(session=self.id), timeout_s=timeout_s)
         except (MasterUnavailable, RemoteError) as e:
             log.info("rank %d: goodbye not acknowledged (%s)", self.rank, e)
         self.id = None
 
-    def _with_rejoin(self, call: Callable[[], dict], restart_run: bool = True) -> dict:
+    def _with_rejoin(self, call: Callable[[], M.MasterReply], restart_run: bool = True) -> M.MasterReply:
         try:
             return call()
         except RemoteError as e:
@@ -178,7 +183,7 @@ class ClientSession:
         self.id = None
         return RemoteError(f"rank {self.rank}: this loader's session has ended: {error}", error.code)
 
-    def _call(self, t: str, **fields: Any) -> dict:
+    def _call(self, request: M.ClientRequest) -> M.MasterReply:
         """The one retry policy: retried while the master is unreachable, up to ``timeout``."""
-        return self.rpc.call_with_retry(t, time.monotonic() + self.timeout, stop=self.stop,
-                                        timeout_s=min(CALL_TIMEOUT_S, self.timeout), **fields)
+        return self.rpc.call_with_retry(request, time.monotonic() + self.timeout, stop=self.stop,
+                                        timeout_s=min(CALL_TIMEOUT_S, self.timeout))

@@ -5,6 +5,8 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from ..protocol.messages import ClientStats as WireStats
+
 # Upper bounds of the per-batch wait histogram (seconds) reported to the master's metrics.
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
@@ -32,9 +34,9 @@ class ClientStats:
         self.wait_buckets[bisect.bisect_left(WAIT_BUCKETS_S, waited_s)] += 1
         self.last_batch = time.monotonic()
 
-    def to_wire(self, queued: int) -> dict:
+    def to_wire(self, queued: int) -> WireStats:
         now = time.monotonic()
-        return {"wait_s": self.wait_s, "starved_s": self.starved_s, "epoch_start_s": self.epoch_start_s,
-                "batches": self.batches, "rows": self.rows, "queued": queued, "time": now,
-                "since_batch_s": now - self.last_batch,
-                "wait_le": list(WAIT_BUCKETS_S), "wait_buckets": list(self.wait_buckets)}
+        return WireStats(wait_s=self.wait_s, starved_s=self.starved_s, epoch_start_s=self.epoch_start_s,
+                         batches=self.batches, rows=self.rows, queued=queued, time=now,
+                         since_batch_s=now - self.last_batch, wait_le=list(WAIT_BUCKETS_S),
+                         wait_buckets=list(self.wait_buckets))

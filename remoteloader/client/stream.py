@@ -69,8 +69,8 @@ class EpochStream:
         self.ctx, self.session, self.run, self.config = ctx, session, run, config
         self.credit, self.stats, self.warned = credit, stats, warned
         job = session.job
-        self.fetcher = WorkerFetcher(ctx, config.rank, session.run, credit, job["sparse_keys"],
-                                     job.get("sparse_scored"), auth=config.auth)
+        self.fetcher = WorkerFetcher(ctx, config.rank, session.run, credit, job.sparse_keys, job.sparse_scored,
+                                     auth=config.auth)
         self.master_seen: Optional[str] = None  # the master process heard from last (membership.master)
 
     def batches(self) -> Iterator[Batch]:
@@ -183,8 +183,8 @@ class EpochStream:
         if self.fetcher.run is not self.session.run:
             self.fetcher.retarget(self.session.run)  # the session rejoined: a new run
         rank, epoch, assembler = self.config.rank, self.run.epoch, self.run.assembler
-        master = reply.get("master")
-        if master is not None and self.master_seen not in (None, master):
+        master = reply.master
+        if self.master_seen not in (None, master):
             # Another master process (a restart on its journal): consumption is not
             # journaled, so it hears everything this rank has consumed again.
             log.info("master restarted; reporting what rank %d consumed in epoch %d", rank, epoch)
@@ -194,13 +194,13 @@ class EpochStream:
             else:
                 reply = self.session.heartbeat(everything)
         self.master_seen = master
-        self.fetcher.set_workers(reply["workers"])
-        for err in reply["errors"]:
-            if not err["skipped"]:
-                raise RuntimeError(f"rank {rank} epoch {epoch}: {err['message']}")
-            if err["message"] in self.warned:
+        self.fetcher.set_workers([(w.worker_id, w.addr) for w in reply.workers])
+        for err in reply.errors:
+            if not err.skipped:
+                raise RuntimeError(f"rank {rank} epoch {epoch}: {err.message}")
+            if err.message in self.warned:
                 continue
-            if err["split_id"] >= 0:  # a split quarantined this epoch; -1: a file left out at job start
-                assembler.skip_split(err["split_id"])
-            self.warned.append(err["message"])
-            warnings.warn(f"remoteloader skipped data (on_error: skip): {err['message']}", RuntimeWarning, stacklevel=2)
+            if err.split_id >= 0:  # a split quarantined this epoch; -1: a file left out at job start
+                assembler.skip_split(err.split_id)
+            self.warned.append(err.message)
+            warnings.warn(f"remoteloader skipped data (on_error: skip): {err.message}", RuntimeWarning, stacklevel=2)

@@ -18,11 +18,12 @@ see ``even_batches`` in docs/spec.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..formats import DataFile
+from ..formats import DataFile, Unit
+from ..protocol.messages import FileRecord, SplitTaskRecord, UnitRecord
 
 
 @dataclass(frozen=True)
@@ -74,18 +75,22 @@ class SplitTask:
     seq: int = 0
     fingerprint: str = ""
 
-    def to_wire(self) -> dict:
-        return {**self.__dict__, "file": self.file.to_wire()}
+    def to_wire(self) -> SplitTaskRecord:
+        """The task as ``get_split`` answers it: its file lists only the split's units (a
+        file of 2,000 stripes would otherwise travel whole with every split)."""
+        f = self.file
+        units = [UnitRecord(u.index, u.first_row, u.num_rows, u.nbytes)
+                 for u in f.unit_range(self.first_unit, self.stop_unit)]
+        fields = {k: v for k, v in self.__dict__.items() if k != "file"}
+        return SplitTaskRecord(file=FileRecord(f.path, f.format, f.partition, f.num_rows, f.nbytes, units), **fields)
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> "SplitTask":
-        ints = ("epoch", "split_id", "rank", "base", "first_unit", "stop_unit", "raw_rows", "position", "base_rows",
-                "row_lo", "row_hi", "skip", "seq")
-        strs = ("session", "fingerprint")
-        if set(data) != set(ints) | set(strs) | {"file"} or not all(type(data[k]) is int for k in ints) \
-                or not all(type(data[k]) is str and len(data[k]) <= 64 for k in strs):
-            raise ValueError(f"malformed split task: {sorted(data)}")
-        return cls(**{**data, "file": DataFile.from_wire(data["file"])})
+    def from_wire(cls, record: SplitTaskRecord) -> "SplitTask":
+        f = record.file
+        file = DataFile(f.path, f.format, f.partition, f.num_rows, f.nbytes,
+                        tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units))
+        fields = {name: getattr(record, name) for name in record.__struct_fields__ if name != "file"}
+        return cls(file=file, **fields)
 
     def describe(self) -> str:
         return f"split {self.split_id} of epoch {self.epoch} ({self.file.path}, units {self.first_unit}..{self.stop_unit - 1})"

@@ -28,11 +28,13 @@ def read_split(file: DataFile, first_unit: int, stop_unit: int, columns: Sequenc
     is at most this many bytes into one request (0: one request per stream / chunk).
     ``io_stats``: the read's requests and bytes are added to it."""
     where = f"{file.path} units [{first_unit}, {stop_unit})"
-    if not 0 <= first_unit < stop_unit <= len(file.units):
-        raise TableError(f"{where}: out of range, the file has {len(file.units)} units")
+    units = file.unit_range(first_unit, stop_unit)
+    if not units:
+        listed = f"[{file.units[0].index}, {file.units[-1].index + 1})" if file.units else "none"
+        raise TableError(f"{where}: out of range, the file lists units {listed}")
     columns = list(dict.fromkeys(columns))
     table = read_units(file, first_unit, stop_unit, columns, coalesce_gap=coalesce_gap, io_stats=io_stats)
-    expected = sum(u.num_rows for u in file.units[first_unit:stop_unit])
+    expected = sum(u.num_rows for u in units)
     if table.num_rows != expected:
         raise TableError(f"{where}: read {table.num_rows} rows where the listing promised {expected} (file changed?)")
     names = set(table.column_names)

@@ -29,6 +29,13 @@ class DataFile:
     nbytes: int  # file size
     units: tuple[Unit, ...]
 
+    def unit_range(self, first: int, stop: int) -> tuple[Unit, ...]:
+        """Units ``[first, stop)`` by index, or () if the file does not list all of them. A
+        file may list only a contiguous run of its units: a split task carries its split's."""
+        base = self.units[0].index if self.units else 0
+        units = self.units[first - base:stop - base] if base <= first < stop else ()
+        return units if len(units) == stop - first else ()
+
     def to_wire(self) -> dict:
         """Plain data for the journal and the wire; units as ``[index, first_row, num_rows,
         nbytes]`` rows, because a file may have thousands of them."""

@@ -18,13 +18,12 @@ path (a table URI may hold a credential); the master binds it to loopback unless
 """
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
 from collections import deque
 from socketserver import ThreadingMixIn
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
@@ -40,7 +39,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from ..protocol.wire import DISCARD_REASONS, MASTER_REQUESTS
+from ..protocol.messages import DISCARD_REASONS, MASTER_REQUESTS, Error, MasterReply, Message, tag
 
 # Cumulative counters in worker and client heartbeat stats (nested dicts are flattened
 # with dots: ``io.requests``). ``wait_buckets.N``: per-bucket counts of per-batch waits,
@@ -55,7 +54,6 @@ _DISCARDED = frozenset(f"discarded.{reason}" for reason in DISCARD_REASONS)
 _TRACK_CHANGE = frozenset({"batches"})
 REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0)
-_CODE = re.compile(r"[a-z_]{1,32}")
 
 
 def _is_cumulative(name: str) -> bool:
@@ -376,20 +374,19 @@ class MasterMetrics:
         """Time ``service.handle``; the server calls it through the service instance."""
         handle = self.service.handle
 
-        def timed(header: dict):
-            t = header.get("t")
+        def timed(request: Union[Message, dict]) -> MasterReply:
+            t = request.get("t") if isinstance(request, dict) else tag(request)
             label = t if t in MASTER_REQUESTS else "other"
             start = time.perf_counter()
             try:
-                reply = handle(header)
+                reply = handle(request)
             except Exception:
                 self.request_errors.labels(label, "exception").inc()
                 raise
             finally:
                 self.request_seconds.labels(label).observe(time.perf_counter() - start)
-            if reply[0] == "error":
-                code = reply[1].get("code") or "none"
-                self.request_errors.labels(label, code if _CODE.fullmatch(code) else "other").inc()
+            if isinstance(reply, Error):
+                self.request_errors.labels(label, reply.code.value if reply.code else "none").inc()
             return reply
 
         self.service.handle = timed

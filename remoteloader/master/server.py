@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from ..protocol import messages as M
 from ..protocol import wire
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
 from ..protocol.rpc import has_message
@@ -139,16 +140,17 @@ class MasterServer:
         except wire.ProtocolError as e:
             # Dropped, but the sender hears why rather than waiting out its deadline.
             log.warning("dropped malformed message from peer %s: %s", identity.hex(), e)
-            return [identity, *wire.encode("error", message=f"malformed message: {e}", code="protocol")]
-        header, _ = msg
-        if not self.joins.allow(identity, header["t"]):
-            log.warning("refused %r from peer %s: too many joins", header["t"], identity.hex())
-            return [identity, *wire.encode(
-                "error", message=f"too many {header['t']} requests from this peer; slow down", code="flood")]
+            return [identity, *wire.encode(M.Error(message=f"malformed message: {e}"[:M.MAX_TEXT],
+                                                   code=M.ErrorCode.PROTOCOL))]
+        request, _ = msg
+        t = M.tag(request)
+        if not self.joins.allow(identity, t):
+            log.warning("refused %r from peer %s: too many joins", t, identity.hex())
+            return [identity, *wire.encode(M.Error(message=f"too many {t} requests from this peer; slow down",
+                                                   code=M.ErrorCode.FLOOD))]
         try:
-            t, fields = self.service.handle(header)
-            reply = wire.encode(t, **fields)
+            reply = wire.encode(self.service.handle(request))
         except Exception as e:  # a handler bug answers this request with an error, the master lives on
-            log.exception("handling %r failed", header.get("t"))
-            reply = wire.encode("error", message=f"master error while handling {header.get('t')!r}: {e}")
+            log.exception("handling %r failed", t)
+            reply = wire.encode(M.Error(message=f"master error while handling {t!r}: {e}"[:M.MAX_TEXT]))
         return [identity, *reply]

@@ -11,9 +11,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import msgpack
+import msgspec
 
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.plan import make_task
@@ -22,7 +23,8 @@ from ..core.redact import redact, redact_text
 from ..core.sampling import plan_job_splits
 from ..protocol.address import AddressError, validate_address
 from ..protocol.capability import MasterKeys
-from ..protocol.wire import MASTER_REQUESTS
+from ..protocol import messages as M
+from ..protocol.messages import MASTER_REQUESTS, ErrorCode
 from ..spec import DatasetSpec, SpecError
 from . import updates as U
 from ..core.allowlist import TableAllowlist
@@ -31,13 +33,13 @@ from .metrics import RateWindow
 from .state import JobState
 
 log = logging.getLogger(__name__)
-Reply = tuple[str, dict]
+Reply = M.MasterReply
 
 
 class RequestError(Exception):
     """Answered to the sender as an ``error`` message; ``code`` lets clients react."""
 
-    def __init__(self, message: str, code: str = "") -> None:
+    def __init__(self, message: str, code: Optional[ErrorCode] = None) -> None:
         super().__init__(message)
         self.code = code
 
@@ -107,15 +109,8 @@ def _done_of(resumed: Optional[dict]) -> list:
     return sorted([base, lo, hi] for base, ranges in (resumed or {}).items() for lo, hi in ranges)
 
 
-def _check_pairs(items: list, what: str) -> list:
-    """``items`` as ``[[int >= 0, int >= 0], ...]``, else a RequestError saying ``what`` it must be."""
-    if not all(isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a) for a in items):
-        raise RequestError(what)
-    return items
-
-
-def _check_acks(acks: list) -> list:
-    return _check_pairs(acks, "acks must be [[split_id, pieces], ...]")
+def _acks(acks: list[M.Ack]) -> list[tuple[int, int]]:
+    return [(a.split_id, a.pieces) for a in acks]
 
 
 class MasterService:
@@ -195,15 +190,22 @@ class MasterService:
                  self.state.job.total_rows)
 
     # -- dispatch ----------------------------------------------------------------------
-    def handle(self, header: dict) -> Reply:
-        handler = _HANDLERS.get(header["t"])
+    def handle(self, request: Union[M.Message, dict]) -> Reply:
+        """The reply to one request. A plain map (tests, in-process callers) is checked like
+        a received header first."""
+        if isinstance(request, dict):
+            try:
+                request = M.from_fields(request.get("t"), {k: v for k, v in request.items() if k != "t"})
+            except msgspec.ValidationError as e:
+                return M.Error(message=f"malformed message: {e}", code=ErrorCode.PROTOCOL)
+        handler = _HANDLERS.get(type(request))
         if handler is None:
-            return "error", {"message": f"the master does not serve {header['t']!r}"}
+            return M.Error(message=f"the master does not serve {M.tag(request)!r}")
         try:
-            return handler(self, header)
+            return handler(self, request)
         except RequestError as e:
             # Errors name tables; a URI's credentials stay out of what a client is told.
-            return "error", {"message": redact_text(str(e)), **({"code": e.code} if e.code else {})}
+            return M.Error(message=redact_text(str(e)), code=e.code)
 
     def tick(self) -> None:
         """Periodic duties: dead workers lose their splits, hung workers the split they hold."""
@@ -226,43 +228,45 @@ class MasterService:
 
     def _require_job(self) -> None:
         if self.state.job is None:
-            raise RequestError("no job yet: the master waits for the first client's spec", code="no_job")
+            raise RequestError("no job yet: the master waits for the first client's spec", code=ErrorCode.NO_JOB)
 
-    def _require_worker(self, m: dict) -> None:
+    def _require_worker(self, m: M.WorkerNamed) -> None:
         """The sender is the worker it names: registered, and holding its ``registered.token``
         (a member who read a worker id in ``status`` cannot drain it or take its splits)."""
         if not self._is_worker(m):
-            raise RequestError(f"unknown worker {m['worker_id'][:80]}", code="unknown_worker")
+            raise RequestError(f"unknown worker {m.worker_id[:80]}", code=ErrorCode.UNKNOWN_WORKER)
 
-    def _is_worker(self, m: dict) -> bool:
-        return m["worker_id"] in self.state.workers and self.keys.worker_token_ok(m["worker_id"], m["token"])
+    def _is_worker(self, m: M.WorkerNamed) -> bool:
+        return m.worker_id in self.state.workers and self.keys.worker_token_ok(m.worker_id, m.token)
 
     def _require_client(self, session: str) -> int:
         if session not in self.state.clients:
             if session in self.state.replaced:
                 raise RequestError("another loader took this rank over (a new process of the rank, or another job "
-                                   "of the same world size on this master)", code="replaced")
-            raise RequestError(f"unknown client session {session[:80]}; say hello again", code="unknown_client")
+                                   "of the same world size on this master)", code=ErrorCode.REPLACED)
+            raise RequestError(f"unknown client session {session[:80]}; say hello again",
+                               code=ErrorCode.UNKNOWN_CLIENT)
         return self.state.clients[session]
 
     # -- workers ----------------------------------------------------------------------
-    def _on_register(self, m: dict) -> Reply:
+    def _on_register(self, m: M.Register) -> Reply:
         if len(self.state.workers) >= self.config.max_workers:
-            raise RequestError(f"the master already has {len(self.state.workers)} workers (max_workers)", code="full")
-        self._check_worker_addr(m["addr"])
+            raise RequestError(f"the master already has {len(self.state.workers)} workers (max_workers)",
+                               code=ErrorCode.FULL)
+        self._check_worker_addr(m.addr)
         job = self.state.job
-        if job is not None and m["fingerprint"] != job.fingerprint:
+        if job is not None and m.fingerprint != job.fingerprint:
             # A worker still compiled for a job this master no longer serves (a master
             # restarted on the same address with another spec): it fetches the spec again.
-            raise RequestError(f"this master serves job {job.fingerprint}, not {m['fingerprint'][:80]}",
-                               code="wrong_job")
+            raise RequestError(f"this master serves job {job.fingerprint}, not {m.fingerprint[:80]}",
+                               code=ErrorCode.WRONG_JOB)
         worker_id = "w-" + uuid.uuid4().hex[:10]
-        self._commit(U.WorkerRegistered(worker_id, m["addr"], m["pid"], self.clock()))
-        log.info("worker %s registered from %s (pid %d)", worker_id, m["addr"], m["pid"])
+        self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock()))
+        log.info("worker %s registered from %s (pid %d)", worker_id, m.addr, m.pid)
         # Split tasks name the job too: a worker that registered before one existed checks each.
-        return "registered", {"worker_id": worker_id, "heartbeat_interval": self.config.heartbeat_interval,
-                              "fingerprint": m["fingerprint"] if job is None else job.fingerprint,
-                              "token": self.keys.worker_token(worker_id), "verify_key": self.keys.verify_key}
+        return M.Registered(worker_id=worker_id, heartbeat_interval=self.config.heartbeat_interval,
+                            fingerprint=m.fingerprint if job is None else job.fingerprint,
+                            token=self.keys.worker_token(worker_id), verify_key=self.keys.verify_key)
 
     @staticmethod
     def _check_worker_addr(addr: str) -> None:
@@ -278,33 +282,33 @@ class MasterService:
             raise RequestError(f"register: addr {addr[:80]!r} is not one clients can connect to "
                                "(a concrete host, e.g. the worker's IP)")
 
-    def _on_get_spec(self, m: dict) -> Reply:
+    def _on_get_spec(self, m: M.GetSpec) -> Reply:
         self._require_job()
         job = self.state.job
-        return "spec", {"spec": job.spec, "schema": job.schema, "fingerprint": job.fingerprint}
+        return M.Spec(spec=job.spec, schema=job.schema, fingerprint=job.fingerprint)
 
-    def _on_heartbeat(self, m: dict) -> Reply:
-        w = self.state.workers.get(m["worker_id"])
+    def _on_heartbeat(self, m: M.Heartbeat) -> Reply:
+        w = self.state.workers.get(m.worker_id)
         if w is None or not self._is_worker(m):
-            return "heartbeat_ok", {"state": "unknown", "sessions": []}
-        stats = m.get("stats", {})
-        self._commit(U.WorkerHeartbeat(m["worker_id"], self.clock(), m["buffered"], stats))
-        self.rates.update("w:" + m["worker_id"], self.clock(), stats)
+            return M.HeartbeatOk(state=M.WorkerState.UNKNOWN, sessions=[])
+        stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
+        self._commit(U.WorkerHeartbeat(m.worker_id, self.clock(), m.buffered, stats))
+        self.rates.update("w:" + m.worker_id, self.clock(), stats)
         # The live sessions of the ranks it serves: pieces it holds for any other are stale.
-        sessions = self.state.sessions_served(m["worker_id"])
+        sessions = self.state.sessions_served(m.worker_id)
         if not w.draining:
-            return "heartbeat_ok", {"state": "run", "sessions": sessions}
+            return M.HeartbeatOk(state=M.WorkerState.RUN, sessions=sessions)
         if w.assigned:
-            return "heartbeat_ok", {"state": "drain", "sessions": sessions}
+            return M.HeartbeatOk(state=M.WorkerState.DRAIN, sessions=sessions)
         # Drained: every split it held has been consumed; it may go.
         self._commit(U.WorkerLost(w.worker_id, "drained"))
-        return "heartbeat_ok", {"state": "stop", "sessions": sessions}
+        return M.HeartbeatOk(state=M.WorkerState.STOP, sessions=sessions)
 
-    def _on_drain(self, m: dict) -> Reply:
+    def _on_drain(self, m: M.Drain) -> Reply:
         # Only the worker itself (SIGTERM) or the autoscaler (``drain``, in process) drains it.
         self._require_worker(m)
-        self.drain(m["worker_id"])
-        return "ok", {}
+        self.drain(m.worker_id)
+        return M.Ok()
 
     def drain(self, worker_id: str) -> None:
         """Stop giving this worker splits; it exits once its buffered splits are consumed."""
@@ -316,97 +320,92 @@ class MasterService:
             for epoch, split_id in self.state.splits_ahead(worker_id):
                 self._commit(U.SplitRevoked(epoch, split_id, worker_id, "its worker is draining"))
 
-    def _on_bye(self, m: dict) -> Reply:
+    def _on_bye(self, m: M.Bye) -> Reply:
         if self._is_worker(m):
-            self._commit(U.WorkerLost(m["worker_id"], "left"))
-        return "ok", {}
+            self._commit(U.WorkerLost(m.worker_id, "left"))
+        return M.Ok()
 
-    def _on_get_split(self, m: dict) -> Reply:
+    def _on_get_split(self, m: M.GetSplit) -> Reply:
         self._require_worker(m)
-        avoid = m.get("avoid_ranks", [])
-        if len(avoid) > self.config.max_world_size or not all(type(r) is int for r in avoid):
+        if len(m.avoid_ranks) > self.config.max_world_size:
             raise RequestError("avoid_ranks must be a list of ranks")
-        avoid = frozenset(avoid)
-        choice = self.state.choose_split(m["worker_id"], avoid, ahead=False) if self.state.job else None
+        avoid = frozenset(m.avoid_ranks)
+        choice = self.state.choose_split(m.worker_id, avoid, ahead=False) if self.state.job else None
         # A worker with no current work reads ahead into the next epoch, one split at a
         # time: those pieces wait in its buffer, outside the trainers' credit, until the
         # trainer gets there.
         if (choice is None and self.config.prefetch_next_epoch and self.state.job is not None
-                and not self.state.splits_ahead(m["worker_id"])):
-            for prefetch in self.state.prefetch_candidates(m["worker_id"]):
+                and not self.state.splits_ahead(m.worker_id)):
+            for prefetch in self.state.prefetch_candidates(m.worker_id):
                 self._commit(prefetch)
-            choice = self.state.choose_split(m["worker_id"], avoid)
+            choice = self.state.choose_split(m.worker_id, avoid)
         if choice is None:
-            return "no_split", {"retry_ms": self.config.no_split_retry_ms, "reason": "no pending split for this worker"}
+            return M.NoSplit(retry_ms=self.config.no_split_retry_ms, reason="no pending split for this worker")
         run, progress = choice
         s = progress.split
-        self._commit(U.SplitAssigned(run.epoch, s.id, m["worker_id"], self.clock()))
+        self._commit(U.SplitAssigned(run.epoch, s.id, m.worker_id, self.clock()))
         job = self.state.job
         task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
                          seq=run.seq, fingerprint=job.fingerprint)
-        return "split", {"split": task.to_wire()}
+        return M.Split(split=task.to_wire())
 
-    def _on_split_produced(self, m: dict) -> Reply:
+    def _on_split_produced(self, m: M.SplitProduced) -> Reply:
         if self._holds(m):
-            self._commit(U.SplitProduced(m["epoch"], m["split_id"], m["worker_id"]))
-        return "ok", {}
+            self._commit(U.SplitProduced(m.epoch, m.split_id, m.worker_id))
+        return M.Ok()
 
-    def _on_split_failed(self, m: dict) -> Reply:
+    def _on_split_failed(self, m: M.SplitFailed) -> Reply:
         if self._holds(m):
             skipped = self.state.job.spec["on_error"] == "skip"
-            log.error("split %d failed%s: %s", m["split_id"], " (skipped)" if skipped else "", m["error"])
-            self._commit(U.SplitFailed(m["epoch"], m["split_id"], m["worker_id"], m["error"], skipped))
-        return "ok", {}
+            log.error("split %d failed%s: %s", m.split_id, " (skipped)" if skipped else "", m.error)
+            self._commit(U.SplitFailed(m.epoch, m.split_id, m.worker_id, m.error, skipped))
+        return M.Ok()
 
-    def _on_splits_released(self, m: dict) -> Reply:
+    def _on_splits_released(self, m: M.SplitsReleased) -> Reply:
         """The worker gives splits back: their rank went silent (its pieces were dropped) or
         its share of the worker's buffer is full while other ranks starve. They are handed
         out again from what the rank consumed, as after a worker failure."""
         self._require_worker(m)
-        what = "splits must be [[epoch, split_id], ...] (at most 1024)"
-        if len(m["splits"]) > 1024:
-            raise RequestError(what)
-        released = _check_pairs(m["splits"], what)
-        held = self.state.workers[m["worker_id"]].assigned
-        for epoch, split_id in released:
-            if (epoch, split_id) in held:
-                self._commit(U.SplitRevoked(epoch, split_id, m["worker_id"], f"released: {m['reason'][:200]}"))
-        return "ok", {}
+        held = self.state.workers[m.worker_id].assigned
+        for ref in m.splits:
+            if (ref.epoch, ref.split_id) in held:
+                self._commit(U.SplitRevoked(ref.epoch, ref.split_id, m.worker_id, f"released: {m.reason[:200]}"))
+        return M.Ok()
 
-    def _holds(self, m: dict) -> bool:
+    def _holds(self, m: Union[M.SplitProduced, M.SplitFailed]) -> bool:
         """Whether the reporting worker still holds that split; if it was re-assigned
         meanwhile (the worker was presumed dead, or the rank restarted), the report is stale."""
         self._require_worker(m)
-        return (m["epoch"], m["split_id"]) in self.state.workers[m["worker_id"]].assigned
+        return (m.epoch, m.split_id) in self.state.workers[m.worker_id].assigned
 
     # -- clients ------------------------------------------------------------------------
-    def _on_hello(self, m: dict) -> Reply:
+    def _on_hello(self, m: M.Hello) -> Reply:
         if self.state.job is None:
-            self._bind_first_spec(m["spec"])
+            self._bind_first_spec(m.spec)
         job = self.state.job
-        if m["fingerprint"] != job.fingerprint:
+        if m.fingerprint != job.fingerprint:
             raise RequestError(
-                f"spec fingerprint {m['fingerprint']} differs from the running job's {job.fingerprint}: "
+                f"spec fingerprint {m.fingerprint[:80]} differs from the running job's {job.fingerprint}: "
                 "this master serves another dataset spec (start another master, or use the same spec)",
-                code="spec_mismatch")
-        if m["world_size"] > self.config.max_world_size:
-            raise RequestError(f"world size {m['world_size']} is above the master's maximum "
-                               f"{self.config.max_world_size}", code="bad_rank")
-        if not 0 <= m["rank"] < m["world_size"]:
-            raise RequestError(f"rank {m['rank']} is outside world size {m['world_size']}", code="bad_rank")
-        if job.world_size is not None and m["world_size"] != job.world_size:
-            raise RequestError(self._busy_message(m["world_size"]), code="busy")
+                code=ErrorCode.SPEC_MISMATCH)
+        if m.world_size > self.config.max_world_size:
+            raise RequestError(f"world size {m.world_size} is above the master's maximum "
+                               f"{self.config.max_world_size}", code=ErrorCode.BAD_RANK)
+        if not m.rank < m.world_size:
+            raise RequestError(f"rank {m.rank} is outside world size {m.world_size}", code=ErrorCode.BAD_RANK)
+        if job.world_size is not None and m.world_size != job.world_size:
+            raise RequestError(self._busy_message(m.world_size), code=ErrorCode.BUSY)
         session = "s-" + uuid.uuid4().hex[:12]
-        self._commit(U.ClientJoined(session, m["rank"], m["world_size"], self.clock()))
+        self._commit(U.ClientJoined(session, m.rank, m.world_size, self.clock()))
         shares = self.state.shares()
         # The token is what lets this client's credit take the session's pieces at workers;
         # the session id alone (which status shows) does not.
-        return "welcome", {"session": session, "token": self.keys.session_token(session), "job": {
-            "fingerprint": job.fingerprint, "total_rows": job.total_rows,
-            "rank_rows": shares.rows[m["rank"]] + shares.padding[m["rank"]], "dropped_rows": shares.dropped,
-            "world_size": job.world_size, "sparse_keys": self.bound.sparse_keys,
-            "sparse_scored": self.bound.pipeline.sparse_scored, "plan": job.plan_fingerprint,
-            "dense_width": self.bound.pipeline.dense_width}}
+        return M.Welcome(session=session, token=self.keys.session_token(session), job=M.JobInfo(
+            fingerprint=job.fingerprint, total_rows=job.total_rows,
+            rank_rows=shares.rows[m.rank] + shares.padding[m.rank], dropped_rows=shares.dropped,
+            world_size=job.world_size, sparse_keys=list(self.bound.sparse_keys),
+            sparse_scored=list(self.bound.pipeline.sparse_scored), plan=job.plan_fingerprint,
+            dense_width=self.bound.pipeline.dense_width))
 
     def _busy_message(self, world_size: int) -> str:
         """Why a client of another world size cannot join now: the job of the live clients."""
@@ -426,43 +425,43 @@ class MasterService:
             try:
                 spec = DatasetSpec.from_dict(spec_dict)
             except SpecError as e:
-                raise RequestError(str(e), code="bad_spec") from None
+                raise RequestError(str(e), code=ErrorCode.BAD_SPEC) from None
             if not TableAllowlist(self.config.allowed_tables).allows(spec.table.path):
                 # Says nothing of whether the path exists: that would be an oracle.
                 raise RequestError("table.path: this master does not serve that table (see --allow-table)",
-                                   code="bad_spec")
+                                   code=ErrorCode.BAD_SPEC)
             self._binding = PendingBind(spec, time.monotonic())
         pending = self._binding
         pending.done.wait(BIND_WAIT_S)  # a small table binds within this request
         if not pending.done.is_set():
             if time.monotonic() - pending.started < self.config.bind_timeout:
-                raise RequestError("the master is binding the spec to the table; retry", code="binding")
+                raise RequestError("the master is binding the spec to the table; retry", code=ErrorCode.BINDING)
             self._binding = None
             raise RequestError(f"table.path: reading the table's metadata took longer than "
-                               f"{self.config.bind_timeout:g} s", code="bad_spec")
+                               f"{self.config.bind_timeout:g} s", code=ErrorCode.BAD_SPEC)
         self._binding = None
         if pending.error is not None:
-            raise RequestError(str(pending.error), code="bad_spec")
+            raise RequestError(str(pending.error), code=ErrorCode.BAD_SPEC)
         self._submit_bound(pending.spec, *pending.result)
 
-    def _on_start_epoch(self, m: dict) -> Reply:
-        session = m["session"]
+    def _on_start_epoch(self, m: M.StartEpoch) -> Reply:
+        session = m.session
         rank = self._require_client(session)
-        epoch = m["epoch"]
-        if not 0 <= epoch < self.config.max_epoch:
-            raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code="bad_epoch")
-        consumed = _check_acks(m.get("consumed", []))
-        done = self._check_done(m.get("done", []))
+        epoch = m.epoch
+        if not epoch < self.config.max_epoch:
+            raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code=ErrorCode.BAD_EPOCH)
+        consumed = _acks(m.consumed)
+        done = self._check_done(m.done)
         current = self.state.ranks.get(rank)
         if done and current is not None and epoch > current.epoch + 1:
             # A resume continues the epoch a checkpoint was taken in: the rank's current one,
             # the next, or an earlier one; never a far-off epoch nobody is in.
             raise RequestError(f"done (rows consumed before a resume) for epoch {epoch}, but rank {rank} is in "
-                               f"epoch {current.epoch}", code="bad_epoch")
+                               f"epoch {current.epoch}", code=ErrorCode.BAD_EPOCH)
         if done != _done_of(self.state.resumed.get(epoch)):
             if self.state.epoch_started(epoch):
                 raise RequestError(f"epoch {epoch} already started with other rows consumed before the resume: "
-                                   "every rank must load the same checkpoint", code="resume_mismatch")
+                                   "every rank must load the same checkpoint", code=ErrorCode.RESUME_MISMATCH)
             self._commit(U.EpochResumed(epoch, done))
         ahead = self.state.prefetched.get(rank)
         if ahead is not None and (ahead.session, ahead.epoch) == (session, epoch):
@@ -473,21 +472,20 @@ class MasterService:
         consumed = self._current_acks(rank, seq, consumed)
         if consumed:  # a resumed client: what it consumed before is not produced again
             self._commit(U.SplitsConsumed(rank, seq, consumed))
-        splits = [[p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding]
+        splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding)
                   for p in self.state.epoch_splits(rank, epoch)]
-        return "epoch", {"epoch": epoch, "seq": seq, "splits": splits}
+        return M.Epoch(epoch=epoch, seq=seq, splits=splits)
 
-    def _check_done(self, done: list) -> list:
-        """Rows consumed before an elastic resume: ``[[base split, lo, hi], ...]``, disjoint,
-        coalesced (adjacent ranges merged). A checkpoint's consumed rows are prefixes of the
-        epoch's splits, a few per base split: more ranges than that is not a checkpoint."""
+    def _check_done(self, done: list[M.DoneRange]) -> list:
+        """Rows consumed before an elastic resume, disjoint and coalesced (adjacent ranges
+        merged), as ``[[base split, lo, hi], ...]``. A checkpoint's consumed rows are
+        prefixes of the epoch's splits, a few per base split: more ranges than that is not a
+        checkpoint. (Their shape was checked at decode; here, whether they fit the job.)"""
         splits = self.state.job.splits
-        if not all(isinstance(d, list) and len(d) == 3 and all(type(x) is int for x in d) for d in done):
-            raise RequestError("done must be [[base_split, lo, hi], ...]")
         merged: list[list[int]] = []
         per_split: dict[int, int] = {}
-        for base, lo, hi in sorted(done):
-            if not (0 <= base < len(splits) and 0 <= lo < hi <= splits[base].rows):
+        for base, lo, hi in sorted((d.base_split, d.lo, d.hi) for d in done):
+            if not (base < len(splits) and lo < hi <= splits[base].rows):
                 raise RequestError(f"done: rows [{lo}, {hi}) of base split {base} do not exist in this job")
             if merged and merged[-1][0] == base and merged[-1][2] > lo:
                 raise RequestError(f"done: overlapping row ranges in base split {base}")
@@ -501,43 +499,45 @@ class MasterService:
             merged.append([base, lo, hi])
         return merged
 
-    def _on_client_heartbeat(self, m: dict) -> Reply:
-        session = m["session"]
+    def _on_client_heartbeat(self, m: M.ClientHeartbeat) -> Reply:
+        session = m.session
         rank = self._require_client(session)
-        acks = self._current_acks(rank, m["seq"], _check_acks(m["acks"]))
+        acks = self._current_acks(rank, m.seq, _acks(m.acks))
         if acks:
-            self._commit(U.SplitsConsumed(rank, m["seq"], acks))
-        self._commit(U.ClientHeartbeat(session, self.clock(), m.get("stats", {})))
-        self.rates.update("c:" + session, self.clock(), m.get("stats", {}))
-        workers = [[wid, self.state.workers[wid].addr] for wid in self.state.partitions.get(rank, [])]
+            self._commit(U.SplitsConsumed(rank, m.seq, acks))
+        stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
+        self._commit(U.ClientHeartbeat(session, self.clock(), stats))
+        self.rates.update("c:" + session, self.clock(), stats)
+        workers = [M.WorkerAddr(wid, self.state.workers[wid].addr) for wid in self.state.partitions.get(rank, [])]
         run = self.state.ranks.get(rank)
-        errors = self.state.errors_for(rank, run.epoch) if run is not None and run.seq == m["seq"] else []
-        return "membership", {"workers": workers, "errors": errors, "master": self.incarnation}
+        errors = self.state.errors_for(rank, run.epoch) if run is not None and run.seq == m.seq else []
+        return M.Membership(workers=workers, errors=[msgspec.convert(e, M.SplitError, from_attributes=True)
+                                                     for e in errors], master=self.incarnation)
 
-    def _on_finish_epoch(self, m: dict) -> Reply:
-        rank = self._require_client(m["session"])
+    def _on_finish_epoch(self, m: M.FinishEpoch) -> Reply:
+        rank = self._require_client(m.session)
         current = self.state.ranks.get(rank)
-        if current is None or current.seq != m["seq"]:
-            raise RequestError(f"rank {rank} is not in epoch run {m['seq']}", code="bad_epoch")
-        self._commit(U.EpochFinished(rank, m["seq"]))
-        return "ok", {}
+        if current is None or current.seq != m.seq:
+            raise RequestError(f"rank {rank} is not in epoch run {m.seq}", code=ErrorCode.BAD_EPOCH)
+        self._commit(U.EpochFinished(rank, m.seq))
+        return M.Ok()
 
-    def _on_goodbye(self, m: dict) -> Reply:
+    def _on_goodbye(self, m: M.Goodbye) -> Reply:
         """The client closed its loader: its session ends now, not after the client timeout."""
-        if m["session"] in self.state.clients:
-            self._commit(U.ClientLeft(m["session"], "goodbye"))
-        return "ok", {}
+        if m.session in self.state.clients:
+            self._commit(U.ClientLeft(m.session, "goodbye"))
+        return M.Ok()
 
-    def _current_acks(self, rank: int, seq: int, acks: list) -> list:
+    def _current_acks(self, rank: int, seq: int, acks: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Acks for splits of the rank's current run; others are stale (a run changed under
         a heartbeat in flight) and are not journaled."""
         current = self.state.ranks.get(rank)
         if current is None or current.seq != seq:
             return []
-        return [a for a in acks if a[0] in current.splits and a[1] >= 0]
+        return [a for a in acks if a[0] in current.splits]
 
-    def _on_status(self, m: dict) -> Reply:
-        return "status_reply", {"status": self.status()}
+    def _on_status(self, m: M.Status) -> Reply:
+        return M.StatusReply(status=self.status())
 
     def client_stall(self, session: str) -> float:
         """Share of the window the client's training loop spent waiting for batches, the
@@ -583,24 +583,24 @@ class MasterService:
 
 # Which method answers each request. Checked at import against the protocol, so a
 # request type without a handler fails when the master starts.
-_HANDLERS: dict[str, Callable[[MasterService, dict], Reply]] = {
-    "register": MasterService._on_register,
-    "get_spec": MasterService._on_get_spec,
-    "heartbeat": MasterService._on_heartbeat,
-    "drain": MasterService._on_drain,
-    "bye": MasterService._on_bye,
-    "get_split": MasterService._on_get_split,
-    "split_produced": MasterService._on_split_produced,
-    "split_failed": MasterService._on_split_failed,
-    "splits_released": MasterService._on_splits_released,
-    "hello": MasterService._on_hello,
-    "start_epoch": MasterService._on_start_epoch,
-    "client_heartbeat": MasterService._on_client_heartbeat,
-    "finish_epoch": MasterService._on_finish_epoch,
-    "goodbye": MasterService._on_goodbye,
-    "status": MasterService._on_status,
+_HANDLERS: dict[type, Callable[[MasterService, M.Message], Reply]] = {
+    M.Register: MasterService._on_register,
+    M.GetSpec: MasterService._on_get_spec,
+    M.Heartbeat: MasterService._on_heartbeat,
+    M.Drain: MasterService._on_drain,
+    M.Bye: MasterService._on_bye,
+    M.GetSplit: MasterService._on_get_split,
+    M.SplitProduced: MasterService._on_split_produced,
+    M.SplitFailed: MasterService._on_split_failed,
+    M.SplitsReleased: MasterService._on_splits_released,
+    M.Hello: MasterService._on_hello,
+    M.StartEpoch: MasterService._on_start_epoch,
+    M.ClientHeartbeat: MasterService._on_client_heartbeat,
+    M.FinishEpoch: MasterService._on_finish_epoch,
+    M.Goodbye: MasterService._on_goodbye,
+    M.Status: MasterService._on_status,
 }
 # Updates after which the service decides the partitions again (and journals them).
 _MEMBERSHIP = (U.WorkerRegistered, U.WorkerLost, U.WorkerDraining, U.ClientJoined, U.ClientLeft)
-if set(_HANDLERS) != MASTER_REQUESTS:
-    raise ImportError(f"MasterService handlers {sorted(_HANDLERS)} do not match the protocol's {sorted(MASTER_REQUESTS)}")
+if {M.tag(c) for c in _HANDLERS} != MASTER_REQUESTS:
+    raise ImportError(f"MasterService handlers {sorted(M.tag(c) for c in _HANDLERS)} do not match the protocol's {sorted(MASTER_REQUESTS)}")

@@ -1,3 +1,3 @@
-"""The wire: schema-checked msgpack headers with raw tensor frames (``wire``), and the
-request/reply client every role uses to reach the master (``rpc``). docs/protocol.md is
-the prose version; keep the two in step."""
+"""The wire: every message a type (``messages``), one decoder and raw tensor frames
+(``wire``), and the request/reply client every role uses to reach the master (``rpc``).
+docs/protocol.md's tables are generated from ``messages`` (``docs``)."""

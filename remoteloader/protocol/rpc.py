@@ -10,11 +10,12 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import zmq
 
 from . import wire
+from .messages import Error, Message, tag
 from .auth import Credentials, secure_client
 from .address import validate_address
 
@@ -67,28 +68,29 @@ class RpcClient:
             self._sock.connect(self.addr)
         return self._sock
 
-    def call(self, t: str, timeout_s: Optional[float] = None, stop: Optional[threading.Event] = None,
-             **fields: Any) -> dict:
-        """Send one request; return the reply header. Raises MasterUnavailable or RemoteError.
+    def call(self, request: Message, timeout_s: Optional[float] = None,
+             stop: Optional[threading.Event] = None) -> Message:
+        """Send one request; return the reply. Raises MasterUnavailable or RemoteError.
 
         With ``stop``, the wait ends early (as unavailable) once the event is set, so a
         thread blocked on a dead master can still shut down promptly.
         """
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         sock = self._socket()
-        sock.send_multipart(wire.encode(t, **fields))
+        t = tag(request)
+        sock.send_multipart(wire.encode(request))
         deadline = time.monotonic() + timeout
         while not sock.poll(int(1000 * min(0.1, max(0.0, deadline - time.monotonic())))):
             if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
                 self.reset()
                 raise MasterUnavailable(f"master at {self.addr} did not answer {t!r} within {timeout:g} s")
-        header, _ = wire.decode(sock.recv_multipart(copy=False))
-        if header["t"] == "error":
-            raise RemoteError(header["message"], header.get("code", ""))
-        return header
+        reply, _ = wire.decode(sock.recv_multipart(copy=False))
+        if isinstance(reply, Error):
+            raise RemoteError(reply.message, reply.code or "")
+        return reply
 
-    def call_with_retry(self, t: str, deadline: float, stop: Optional[threading.Event] = None,
-                        timeout_s: Optional[float] = None, **fields: Any) -> dict:
+    def call_with_retry(self, request: Message, deadline: float, stop: Optional[threading.Event] = None,
+                        timeout_s: Optional[float] = None) -> Message:
         """``call``, retried while the master does not answer, until ``deadline`` (monotonic).
 
         The one retry policy of the master's callers: exponential backoff with jitter (clients
@@ -103,7 +105,7 @@ class RpcClient:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self.call(t, timeout_s=max(0.05, min(left, timeout_s or self.timeout_s)), stop=stop, **fields)
+                return self.call(request, timeout_s=max(0.05, min(left, timeout_s or self.timeout_s)), stop=stop)
             except MasterUnavailable as e:
                 now = time.monotonic()
                 if now >= deadline or (stop is not None and stop.is_set()):
@@ -111,7 +113,7 @@ class RpcClient:
                 if now - last_log >= RETRY_LOG_S:
                     last_log = now
                     log.warning("waiting for the master at %s (%r unanswered for %.0f s); retrying",
-                                self.addr, t, now - started)
+                                self.addr, tag(request), now - started)
                 failures += 1
                 pause = min(backoff_delay(failures, RETRY_BASE_S, rng), max(0.0, deadline - now))
                 if stop is not None:

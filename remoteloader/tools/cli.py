@@ -98,15 +98,14 @@ def _validate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import zmq
 
-    from ..protocol.rpc import RpcClient
-
     from ..protocol import auth as cluster_auth
-    from ..protocol.rpc import MasterUnavailable
+    from ..protocol.messages import Status
+    from ..protocol.rpc import MasterUnavailable, RpcClient
 
     creds = cluster_auth.from_option(args.auth)  # AuthError is a ValueError: one line, exit 1
     rpc = RpcClient(zmq.Context.instance(), args.master, args.timeout, auth=creds)
     try:
-        status = rpc.call("status")["status"]
+        status = rpc.call(Status()).status
     except MasterUnavailable as e:
         hint = ("" if creds is not None else
                 f" (a master started with --auth answers only peers holding its keys: pass --auth DIR "

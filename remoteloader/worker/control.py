@@ -8,8 +8,10 @@ import random
 import time
 from typing import Optional
 
+import msgspec
 import psutil
 
+from ..protocol import messages as M
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
 from .buffer import WRONG_JOB, PieceBuffer
@@ -18,7 +20,7 @@ from .producer import ProducerStats
 from .session import CurrentSession, Registrar, WorkerSession
 
 log = logging.getLogger(__name__)
-RELEASE_CHUNK = 1024  # splits per splits_released (the master's limit)
+RELEASE_CHUNK = M.MAX_RELEASED  # splits per splits_released (the master's limit)
 
 
 class Control:
@@ -90,7 +92,7 @@ class Control:
         self._drain_reported = True
         self._drain_deadline = now + self.drain_timeout_s
         try:
-            self.rpc.call("drain", worker_id=session.worker_id, token=session.token, timeout_s=2.0,
+            self.rpc.call(M.Drain(worker_id=session.worker_id, token=session.token), timeout_s=2.0,
                           stop=self.lifecycle.stop)
         except (MasterUnavailable, RemoteError) as e:
             # No master to hand splits to (e.g. the whole service is shutting down): nothing to wait for.
@@ -106,25 +108,28 @@ class Control:
                      io=session.processor.io.to_dict(), discarded=self.buffer.discarded())
         mark = self.buffer.mark()
         try:
-            reply = self.rpc.call("heartbeat", worker_id=session.worker_id, token=session.token,
-                                  buffered=len(self.buffer), stats=stats,
+            reply = self.rpc.call(M.Heartbeat(worker_id=session.worker_id, token=session.token,
+                                              buffered=len(self.buffer), stats=msgspec.convert(stats, M.WorkerStats)),
                                   timeout_s=min(self.rpc.timeout_s, 2.0))
         except (MasterUnavailable, RemoteError) as e:
             log.warning("heartbeat: %s", e)
             if self.lifecycle.draining.is_set():
                 self.lifecycle.stop.set()  # draining with no master to hand splits to: nothing to wait for
             return False
-        if "sessions" in reply:
-            self.buffer.keep_sessions([s for s in reply["sessions"] if isinstance(s, str)], mark)
-        state = reply["state"]
-        if state == "drain":
+        if not isinstance(reply, M.HeartbeatOk):
+            log.warning("heartbeat answered with %r", M.tag(reply))
+            return False
+        if reply.sessions is not None:
+            self.buffer.keep_sessions(reply.sessions, mark)
+        state = reply.state
+        if state == M.WorkerState.DRAIN:
             self.lifecycle.draining.set()
             self._drain_reported = True
             self._drain_deadline = min(self._drain_deadline, time.monotonic() + self.drain_timeout_s)
-        elif state == "stop":
+        elif state == M.WorkerState.STOP:
             log.info("worker %s drained; exiting", session.worker_id)
             self.lifecycle.stop.set()
-        elif state == "unknown":
+        elif state == M.WorkerState.UNKNOWN:
             # The master lost us (restart without journal, or we were presumed dead): rejoin.
             log.warning("master does not know worker %s; registering again", session.worker_id)
             self.current.retract()
@@ -141,8 +146,8 @@ class Control:
             while splits:
                 chunk = splits[:RELEASE_CHUNK]
                 try:
-                    self.rpc.call("splits_released", worker_id=session.worker_id, token=session.token, splits=chunk,
-                                  reason=reason,
+                    self.rpc.call(M.SplitsReleased(worker_id=session.worker_id, token=session.token,
+                                                   splits=[M.SplitRef(*s) for s in chunk], reason=reason),
                                   timeout_s=min(self.rpc.timeout_s, 2.0))
                 except (MasterUnavailable, RemoteError) as e:
                     log.warning("splits_released: %s; retrying", e)

@@ -11,6 +11,7 @@ import zmq
 
 from ..core.allowlist import TableAllowlist
 from ..core.processor import SplitError, SplitTask
+from ..protocol import messages as M
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from .buffer import STOPPED, WRONG_JOB, PieceBuffer
 from .faults import Faults
@@ -85,22 +86,18 @@ class Producer:
     def _next_task(self, rpc: RpcClient, session: WorkerSession) -> Optional[SplitTask]:
         stop = self.lifecycle.stop
         try:
-            reply = rpc.call("get_split", worker_id=session.worker_id, token=session.token,
-                             avoid_ranks=self.buffer.blocked_ranks(),
-                             stop=stop)
+            reply = rpc.call(M.GetSplit(worker_id=session.worker_id, token=session.token,
+                                        avoid_ranks=list(self.buffer.blocked_ranks())), stop=stop)
         except (MasterUnavailable, RemoteError) as e:  # an unknown worker: the control thread registers again
             log.warning("get_split: %s", e)
             stop.wait(0.5)
             return None
-        if reply["t"] == "no_split":
-            stop.wait(reply["retry_ms"] / 1000)
-            return None
-        try:
-            return SplitTask.from_wire(reply["split"])
-        except ValueError as e:  # the master re-queues it when the split times out
-            log.error("dropped a malformed split from the master: %s", e)
-            stop.wait(0.5)
-            return None
+        if isinstance(reply, M.Split):
+            return SplitTask.from_wire(reply.split)
+        if not isinstance(reply, M.NoSplit):  # the master re-queues a split nobody produces
+            log.error("get_split answered with %r", M.tag(reply))
+        stop.wait(reply.retry_ms / 1000 if isinstance(reply, M.NoSplit) else 0.5)
+        return None
 
     def _process(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, notify: zmq.Socket) -> None:
         run = Run.of(task)
@@ -131,9 +128,8 @@ class Producer:
             self.stats.splits += 1
             # Still reported as producing until the master knows it is produced, so a
             # heartbeat in between never makes the split look abandoned.
-            self._call_quietly(rpc, "split_produced", worker_id=session.worker_id, token=session.token,
-                               epoch=task.epoch,
-                               split_id=task.split_id)
+            self._call_quietly(rpc, M.SplitProduced(worker_id=session.worker_id, token=session.token,
+                                                    epoch=task.epoch, split_id=task.split_id))
         except SplitError as e:
             self._report_failure(rpc, session, task, str(e))
         except Exception:  # a bug in processing one split must surface in its client, not hang the job
@@ -143,17 +139,16 @@ class Producer:
             self.stats.busy_s += time.perf_counter() - start
 
     def _release(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, reason: str) -> None:
-        self._call_quietly(rpc, "splits_released", worker_id=session.worker_id, token=session.token,
-                           splits=[[task.epoch, task.split_id]],
-                           reason=reason)
+        self._call_quietly(rpc, M.SplitsReleased(worker_id=session.worker_id, token=session.token,
+                                                 splits=[M.SplitRef(task.epoch, task.split_id)], reason=reason))
 
     def _report_failure(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, message: str) -> None:
         log.error("%s", message)
-        self._call_quietly(rpc, "split_failed", worker_id=session.worker_id, token=session.token, epoch=task.epoch,
-                           split_id=task.split_id, error=message[:8000])
+        self._call_quietly(rpc, M.SplitFailed(worker_id=session.worker_id, token=session.token, epoch=task.epoch,
+                                              split_id=task.split_id, error=message[:8000]))
 
-    def _call_quietly(self, rpc: RpcClient, t: str, **fields) -> None:
+    def _call_quietly(self, rpc: RpcClient, request: M.WorkerRequest) -> None:
         try:
-            rpc.call(t, stop=self.lifecycle.stop, **fields)
+            rpc.call(request, stop=self.lifecycle.stop)
         except (MasterUnavailable, RemoteError) as e:
-            log.warning("%s: %s", t, e)
+            log.warning("%s: %s", M.tag(request), e)

@@ -7,6 +7,7 @@ import time
 
 import zmq
 
+from ..protocol import messages as M
 from ..protocol import wire
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import has_message
@@ -58,21 +59,21 @@ class Pusher:
         msg = wire.safe_decode(body, "client")
         if msg is None:
             return
-        header, _ = msg
-        if header["t"] != "credit":
-            log.warning("dropped %r from a client: workers only take credit", header["t"])
+        grant, _ = msg
+        if not isinstance(grant, M.Credit):
+            log.warning("dropped %r from a client: workers only take credit", M.tag(grant))
             return
-        run = (header["session"], header["seq"])
+        run = (grant.session, grant.seq)
         # Only the connection of the client the master admitted for that session may take its
         # pieces or move it to another run: a session id alone (status shows them) does not.
         # Refused credit leaves nothing behind, so made-up sessions cannot fill any table.
-        if not self.tokens.allows(identity, run[0], header["token"]):
+        if not self.tokens.allows(identity, run[0], grant.token):
             log.debug("dropped credit for session %.80s: its token does not verify", run[0])
             return
         # Credit for a run that is not wanted (its client moved on, or its session is gone)
         # is ignored; credit for a run with no task here yet is kept: the task may come.
         if self.buffer.credited(run):
-            self.credit.grant(run, identity, header["batches"], header["bytes"])
+            self.credit.grant(run, identity, grant.pieces, grant.bytes)
 
     def push(self) -> None:
         """Push pieces to clients holding credit for their run: as many as the credit
@@ -111,9 +112,8 @@ class Pusher:
             descs, frames = wire.pack_arrays(first.source.arrays(first.lo, pieces[-1].hi))
             # `held`: what is left here for this run, so its client can tell that it waits
             # for want of credit rather than for want of data.
-            msg = wire.encode("batch", frames, session=run[0], seq=run[1], split_id=first.split_id,
-                              piece=first.index, rows=[p.rows for p in pieces], held=self.buffer.held(run),
-                              tensors=descs)
+            msg = wire.encode(M.Batch(session=run[0], seq=run[1], split_id=first.split_id, piece=first.index,
+                                    rows=[p.rows for p in pieces], held=self.buffer.held(run), tensors=descs), frames)
             try:
                 # Never block: a client that does not read fills its pipe, and a blocked
                 # send would stop serving everybody else.

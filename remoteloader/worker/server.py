@@ -24,6 +24,7 @@ import zmq
 
 from ..core.allowlist import TableAllowlist
 from ..formats import DEFAULT_COALESCE_GAP
+from ..protocol import messages as M
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
@@ -107,7 +108,7 @@ class Worker:
         if session is None or self.control.master_gone:
             return
         try:
-            self.control.rpc.call("bye", worker_id=session.worker_id, token=session.token, timeout_s=1.0)
+            self.control.rpc.call(M.Bye(worker_id=session.worker_id, token=session.token), timeout_s=1.0)
         except (MasterUnavailable, RemoteError):
             pass
 

@@ -16,6 +16,7 @@ from typing import Optional
 from ..core.allowlist import TableAllowlist
 from ..core.binding import bind_schema
 from ..core.processor import SplitProcessor
+from ..protocol import messages as M
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from ..spec import DatasetSpec
 from .lifecycle import Lifecycle, TableRefused
@@ -94,16 +95,18 @@ class Registrar:
             try:
                 if processor is None:
                     processor, fingerprint = self._build(rpc, previous)
-                reply = rpc.call("register", addr=self.addr, pid=os.getpid(), fingerprint=fingerprint,
+                reply = rpc.call(M.Register(addr=self.addr, pid=os.getpid(), fingerprint=fingerprint),
                                  stop=self.lifecycle.stop)
-                if reply["fingerprint"] != fingerprint:
-                    log.warning("the master runs job %s, not %s: rebuilding", reply["fingerprint"], fingerprint)
-                    self._leave(rpc, reply["worker_id"], reply["token"])
+                if not isinstance(reply, M.Registered):
+                    raise MasterUnavailable(f"register answered with {M.tag(reply)!r}")
+                if reply.fingerprint != fingerprint:
+                    log.warning("the master runs job %s, not %s: rebuilding", reply.fingerprint, fingerprint)
+                    self._leave(rpc, reply.worker_id, reply.token)
                     processor = None
                     continue
-                log.info("worker %s serving on %s (job %s)", reply["worker_id"], self.addr, fingerprint)
-                return WorkerSession(reply["worker_id"], reply["token"], reply["verify_key"], fingerprint, processor,
-                                     float(reply["heartbeat_interval"]))
+                log.info("worker %s serving on %s (job %s)", reply.worker_id, self.addr, fingerprint)
+                return WorkerSession(reply.worker_id, reply.token, reply.verify_key, fingerprint, processor,
+                                     reply.heartbeat_interval)
             except MasterUnavailable as e:
                 log.warning("%s; retrying", e)
             except RemoteError as e:
@@ -115,20 +118,22 @@ class Registrar:
         return None
 
     def _build(self, rpc: RpcClient, previous: Optional[WorkerSession]) -> tuple[SplitProcessor, str]:
-        reply = rpc.call("get_spec", stop=self.lifecycle.stop)
-        if previous is not None and reply["fingerprint"] == previous.fingerprint:
+        reply = rpc.call(M.GetSpec(), stop=self.lifecycle.stop)
+        if not isinstance(reply, M.Spec):
+            raise MasterUnavailable(f"get_spec answered with {M.tag(reply)!r}")
+        if previous is not None and reply.fingerprint == previous.fingerprint:
             return previous.processor, previous.fingerprint
-        spec = DatasetSpec.from_dict(reply["spec"])
+        spec = DatasetSpec.from_dict(reply.spec)
         if not self.allowlist.allows(spec.table.path):
             raise TableRefused(f"the master's job reads table {spec.table.path!r}, outside this "
                                "worker's --allow-table prefixes; refusing to serve it")
-        processor = SplitProcessor(bind_schema(spec, reply["schema"]), self.coalesce_gap)
+        processor = SplitProcessor(bind_schema(spec, reply.schema), self.coalesce_gap)
         processor.warm_up()
-        return processor, reply["fingerprint"]
+        return processor, reply.fingerprint
 
     def _leave(self, rpc: RpcClient, worker_id: str, token: str) -> None:
         """Undo a registration made with the wrong pipeline, so it never gets a split."""
         try:
-            rpc.call("bye", worker_id=worker_id, token=token, timeout_s=1.0, stop=self.lifecycle.stop)
+            rpc.call(M.Bye(worker_id=worker_id, token=token), timeout_s=1.0, stop=self.lifecycle.stop)
         except (MasterUnavailable, RemoteError):
             pass  # it times out on the master instead

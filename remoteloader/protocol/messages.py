@@ -1,0 +1,527 @@
+"""Every message and every nested record of the protocol, as types.
+
+One ``msgspec`` Struct per message, tagged by ``t``; nested records (acks, done ranges,
+split tasks, job info, stats) are Structs too, and every bound lives in the types
+(``Meta``), so the one decoder in ``wire`` checks a message completely while it parses
+it: nothing downstream checks shapes again. docs/protocol.md's tables are generated from
+this module (``protocol/docs.py``).
+
+Records that travel as rows in long lists (acks, units, splits) are ``array_like``: a
+list on the wire, named fields in code.
+"""
+from __future__ import annotations
+
+import enum
+import sys
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 9  # 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+MAX_STRING = 4096  # ids, addresses, reasons
+MAX_TEXT = 1 << 16  # error texts name files and causes
+MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
+MAX_INT = (1 << 63) - 1
+MAX_PIECES = 64  # pieces in one batch message
+MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
+MAX_BUCKETS = 32  # buckets of a client's wait histogram
+MAX_RELEASED = 1024  # splits handed back in one splits_released
+
+Id = Annotated[str, Meta(max_length=MAX_STRING)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Count = Annotated[int, Meta(ge=0, le=MAX_INT)]
+Amount = Annotated[float, Meta(ge=0, le=sys.float_info.max)]  # finite: NaN and inf are refused
+Dim = Annotated[int, Meta(ge=0, le=MAX_FRAME_BYTES)]
+OrUnset = Annotated[int, Meta(ge=-1, le=MAX_INT)]  # -1: not about one epoch, rank or split
+DType = Literal["float32", "float64", "int32", "int64", "uint8"]
+
+
+class ErrorCode(str, enum.Enum):
+    """What an ``error`` reply's ``code`` may say (a str, so it compares with plain strings)."""
+
+    NO_JOB = "no_job"
+    WRONG_JOB = "wrong_job"
+    UNKNOWN_WORKER = "unknown_worker"
+    FULL = "full"
+    BAD_SPEC = "bad_spec"
+    BINDING = "binding"
+    SPEC_MISMATCH = "spec_mismatch"
+    BAD_RANK = "bad_rank"
+    BUSY = "busy"
+    BAD_EPOCH = "bad_epoch"
+    RESUME_MISMATCH = "resume_mismatch"
+    UNKNOWN_CLIENT = "unknown_client"
+    REPLACED = "replaced"
+    FLOOD = "flood"
+    PROTOCOL = "protocol"
+
+
+ERROR_MEANINGS = {
+    ErrorCode.NO_JOB: "no job yet: the master waits for the first client's spec",
+    ErrorCode.WRONG_JOB: "the master serves another job: the worker fetches the spec again",
+    ErrorCode.UNKNOWN_WORKER: "no such worker, or `token` is not its `registered.token`: register again",
+    ErrorCode.FULL: "the master already has `max_workers` workers",
+    ErrorCode.BAD_SPEC: "the first client's spec does not bind (the message names the key or column)",
+    ErrorCode.BINDING: "the master is still reading the table's metadata: retry",
+    ErrorCode.SPEC_MISMATCH: "the spec's fingerprint differs from the running job's",
+    ErrorCode.BAD_RANK: "rank outside the world size, or a world size above the master's maximum",
+    ErrorCode.BUSY: "live clients of another world size: another job runs",
+    ErrorCode.BAD_EPOCH: "an epoch out of range, or a run that is not the rank's current one",
+    ErrorCode.RESUME_MISMATCH: "the epoch started with other rows consumed before a resume",
+    ErrorCode.UNKNOWN_CLIENT: "unknown session: say hello again and restart the epoch with what was consumed",
+    ErrorCode.REPLACED: "another session of the rank replaced this one: the loader stops",
+    ErrorCode.FLOOD: "more than 100 `register` or `hello` in 10 s from one peer",
+    ErrorCode.PROTOCOL: "the request does not follow the protocol (the message says how)",
+}
+
+
+class WorkerState(str, enum.Enum):
+    """``heartbeat_ok.state``: what the master wants the worker to do."""
+
+    RUN = "run"
+    DRAIN = "drain"  # finish what you hold, take nothing new
+    STOP = "stop"  # drained: exit
+    UNKNOWN = "unknown"  # register again
+
+
+# -- nested records -------------------------------------------------------------------
+class Record(Struct, forbid_unknown_fields=True):
+    """A nested record: unknown fields are refused, like a message's."""
+
+
+class Row(Record, array_like=True):
+    """A record that travels as a list (rows of long lists)."""
+
+
+class Ack(Row):
+    """Pieces of a split the training loop consumed (a running total)."""
+
+    split_id: Count
+    pieces: Count
+
+
+class DoneRange(Row):
+    """Rows ``[lo, hi)`` of a base split consumed before an elastic resume."""
+
+    base_split: Count
+    lo: Count
+    hi: Count
+
+
+class SplitRef(Row):
+    """A split a worker hands back."""
+
+    epoch: Count
+    split_id: Count
+
+
+class EpochSplitInfo(Row):
+    """One split of a rank's epoch, as ``start_epoch`` answers it."""
+
+    split_id: Count
+    rows: Count
+    base_split: Count
+    row_lo: Count
+    padding: bool  # repeats a row to even out batch counts
+
+
+class WorkerAddr(Row):
+    """A worker of the client's partition and its data endpoint."""
+
+    worker_id: Id
+    addr: Id
+
+
+class UnitRecord(Row):
+    """An ORC stripe or Parquet row group: ``first_row`` within the file, ``nbytes`` on storage."""
+
+    index: Count
+    first_row: Count
+    num_rows: Count
+    nbytes: Count
+
+
+class TensorDesc(Row):
+    """The data frame at the same position: its dtype and shape (at most two dimensions)."""
+
+    name: Id
+    dtype: DType
+    shape: Annotated[list[Dim], Meta(max_length=2)]
+
+
+class ProducingSplit(Row):
+    """The split a worker is producing."""
+
+    epoch: Count
+    split_id: Count
+    pieces: Count  # produced so far
+
+
+class FileRecord(Record):
+    """A file of the table; in a split task, only the split's units."""
+
+    path: Id
+    format: Id
+    partition: Id
+    num_rows: Count
+    nbytes: Count
+    units: Annotated[list[UnitRecord], Meta(max_length=MAX_LIST)]
+
+
+class SplitTaskRecord(Record):
+    """What a worker produces: units ``[first_unit, stop_unit)`` of ``file``, the rows
+    ``[row_lo, row_hi)`` of them after the per-epoch shuffle, minus ``skip`` leading pieces."""
+
+    epoch: Count
+    split_id: Count
+    rank: Count
+    base: Count
+    file: FileRecord
+    first_unit: Count
+    stop_unit: Count
+    raw_rows: Count  # rows stored in the units
+    position: Count  # canonical position of the first of them (table-level sampling hashes it)
+    base_rows: Count  # rows after sampling: the space row_lo/row_hi index
+    row_lo: Count
+    row_hi: Count
+    skip: Count  # leading pieces the client already consumed
+    session: Annotated[str, Meta(max_length=64)]
+    seq: Count
+    fingerprint: Annotated[str, Meta(max_length=64)]
+
+
+class JobInfo(Record):
+    """The job as a client sees it (``welcome.job``)."""
+
+    fingerprint: Id
+    total_rows: Count
+    rank_rows: Count  # rows of this rank's epoch, padding included
+    dropped_rows: Count  # rows of each epoch no rank reads
+    world_size: Optional[Count]
+    sparse_keys: Annotated[list[Id], Meta(max_length=MAX_LIST)]
+    sparse_scored: Annotated[list[bool], Meta(max_length=MAX_LIST)]  # per sparse key: does it carry scores
+    plan: Id  # fingerprint of the split plan: a saved position resumes only over the same plan
+    dense_width: Count
+
+
+class SplitError(Record):
+    """A split that failed (``skipped`` when the spec's ``on_error`` is ``skip``); a file left
+    out at the job's start has epoch, rank and split_id -1."""
+
+    epoch: OrUnset
+    rank: OrUnset
+    split_id: OrUnset
+    rows: Count
+    message: Text
+    skipped: bool
+
+
+class IOCounters(Record, omit_defaults=True):
+    """A worker's storage reads: requests, bytes transferred and bytes the decoder needed."""
+
+    requests: Optional[Count] = None
+    bytes_requested: Optional[Count] = None
+    bytes_needed: Optional[Count] = None
+    splits: Optional[Count] = None
+
+
+class Discarded(Record, omit_defaults=True):
+    """Pieces a worker threw away so far, by reason (their splits went back to the master)."""
+
+    stale_run: Optional[Count] = None
+    session_gone: Optional[Count] = None
+    silent: Optional[Count] = None
+    yielded: Optional[Count] = None
+    wrong_job: Optional[Count] = None
+
+
+DISCARD_REASONS: tuple[str, ...] = Discarded.__struct_fields__
+
+
+class WorkerStats(Record, omit_defaults=True):
+    """Cumulative counters a worker reports with each heartbeat (the autoscaler's input)."""
+
+    rows: Optional[Count] = None
+    batches: Optional[Count] = None
+    splits: Optional[Count] = None
+    busy_s: Optional[Amount] = None
+    cpu: Optional[Amount] = None  # 0..1
+    mem: Optional[Amount] = None  # bytes
+    time: Optional[Amount] = None
+    capacity: Optional[Count] = None  # its buffer size
+    ahead: Optional[Count] = None  # pieces held for a prefetched next epoch
+    split: Optional[ProducingSplit] = None  # while producing
+    io: Optional[IOCounters] = None
+    discarded: Optional[Discarded] = None
+
+
+class ClientStats(Record, omit_defaults=True):
+    """Cumulative counters a client reports with each heartbeat."""
+
+    wait_s: Optional[Amount] = None  # blocked mid-epoch
+    starved_s: Optional[Amount] = None  # the part of wait_s while no worker held a piece for the rank
+    epoch_start_s: Optional[Amount] = None  # waiting for an epoch's first batch
+    batches: Optional[Count] = None
+    rows: Optional[Count] = None
+    queued: Optional[Count] = None
+    time: Optional[Amount] = None
+    since_batch_s: Optional[Amount] = None  # since the training loop last got a batch
+    wait_le: Optional[Annotated[list[Amount], Meta(max_length=MAX_BUCKETS)]] = None  # histogram bounds
+    wait_buckets: Optional[Annotated[list[Count], Meta(max_length=MAX_BUCKETS)]] = None
+
+
+# -- messages ---------------------------------------------------------------------------
+class Message(Struct, tag_field="t", forbid_unknown_fields=True, kw_only=True):
+    """A header: ``v`` (checked first) and ``t`` (the type's tag), then the type's fields."""
+
+    DIRECTION: ClassVar[str] = ""
+    v: int = PROTOCOL_VERSION
+
+
+class WorkerRequest(Message):
+    DIRECTION: ClassVar[str] = "worker → master"
+
+
+class ClientRequest(Message):
+    DIRECTION: ClassVar[str] = "client → master"
+
+
+class MasterReply(Message):
+    DIRECTION: ClassVar[str] = "master → worker / client"
+
+
+class DataMessage(Message):
+    DIRECTION: ClassVar[str] = "client ↔ worker"
+
+
+class Register(WorkerRequest, tag="register"):
+    """A worker with a compiled pipeline offers its data endpoint."""
+
+    addr: Id  # tcp://HOST:PORT with a concrete host and a port in 1..65535
+    pid: Count
+    fingerprint: Id  # the job its pipeline is compiled for
+
+
+class GetSpec(WorkerRequest, tag="get_spec"):
+    """The job's spec and schema, to compile a pipeline."""
+
+
+class WorkerNamed(WorkerRequest):
+    worker_id: Id
+    token: Id  # registered.token
+
+
+class Heartbeat(WorkerNamed, tag="heartbeat"):
+    """Liveness and statistics."""
+
+    buffered: Count  # pieces in its buffer
+    stats: Optional[WorkerStats] = None
+
+
+class GetSplit(WorkerNamed, tag="get_split"):
+    """The next split to produce."""
+
+    avoid_ranks: Annotated[list[Count], Meta(max_length=MAX_LIST)] = []  # their share of the buffer is full
+
+
+class SplitsReleased(WorkerNamed, tag="splits_released"):
+    """Splits the worker gives back; they are pending again."""
+
+    splits: Annotated[list[SplitRef], Meta(max_length=MAX_RELEASED)]
+    reason: Id  # a discard reason
+
+
+class SplitProduced(WorkerNamed, tag="split_produced"):
+    """Every piece of the split is in the worker's buffer."""
+
+    epoch: Count
+    split_id: Count
+
+
+class SplitFailed(WorkerNamed, tag="split_failed"):
+    """The split could not be produced."""
+
+    epoch: Count
+    split_id: Count
+    error: Text  # names file, split and cause
+
+
+class Drain(WorkerNamed, tag="drain"):
+    """The worker got SIGTERM: no new split; it leaves when told stop."""
+
+
+class Bye(WorkerNamed, tag="bye"):
+    """The worker leaves now; its unfinished splits are re-queued."""
+
+
+class Hello(ClientRequest, tag="hello"):
+    """A loader of one rank joins: the master issues a session."""
+
+    rank: Count
+    world_size: Count
+    spec: dict[str, Any]  # validated by DatasetSpec.from_dict
+    fingerprint: Id
+
+
+class SessionRequest(ClientRequest):
+    session: Id
+
+
+class StartEpoch(SessionRequest, tag="start_epoch"):
+    """A run of an epoch; a resumed client says what it already consumed."""
+
+    epoch: Count
+    consumed: Annotated[list[Ack], Meta(max_length=MAX_LIST)] = []
+    done: Annotated[list[DoneRange], Meta(max_length=MAX_LIST)] = []  # rows consumed before an elastic resume
+
+
+class ClientHeartbeat(SessionRequest, tag="client_heartbeat"):
+    """Acks of the run ``seq`` (others are ignored) and statistics."""
+
+    seq: Count
+    acks: Annotated[list[Ack], Meta(max_length=MAX_LIST)]
+    stats: Optional[ClientStats] = None
+
+
+class FinishEpoch(SessionRequest, tag="finish_epoch"):
+    """Every batch of the run was delivered."""
+
+    seq: Count
+
+
+class Goodbye(SessionRequest, tag="goodbye"):
+    """The loader closed: the master forgets the session now."""
+
+
+class Status(ClientRequest, tag="status"):
+    """What ``remoteloader status --json`` prints."""
+
+
+class Registered(MasterReply, tag="registered"):
+    """Answers register."""
+
+    worker_id: Id
+    heartbeat_interval: Amount
+    fingerprint: Id  # the master's job: another one than the worker's means fetch the spec again
+    token: Id  # HMAC of the worker id: every request naming the worker carries it
+    verify_key: Id  # the master's Ed25519 public key (hex): verifies client tokens
+
+
+class Spec(MasterReply, tag="spec"):
+    """Answers get_spec."""
+
+    spec: dict[str, Any]
+    schema: dict[str, Any]
+    fingerprint: Id
+
+
+class HeartbeatOk(MasterReply, tag="heartbeat_ok"):
+    """Answers heartbeat."""
+
+    state: WorkerState
+    # Live sessions of the ranks it serves; left out: the worker keeps what it knows.
+    sessions: Optional[Annotated[list[Id], Meta(max_length=MAX_LIST)]] = None
+
+
+class Split(MasterReply, tag="split"):
+    """Answers get_split: a split task."""
+
+    split: SplitTaskRecord
+
+
+class NoSplit(MasterReply, tag="no_split"):
+    """Answers get_split: nothing to do now."""
+
+    retry_ms: Count
+    reason: Id
+
+
+class Welcome(MasterReply, tag="welcome"):
+    """Answers hello."""
+
+    session: Id
+    token: Id  # the master's signature of the session: sent in every credit
+    job: JobInfo
+
+
+class Epoch(MasterReply, tag="epoch"):
+    """Answers start_epoch: the run's number and this rank's splits."""
+
+    epoch: Count
+    seq: Count
+    splits: Annotated[list[EpochSplitInfo], Meta(max_length=MAX_LIST)]
+
+
+class Membership(MasterReply, tag="membership"):
+    """Answers client_heartbeat: the partition now, failed splits, the master process."""
+
+    workers: Annotated[list[WorkerAddr], Meta(max_length=MAX_LIST)]
+    errors: Annotated[list[SplitError], Meta(max_length=MAX_LIST)]
+    master: Id = ""
+
+
+class Ok(MasterReply, tag="ok"):
+    """Done."""
+
+
+class Error(MasterReply, tag="error"):
+    """The request was refused."""
+
+    message: Text
+    code: Optional[ErrorCode] = None
+
+
+class StatusReply(MasterReply, tag="status_reply"):
+    """Answers status."""
+
+    status: dict[str, Any]
+
+
+class Credit(DataMessage, tag="credit"):
+    """Running totals of pieces and bytes granted for a run."""
+
+    session: Id
+    token: Id  # the session's welcome.token
+    seq: Count
+    pieces: Count
+    bytes: Count
+
+
+class Batch(DataMessage, tag="batch"):
+    """A run of consecutive pieces of one split; one data frame per tensor."""
+
+    session: Id
+    seq: Count
+    split_id: Count
+    piece: Count  # the first piece of the run
+    rows: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_FRAME_BYTES)]], Meta(min_length=1, max_length=MAX_PIECES)]
+    held: Count  # pieces of the run the worker still holds after this message
+    tensors: Annotated[list[TensorDesc], Meta(max_length=64)]
+
+    def __getitem__(self, name: str) -> Any:
+        # wire.unpack_pieces (issue 24's jagged-layout work owns it) reads the header as a map.
+        return getattr(self, name)
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Register, GetSpec, Heartbeat, GetSplit, SplitsReleased, SplitProduced, SplitFailed, Drain, Bye,
+    Hello, StartEpoch, ClientHeartbeat, FinishEpoch, Goodbye, Status,
+    Registered, Spec, HeartbeatOk, Split, NoSplit, Welcome, Epoch, Membership, Ok, Error, StatusReply,
+    Credit, Batch)
+AnyMessage = Union[MESSAGE_TYPES]  # type: ignore[valid-type]
+RECORD_TYPES: tuple[type[Record], ...] = (
+    Ack, DoneRange, SplitRef, EpochSplitInfo, WorkerAddr, SplitError, JobInfo, SplitTaskRecord, FileRecord,
+    UnitRecord, TensorDesc, WorkerStats, ProducingSplit, IOCounters, Discarded, ClientStats)
+MASTER_REQUESTS = frozenset(c.__struct_config__.tag for c in MESSAGE_TYPES
+                            if issubclass(c, (WorkerRequest, ClientRequest)))
+
+
+def tag(message: Message) -> str:
+    return message.__struct_config__.tag
+
+
+def from_fields(t: str, fields: dict[str, Any]) -> Message:
+    """The message of type ``t`` from plain fields, validated like a received one (for
+    tests and tools that write messages as maps)."""
+    return msgspec.convert({"t": t, **fields}, AnyMessage)
