@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
 from tests.conftest import ROWS, spec_dict
 from tests.test_end_to_end import assert_same, collect, read_reference
@@ -34,8 +33,6 @@ def test_the_window_grows_while_a_worker_holds_pieces_the_loop_waits_for(tables,
     assert loader.credit.grown >= 1
 
 
-@pytest.mark.xfail(strict=True, reason="the worker has not called PieceBuffer.release_silent since 87316e2: "
-                                       "worker/control.py's _release must call it first")
 def test_a_silent_rank_s_pieces_are_released_and_produced_again_when_it_reads(tables, inprocess):
     cluster = inprocess(workers=1, buffer_batches=8, client_timeout_s=1.0)
     spec = spec_dict(tables["orc"], batch_size=50, split_rows=500)

@@ -139,6 +139,7 @@ class Control:
         """Hand back the splits of discarded pieces (silent clients, stale runs, gone
         sessions); kept and retried until the master has them, or a client could wait for
         pieces nobody holds."""
+        self.buffer.release_silent()  # sessions silent past --client-timeout: their pieces go back
         for reason, splits in self.buffer.take_released().items():
             log.warning("discarded pieces of %d splits (%s); handing them back", len(splits), reason)
             self._unreported.setdefault(reason, []).extend(list(s) for s in splits)
