@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 from tests.conftest import ROWS, spec_dict
 from tests.test_end_to_end import assert_same, collect, read_reference
 
