@@ -14,7 +14,7 @@ Model (all rates in rows/s):
 * Measurements reported to the policy are noisy (``rate_noise``, ``cpu_noise``).
 
 Every step is a handful of numpy operations over all workers, so 1000 workers for
-a simulated hour run in seconds; the policy sees one ``Snapshot`` per ``tick_s``.
+a simulated hour run in seconds; the policy sees one ``Observation`` per ``tick_s``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from remoteloader.master.autoscale import ClientSignal, Decision, Policy, Snapshot, WorkerSignal
+from remoteloader.master.autoscale import ClientSignal, Decision, Observation, Policy, WorkerSignal
 
 STARTING, ACTIVE, DRAINING = 0, 1, 2
 
@@ -269,7 +269,7 @@ def simulate(sc: Scenario, policy: Policy, name: str = "") -> SimResult:
         cbps = got / sc.tick_s / sc.batch_rows / sc.clients * (1 + 0.02 * rng.standard_normal(sc.clients))
         clients = _signals(ClientSignal, client_ids, cstall.tolist(), cbps.tolist())
         pending = int((fleet.state == STARTING).sum())
-        d = policy.observe(Snapshot(t, workers, clients, pending))
+        d = policy.observe(Observation(t, workers, clients, pending))
         if d is not None and d.count > 0:
             if d.action == "add":
                 fleet.add(min(d.count, max(0, sc.max_workers - len(fleet.ids))), t)

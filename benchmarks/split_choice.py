@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = {"batch_size": 64, "seed": 0, "shuffle": True, "drop_last": False, "even_batches": "pad", "on_error": "fail"}
+SPEC = {"batch_size": 64, "seed": 0, "shuffle": True, "drop_last": False, "even_batches": "pad", "on_error": "fail",
+        "table": "/synthetic", "features": {"dense": ["x"]}}
 
 
 def measure(workers: int, ranks: int, splits_per_rank: int) -> dict:
@@ -32,13 +33,20 @@ def measure(workers: int, ranks: int, splits_per_rank: int) -> dict:
 
     n = ranks * splits_per_rank
     units = tuple(Unit(i, i * 640, 640, 1) for i in range(n))
-    files = [DataFile("f0", "orc", "", n * 640, n, units).to_wire()]
+    rows = [[0, i, i + 1, 640, 640, 640 * i] for i in range(n)]
+    if hasattr(U, "file_record"):  # typed updates (issue 24): the spec and records as such
+        from remoteloader.spec import DatasetSpec
+        job = U.JobSubmitted(DatasetSpec.from_dict(SPEC), "fp", {"x": "float"},
+                             [U.file_record(DataFile("f0", "orc", "", n * 640, n, units))],
+                             [U.SplitRecord(*r) for r in rows], [])
+    else:
+        job = U.JobSubmitted(SPEC, "fp", {"x": "float"}, [DataFile("f0", "orc", "", n * 640, n, units).to_wire()],
+                             rows, [])
     # From protocol 7 on, the service decides partitions (journaled) and epochs are runs of a
     # client session; the baseline tree decided partitions inside apply.
     sessions = hasattr(U, "PartitionsChanged")
     st = JobState() if sessions else JobState(max_workers_per_client=32)
-    st.apply(U.JobSubmitted(SPEC, "fp", {"x": "float"}, files,
-                            [[0, i, i + 1, 640, 640, 640 * i] for i in range(n)], []))
+    st.apply(job)
     for w in range(workers):
         st.apply(U.WorkerRegistered(f"w{w}", "tcp://127.0.0.1:1", w, 0.0))
     for r in range(ranks):

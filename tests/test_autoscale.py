@@ -1,4 +1,4 @@
-"""Autoscaling policy against the simulator (and a few hand-made snapshots)."""
+"""Autoscaling policy against the simulator (and a few hand-made observations)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from remoteloader.master.autoscale import (AutoscaleConfig, AutoscalePolicy, ClientSignal, CpuTargetConfig,
-                                           CpuTargetPolicy, Decision, OraclePolicy, Snapshot, WorkerSignal)
+                                           CpuTargetPolicy, Decision, Observation, OraclePolicy, WorkerSignal)
 from benchmarks.simulator import Scenario, SimResult, fewest_workers, oracle_workers, simulate
 
 W = 10_000.0   # mean rows/s per simulated worker
@@ -143,10 +143,11 @@ def test_cooldown_and_reasons(caplog: pytest.LogCaptureFixture) -> None:
     assert len(logged) >= len(p.decisions) and all(d.reason in m for d, m in zip(p.decisions, logged))
 
 
-def _snap(t: float, n: int, stall: float, buffered: int, rate: float = 9_000.0, pending: int = 0) -> Snapshot:
+def _observation(t: float, n: int, stall: float, buffered: int, rate: float = 9_000.0,
+                 pending: int = 0) -> Observation:
     workers = tuple(WorkerSignal(f"w{i}", rate, buffered, 8, 0.9) for i in range(n))
     clients = (ClientSignal("c0", stall, n * rate * (1 - stall) / 1024),)
-    return Snapshot(t, workers, clients, pending)
+    return Observation(t, workers, clients, pending)
 
 
 def _run(policy: AutoscalePolicy, stall: float, fill: int, starved, seconds: int = 30) -> list:
@@ -155,7 +156,7 @@ def _run(policy: AutoscalePolicy, stall: float, fill: int, starved, seconds: int
     for t in range(seconds):
         workers = (WorkerSignal("w0", 9_000.0, fill, 8, 0.9),)
         clients = (ClientSignal("c0", stall, 9_000.0 * (1 - stall) / 1024, starved),)
-        d = policy.observe(Snapshot(float(t), workers, clients))
+        d = policy.observe(Observation(float(t), workers, clients))
         out += [d] if d is not None else []
     return out
 
@@ -180,13 +181,13 @@ def test_waits_for_pending_workers_and_cooldown() -> None:
     p = AutoscalePolicy(AutoscaleConfig(cooldown_s=30.0))
     first = None
     for t in range(0, 20):
-        first = first or p.observe(_snap(float(t), 2, 0.5, 0))
+        first = first or p.observe(_observation(float(t), 2, 0.5, 0))
     assert first is not None and first.action == "add" and first.workers > 2
     # The launched workers have not reported yet: no new measurement, no action.
-    assert all(p.observe(_snap(float(t), 2, 0.5, 0, pending=first.count)) is None for t in range(20, 80))
+    assert all(p.observe(_observation(float(t), 2, 0.5, 0, pending=first.count)) is None for t in range(20, 80))
     # Workers up but trainers still stall: nothing before the cooldown has passed and a window is measured.
     n = first.workers
-    quiet = [p.observe(_snap(float(t), n, 0.5, 0)) for t in range(80, 90)]
+    quiet = [p.observe(_observation(float(t), n, 0.5, 0)) for t in range(80, 90)]
     assert all(d is None for d in quiet)
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 
 from remoteloader.master.autoscale import (AutoscaleConfig, AutoscalePolicy, Autoscaler, CpuTargetConfig,
-                                           CpuTargetPolicy, Decision, Snapshot)
+                                           CpuTargetPolicy, Decision, Observation)
 from remoteloader.master.service import MasterConfig, MasterService
 from tests.wire_helpers import ask
 
@@ -181,10 +181,10 @@ class Scripted:
 
     def __init__(self, script: list[Optional[Decision]]) -> None:
         self.script, self.decisions = list(script), []
-        self.snapshots: list[Snapshot] = []
+        self.observations: list[Observation] = []
 
-    def observe(self, snap: Snapshot) -> Optional[Decision]:
-        self.snapshots.append(snap)
+    def observe(self, obs: Observation) -> Optional[Decision]:
+        self.observations.append(obs)
         d = self.script.pop(0) if self.script else None
         if d is not None:
             self.decisions.append(d)
@@ -197,13 +197,13 @@ def test_adds_through_the_launcher_and_drains_removed_workers(tmp_path: Path) ->
     assert scaler.state_path is None                # a policy without state_dict saves nothing
     run(clock, scaler, fleet, 4)
     assert scaler.launcher.started == [2, 2], "min_workers at start, then the add capped at max_workers"
-    assert policy.snapshots[-1].pending_workers == 2 and len(policy.snapshots[-1].workers) == 2
+    assert policy.observations[-1].pending_workers == 2 and len(policy.observations[-1].workers) == 2
     victim = fleet.ids[0]
     policy.script = [Decision(0, "remove", 2, 2, "fewer", ("w-gone", victim))]
     run(clock, scaler, fleet, 1)
     assert service.state.workers[victim].draining and not service.state.workers[fleet.ids[1]].draining
     run(clock, scaler, fleet, 1)
-    assert [w.worker_id for w in policy.snapshots[-1].workers] == [fleet.ids[1]], "draining workers are left out"
+    assert [w.worker_id for w in policy.observations[-1].workers] == [fleet.ids[1]], "draining workers are left out"
 
 
 def test_start_counts_the_workers_the_launcher_already_has() -> None:

@@ -5,6 +5,7 @@ import dataclasses
 import time
 
 import msgpack
+import msgspec
 import pytest
 
 from remoteloader.master import updates as U
@@ -269,7 +270,7 @@ def test_restart_on_the_journal_rebuilds_the_whole_state(spec, tmp_path, compact
     call(live, "drain", worker_id=c)
     live.sync()
     if compacted:  # the journal as compaction leaves it: one Snapshot record
-        live.journal.compact(U.Snapshot(live.state.snapshot()))
+        live.journal.compact(live.state.snapshot())
     records = [type(u).__name__ for u in Journal(tmp_path).replay()]
     assert (records == ["Snapshot"]) == compacted
     live.journal.close()
@@ -422,7 +423,7 @@ def test_the_journal_compacts_on_what_was_appended_and_never_when_idle(spec, tmp
                      acks=[[split["split_id"], done]])
         assert call(service, "finish_epoch", session=session(service, "c0"), seq=epoch) == ("ok", {})
         service.sync()
-        snapshot = len(msgpack.packb(U.Snapshot(service.state.snapshot()).to_record(), use_bin_type=True))
+        snapshot = len(U.encode(service.state.snapshot()))
         assert service.journal.size <= 2 * max(2000, snapshot) + snapshot  # bounded by the state
     assert len(compactions) >= 2
     before = len(compactions)
@@ -529,10 +530,9 @@ def test_a_snapshot_of_another_version_is_refused_before_the_state_changes(spec)
     service = make_service(spec, Clock())
     register(service)
     before = durable_view(service)
-    snapshot = service.state.snapshot()
-    snapshot["version"] = 1
+    snapshot = msgspec.structs.replace(service.state.snapshot(), version=1)
     with pytest.raises(ValueError, match="snapshot version 1"):
-        service.state.apply(U.Snapshot(snapshot))
+        service.state.apply(snapshot)
     assert durable_view(service) == before
 
 

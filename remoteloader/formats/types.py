@@ -36,24 +36,6 @@ class DataFile:
         units = self.units[first - base:stop - base] if base <= first < stop else ()
         return units if len(units) == stop - first else ()
 
-    def to_wire(self) -> dict:
-        """Plain data for the journal and the wire; units as ``[index, first_row, num_rows,
-        nbytes]`` rows, because a file may have thousands of them."""
-        return {"path": self.path, "format": self.format, "partition": self.partition, "num_rows": self.num_rows,
-                "nbytes": self.nbytes, "units": [[u.index, u.first_row, u.num_rows, u.nbytes] for u in self.units]}
-
-    @classmethod
-    def from_wire(cls, data: object) -> "DataFile":
-        """The inverse of ``to_wire``; raises ValueError on anything else."""
-        strs, ints = ("path", "format", "partition"), ("num_rows", "nbytes")
-        if not (isinstance(data, dict) and set(data) == {*strs, *ints, "units"}
-                and all(type(data[k]) is str for k in strs) and all(type(data[k]) is int for k in ints)
-                and isinstance(data["units"], list)
-                and all(isinstance(u, list) and len(u) == 4 and all(type(x) is int for x in u) for u in data["units"])):
-            raise ValueError(f"malformed file record: {str(data)[:200]}")
-        return cls(data["path"], data["format"], data["partition"], data["num_rows"], data["nbytes"],
-                   tuple(Unit(*u) for u in data["units"]))
-
 
 @dataclass
 class IOStats:

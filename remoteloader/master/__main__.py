@@ -150,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # Workers it starts check the same tables again (a second line of defence), told through
     # their environment: a table path may hold a credential, and command lines are public.
-    served = [*allowed, *([service.state.job.spec["table"]["path"]] if service.state.job else [])]
+    served = [*allowed, *([service.state.job.spec.table.path] if service.state.job else [])]
     try:
         engine = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
                                ray_auth_token_path=args.ray_auth_token_file,
@@ -266,7 +266,7 @@ def _without(argv: list[str], options: dict[str, int]) -> list[str]:
 
 def _autoscale_config(args: argparse.Namespace, service: MasterService) -> Optional[AutoscaleConfig]:
     """CLI flags win over the spec's ``autoscale`` section; neither means a fixed pool."""
-    from_spec = (service.state.job.spec.get("autoscale") if service.state.job else None) or {}
+    from_spec = (service.state.job.spec.autoscale if service.state.job else None) or {}
     if not args.autoscale and not from_spec:
         return None
     config = AutoscaleConfig()

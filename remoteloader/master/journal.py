@@ -8,11 +8,13 @@ to a temporary file, fsync, rename), so the journal and its replay stay the size
 the current state, not of the job's history.
 
 Format: a sequence of records, each a 4-byte little-endian length and a msgpack map
-(``Update.to_record()``). A crash can leave a torn last record; replay stops at the
-first incomplete record and truncates the file there, so the journal always ends on a
-whole record before new ones are appended. A whole record that cannot be read (damage,
-or written by another version) is quarantined: copied to ``journal.quarantine`` with a
-log line naming its offset, and skipped, so the master still starts.
+(``updates.encode``: the update's fields, tagged ``u`` by its type). A crash can leave a
+torn last record; replay stops at the first incomplete record and truncates the file
+there, so the journal always ends on a whole record before new ones are appended. A whole
+record that cannot be read (damage, or written by another version: ``updates.decode``
+checks every field of it against this version's types) is quarantined: copied to
+``journal.quarantine`` with a log line naming its offset, and skipped, so the master still
+starts.
 
 The journal holds the job's spec as given (a restarted master serves it to workers), so
 its directory is private to the master's user (0700) and its files are 0600.
@@ -25,10 +27,8 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
-import msgpack
-
 from ..core.redact import open_private, private_dir
-from .updates import Update, from_record
+from .updates import Snapshot, Update, decode, encode
 
 log = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
@@ -36,7 +36,7 @@ _LEN = struct.Struct("<I")
 
 def _frame(update: Update) -> bytes:
     """One record as it is stored: its length, then its msgpack map."""
-    blob = msgpack.packb(update.to_record(), use_bin_type=True)
+    blob = encode(update)
     return _LEN.pack(len(blob)) + blob
 
 
@@ -63,8 +63,8 @@ class Journal:
                 break
             record = data[pos + _LEN.size : pos + _LEN.size + n]
             try:
-                update = from_record(msgpack.unpackb(record, raw=False))
-            except (ValueError, TypeError, msgpack.UnpackException) as e:
+                update = decode(record)
+            except ValueError as e:  # msgspec's DecodeError and ValidationError
                 self.quarantine(pos, record, str(e))
                 update = None
             pos += _LEN.size + n
@@ -99,7 +99,7 @@ class Journal:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def compact(self, snapshot: Update) -> None:
+    def compact(self, snapshot: Snapshot) -> None:
         """Replace the journal by ``snapshot`` alone (after a sync: nothing pending is lost)."""
         self.sync()
         record = _frame(snapshot)

@@ -13,7 +13,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-import msgpack
 import msgspec
 
 from ..core.binding import BoundDataset, bind, bind_schema
@@ -136,7 +135,7 @@ class MasterService:
                 try:
                     self.state.apply(update)
                 except Exception as e:  # an invalid record must not keep the master from starting
-                    journal.quarantine(-1, msgpack.packb(update.to_record(), use_bin_type=True), repr(e))
+                    journal.quarantine(-1, U.encode(update), repr(e))
                     continue
                 replayed += 1
             if replayed:
@@ -145,7 +144,7 @@ class MasterService:
         # since is what the compaction rule counts.
         self._snapshot_bytes = journal.size if journal is not None else 0
         if self.state.job is not None:
-            self.bound = bind_schema(DatasetSpec.from_dict(self.state.job.spec), self.state.job.schema)
+            self.bound = bind_schema(self.state.job.spec, self.state.job.schema)
         self._commit(U.MasterStarted(clock()))
         self.sync()
 
@@ -156,7 +155,7 @@ class MasterService:
         if isinstance(update, _MEMBERSHIP):
             partitions = self.state.balanced_partitions(self.config.max_workers_per_client)
             if partitions != self.state.partitions:
-                self._commit(U.PartitionsChanged(sorted([rank, members] for rank, members in partitions.items())))
+                self._commit(U.PartitionsChanged(sorted(partitions.items())))
 
     def sync(self) -> None:
         """Make every committed update durable (one fsync for all of them: the server calls
@@ -169,7 +168,7 @@ class MasterService:
         self.journal.sync()
         appended = self.journal.size - self._snapshot_bytes
         if appended > max(self.config.journal_compact_bytes, self._snapshot_bytes):
-            self.journal.compact(U.Snapshot(self.state.snapshot()))
+            self.journal.compact(self.state.snapshot())
             self._snapshot_bytes = self.journal.size
 
     # -- the job ---------------------------------------------------------------------
@@ -180,8 +179,8 @@ class MasterService:
 
     def _submit_bound(self, spec: DatasetSpec, bound: BoundDataset, splits: list) -> None:
         files = bound.files or []
-        self._commit(U.JobSubmitted(spec.to_dict(), spec.fingerprint(), bound.schema,
-                                    [f.to_wire() for f in files], [s.to_wire() for s in splits], bound.skipped))
+        self._commit(U.JobSubmitted(spec, spec.fingerprint(), bound.schema, [U.file_record(f) for f in files],
+                                    [U.SplitRecord.of(s) for s in splits], bound.skipped))
         self.bound = bound
         if self.config.popularity_log:
             # Which columns jobs read together: `remoteloader reorder` stores them together.
@@ -285,7 +284,7 @@ class MasterService:
     def _on_get_spec(self, m: M.GetSpec) -> Reply:
         self._require_job()
         job = self.state.job
-        return M.Spec(spec=job.spec, schema=job.schema, fingerprint=job.fingerprint)
+        return M.Spec(spec=job.spec.to_dict(), schema=job.schema, fingerprint=job.fingerprint)
 
     def _on_heartbeat(self, m: M.Heartbeat) -> Reply:
         w = self.state.workers.get(m.worker_id)
@@ -356,7 +355,7 @@ class MasterService:
 
     def _on_split_failed(self, m: M.SplitFailed) -> Reply:
         if self._holds(m):
-            skipped = self.state.job.spec["on_error"] == "skip"
+            skipped = self.state.job.spec.on_error == "skip"
             log.error("split %d failed%s: %s", m.split_id, " (skipped)" if skipped else "", m.error)
             self._commit(U.SplitFailed(m.epoch, m.split_id, m.worker_id, m.error, skipped))
         return M.Ok()
@@ -562,7 +561,7 @@ class MasterService:
                                 "pending": len(re.pending), "finished": re.finished}
         return {
             # Redacted: any key holder may ask for the status (and it ends up in logs and tickets).
-            "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec["table"]["path"]),
+            "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec.table.path),
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size},
             "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, "buffered": w.buffered,

@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import msgspec
+
 from ..core.plan import (
     BaseSplit,
     EpochSplit,
@@ -21,6 +23,7 @@ from ..core.plan import (
     rank_shares,
 )
 from ..formats import DataFile
+from ..spec import DatasetSpec
 from . import updates as U
 
 
@@ -82,9 +85,9 @@ class EpochPlan:
 
 @dataclass
 class Job:
-    spec: dict
+    spec: DatasetSpec
     fingerprint: str
-    schema: dict
+    schema: dict[str, str]
     files: list[DataFile]
     splits: list[BaseSplit]
     total_rows: int
@@ -98,7 +101,6 @@ class Job:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-SNAPSHOT_VERSION = 2  # 2: client sessions and epoch runs (session, seq), partitions journaled
 REPLACED_KEPT = 1024
 MAX_RESUMED_EPOCHS = 8  # epochs whose resume (rows consumed before) the state keeps
 MAX_PLANS = 16  # epoch plans kept in the memo
@@ -139,79 +141,87 @@ class JobState:
             self.client_seen[cid] = u.time
 
     def _on_Snapshot(self, u: U.Snapshot) -> None:
-        """The state as ``snapshot()`` wrote it (a compacted journal starts with one)."""
-        snap = u.state
-        if snap.get("version") != SNAPSHOT_VERSION:  # refused whole, before anything changes
-            raise ValueError(f"snapshot version {snap.get('version')!r}, this master reads {SNAPSHOT_VERSION}")
-        self.__init__()  # type: ignore[misc]
-        job = snap["job"]
-        if job is not None:
-            self._on_JobSubmitted(U.JobSubmitted(job["spec"], job["fingerprint"], job["schema"], job["files"],
-                                                 job["splits"], []))
-            self.job.world_size = job["world_size"]
-        self._worker_seq = snap["worker_seq"]
-        for wid, addr, pid, seq, last_seen, draining, assigned in snap["workers"]:
-            self.workers[wid] = WorkerInfo(wid, addr, pid, seq, last_seen, draining=draining,
-                                           assigned={tuple(a) for a in assigned})
-        for session, rank, seen, next_seq in snap["clients"]:
-            self.clients[session], self.client_seen[session], self.next_seq[session] = rank, seen, next_seq
-            self.session_of[rank] = session
-        self.replaced.extend(snap["replaced"])
-        self.partitions = {rank: list(members) for rank, members in snap["partitions"]}
-        self.resumed = {epoch: {base: [tuple(r) for r in ranges] for base, ranges in done}
-                        for epoch, done in snap["resumed"]}
-        # Rank epochs are rebuilt one by one: until all are, none of their plans (nor the
-        # resumes they were planned with) may be pruned as older than the ranks restored so far.
-        self._plan_floor = min((row[1] for key in ("ranks", "prefetched") for row in snap[key]), default=None)
-        for key, target in (("ranks", self.ranks), ("prefetched", self.prefetched)):
-            for rank, epoch, session, seq, finished, pending, progress in snap[key]:
-                rank_epoch = self._new_rank_epoch(rank, epoch, session, seq)
-                rank_epoch.finished, rank_epoch.pending = finished, deque(pending)
-                for split_id, consumed, worker, assigned_at, produced, failed in progress:
-                    p = rank_epoch.splits[split_id]
-                    p.consumed, p.worker, p.assigned_at, p.produced, p.failed = (consumed, worker, assigned_at,
-                                                                                 produced, failed)
-                    if worker is not None and not p.done:
-                        rank_epoch.in_flight.add(split_id)
-                target[rank] = rank_epoch
-        self._plan_floor = None
-        self.errors, self.error_counts = snap["errors"], dict(snap["error_counts"])
+        """The state as ``snapshot()`` wrote it (a compacted journal starts with one). Built
+        aside and swapped in whole: a snapshot of another version, or one that does not fit
+        together (a progress entry of a split its run does not have), is refused with this
+        state untouched, so replay never goes on from half a state."""
+        if u.version != U.SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {u.version!r}, this master reads {U.SNAPSHOT_VERSION}")
+        restored = JobState()
+        restored._restore(u)
+        self.__dict__.update(restored.__dict__)
 
-    def snapshot(self) -> dict:
-        """The whole state but what heartbeats bring back (worker and client statistics),
-        as plain data; ``Snapshot(snapshot())`` applied to a fresh state rebuilds this one."""
+    def _restore(self, u: U.Snapshot) -> None:
+        """Rebuild ``u`` into this fresh state, through the same code as live operation."""
+        if u.job is not None:
+            job = u.job
+            self._on_JobSubmitted(U.JobSubmitted(job.spec, job.fingerprint, job.schema, job.files, job.splits, []))
+            self.job.world_size = job.world_size
+        self._worker_seq = u.worker_seq
+        for w in u.workers:
+            self.workers[w.worker_id] = WorkerInfo(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, draining=w.draining,
+                                                   assigned=set(w.assigned))
+        for c in u.sessions:
+            self.clients[c.session], self.client_seen[c.session], self.next_seq[c.session] = c.rank, c.seen, c.next_seq
+            self.session_of[c.rank] = c.session
+        self.replaced.extend(u.replaced)
+        self.partitions = {rank: list(members) for rank, members in u.partitions.items()}
+        self.resumed = {epoch: {base: list(ranges) for base, ranges in done.items()} for epoch, done in u.resumed.items()}
+        # Runs are rebuilt one by one: until all are, none of their plans (nor the resumes
+        # they were planned with) may be pruned as older than the runs restored so far.
+        self._plan_floor = min((r.epoch for r in (*u.runs, *u.prefetched)), default=None)
+        for records, target in ((u.runs, self.ranks), (u.prefetched, self.prefetched)):
+            for r in records:
+                run = self._new_rank_epoch(r.rank, r.epoch, r.session, r.seq)
+                run.finished, run.pending = r.finished, deque(r.pending)
+                for p in r.progress:
+                    progress = run.splits[p.split_id]
+                    progress.consumed, progress.worker, progress.assigned_at = p.consumed, p.worker, p.assigned_at
+                    progress.produced, progress.failed = p.produced, p.failed
+                    if p.worker is not None and not progress.done:
+                        run.in_flight.add(p.split_id)
+                target[r.rank] = run
+        self._plan_floor = None
+        self.errors = [msgspec.structs.asdict(e) for e in u.errors]
+        self.error_counts = dict(u.error_counts)
+
+    def snapshot(self) -> U.Snapshot:
+        """The whole state but what heartbeats bring back (worker and client statistics);
+        applied to a fresh state, it rebuilds this one. Copies, not views: the state goes on
+        changing after it is taken."""
         job = self.job
 
-        def rank_epochs(epochs: dict[int, RankEpoch]) -> list:
-            return [[rank, re.epoch, re.session, re.seq, re.finished, list(re.pending),
-                     [[sid, p.consumed, p.worker, p.assigned_at, p.produced, p.failed]
-                      for sid, p in re.splits.items() if p.consumed or p.worker is not None or p.failed is not None]]
-                    for rank, re in sorted(epochs.items())]
+        def runs(epochs: dict[int, RankEpoch]) -> list[U.RunRecord]:
+            return [U.RunRecord(rank, run.epoch, run.session, run.seq, run.finished, list(run.pending),
+                                [U.ProgressRecord(sid, p.consumed, p.worker, p.assigned_at, p.produced, p.failed)
+                                 for sid, p in run.splits.items()
+                                 if p.consumed or p.worker is not None or p.failed is not None])
+                    for rank, run in sorted(epochs.items())]
 
-        return {
-            "version": SNAPSHOT_VERSION,
-            "job": None if job is None else {
-                "spec": job.spec, "fingerprint": job.fingerprint, "schema": job.schema,
-                "files": [f.to_wire() for f in job.files], "splits": [s.to_wire() for s in job.splits],
-                "world_size": job.world_size},
-            "worker_seq": self._worker_seq,
-            "workers": [[w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(list(a) for a in w.assigned)]
-                        for w in self.workers.values()],
-            "clients": [[session, rank, self.client_seen.get(session, 0.0), self.next_seq.get(session, 0)]
-                        for session, rank in self.clients.items()],
-            "replaced": list(self.replaced),
-            "partitions": [[rank, members] for rank, members in sorted(self.partitions.items())],
-            "resumed": [[epoch, [[base, [list(r) for r in ranges]] for base, ranges in done.items()]]
-                        for epoch, done in sorted(self.resumed.items())],
-            "ranks": rank_epochs(self.ranks),
-            "prefetched": rank_epochs(self.prefetched),
-            "errors": self.errors,
-            "error_counts": self.error_counts,
-        }
+        return U.Snapshot(
+            version=U.SNAPSHOT_VERSION,
+            job=None if job is None else U.JobRecord(
+                job.spec, job.fingerprint, dict(job.schema), [U.file_record(f) for f in job.files],
+                [U.SplitRecord.of(s) for s in job.splits], job.world_size),
+            worker_seq=self._worker_seq,
+            workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned))
+                     for w in self.workers.values()],
+            sessions=[U.SessionRecord(session, rank, self.client_seen.get(session, 0.0), self.next_seq.get(session, 0))
+                      for session, rank in self.clients.items()],
+            replaced=list(self.replaced),
+            partitions={rank: list(members) for rank, members in sorted(self.partitions.items())},
+            resumed={epoch: {base: list(ranges) for base, ranges in done.items()}
+                     for epoch, done in sorted(self.resumed.items())},
+            runs=runs(self.ranks),
+            prefetched=runs(self.prefetched),
+            errors=[U.SplitError(**e) for e in self.errors],
+            error_counts=dict(self.error_counts),
+        )
 
     def _on_JobSubmitted(self, u: U.JobSubmitted) -> None:
-        splits = [BaseSplit(i, *row) for i, row in enumerate(u.splits)]
-        self.job = Job(u.spec, u.fingerprint, u.schema, [DataFile.from_wire(f) for f in u.files], splits, sum(s.rows for s in splits))
+        splits = [s.base_split(i) for i, s in enumerate(u.splits)]
+        self.job = Job(u.spec, u.fingerprint, u.schema, [U.data_file(f) for f in u.files], splits,
+                       sum(s.rows for s in splits))
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
                            for m in u.skipped)
         self.error_counts["skipped"] += len(u.skipped)
@@ -363,7 +373,7 @@ class JobState:
 
     def _new_rank_epoch(self, rank: int, epoch: int, session: str, seq: int) -> RankEpoch:
         assert self.job is not None and self.job.world_size is not None
-        batch_size = self.job.spec["batch_size"]
+        batch_size = self.job.spec.batch_size
         mine = self._plan(epoch).by_rank.get(rank, [])
         return RankEpoch(epoch, session, seq, {s.id: SplitProgress(s, pieces_of(s.rows, batch_size)) for s in mine},
                          deque(s.id for s in mine))
@@ -428,8 +438,8 @@ class JobState:
         if epoch not in self._plans:
             spec = self.job.spec
             self._plans[epoch] = EpochPlan(plan_epoch(
-                self.job.splits, epoch, spec["seed"], spec["shuffle"], self.job.world_size, spec["batch_size"],
-                spec["drop_last"], spec.get("even_batches", "pad"), self.resumed.get(epoch)))
+                self.job.splits, epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
+                spec.drop_last, spec.even_batches, self.resumed.get(epoch)))
             oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
             if self._plan_floor is not None:
                 oldest = min(oldest, self._plan_floor)
@@ -568,8 +578,8 @@ class JobState:
         """Each rank's rows of a whole epoch (a resumed epoch has fewer)."""
         assert self.job is not None and self.job.world_size is not None
         spec = self.job.spec
-        return rank_shares(self.job.total_rows, self.job.world_size, spec["batch_size"], spec["drop_last"],
-                           spec.get("even_batches", "pad"))
+        return rank_shares(self.job.total_rows, self.job.world_size, spec.batch_size, spec.drop_last,
+                           spec.even_batches)
 
     def epoch_started(self, epoch: int) -> bool:
         """Whether any rank (or a prefetch) has started ``epoch`` from its plan."""

@@ -1,49 +1,146 @@
 """Update records: the only way the master's state changes.
 
-Each record is a small frozen dataclass. ``JobState.apply`` is the one function that
-interprets them; the journal stores them with ``to_record`` and replays them with
-``from_record``, so recovery after a crash runs the same code as live operation.
-Records marked ``TRANSIENT`` (liveness and metrics) are applied but not journaled:
-after a restart the master learns them afresh from the next heartbeats.
+Each record is a frozen msgspec Struct, tagged by its class name (``u``). ``JobState.apply``
+is the one function that interprets them; the journal stores them with ``encode`` and
+replays them with ``decode``, which validates a record whole (every field, nested records
+included) against these types, so recovery after a crash runs the same code as live
+operation on the same types. Records marked ``TRANSIENT`` (liveness and metrics) are
+applied but not journaled: after a restart the master learns them afresh from the next
+heartbeats.
+
+``Snapshot`` is the whole durable state as one versioned tree: the first and only record
+of a compacted journal (the one meaning of "snapshot" in the master).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional, Union
+
+import msgspec
+
+from ..core.plan import BaseSplit
+from ..formats import DataFile, Unit
+from ..protocol.messages import FileRecord, SplitError, UnitRecord
+from ..spec import DatasetSpec
+
+# 3: typed records (msgspec), the snapshot a tree of named records; 2: client sessions and
+# epoch runs (session, seq), partitions journaled.
+SNAPSHOT_VERSION = 3
 
 
-@dataclass(frozen=True)
-class Update:
+class Update(msgspec.Struct, frozen=True, tag_field="u", tag=True):
     TRANSIENT: ClassVar[bool] = False
 
-    def to_record(self) -> dict:
-        return {"u": type(self).__name__, **asdict(self)}
+
+# -- records nested in updates and in the snapshot (the wire's, where they coincide) --------
+def file_record(f: DataFile) -> FileRecord:
+    return FileRecord(f.path, f.format, f.partition, f.num_rows, f.nbytes,
+                      [UnitRecord(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units])
 
 
-@dataclass(frozen=True)
+def data_file(r: FileRecord) -> DataFile:
+    return DataFile(r.path, r.format, r.partition, r.num_rows, r.nbytes,
+                    tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in r.units))
+
+
+# A job has up to ~100,000 base splits and an epoch as many progress entries: those two
+# records are arrays (no field names repeated per row); decoding still checks each whole.
+class SplitRecord(msgspec.Struct, frozen=True, array_like=True):
+    """A ``BaseSplit`` but its id, which is its index in the job's list."""
+    file: int
+    first_unit: int
+    stop_unit: int
+    rows: int
+    raw_rows: int
+    position: int
+
+    @classmethod
+    def of(cls, s: BaseSplit) -> "SplitRecord":
+        return cls(s.file, s.first_unit, s.stop_unit, s.rows, s.raw_rows, s.position)
+
+    def base_split(self, split_id: int) -> BaseSplit:
+        return BaseSplit(split_id, self.file, self.first_unit, self.stop_unit, self.rows, self.raw_rows, self.position)
+
+
+class ProgressRecord(msgspec.Struct, frozen=True, array_like=True):
+    """A split of an epoch run that has progress (consumed pieces, a worker, or a failure)."""
+    split_id: int
+    consumed: int
+    worker: Optional[str]
+    assigned_at: float
+    produced: bool
+    failed: Optional[str]
+
+
+class JobRecord(msgspec.Struct, frozen=True):
+    spec: DatasetSpec
+    fingerprint: str
+    schema: dict[str, str]
+    files: list[FileRecord]
+    splits: list[SplitRecord]
+    world_size: Optional[int]
+
+
+class WorkerRecord(msgspec.Struct, frozen=True):
+    worker_id: str
+    addr: str
+    pid: int
+    seq: int
+    last_seen: float
+    draining: bool
+    assigned: list[tuple[int, int]]  # (epoch, split id), sorted
+
+
+class SessionRecord(msgspec.Struct, frozen=True):
+    session: str
+    rank: int
+    seen: float
+    next_seq: int
+
+
+class RunRecord(msgspec.Struct, frozen=True):
+    """An epoch run of a rank (current or prefetched): the splits come from the epoch's plan."""
+    rank: int
+    epoch: int
+    session: str
+    seq: int
+    finished: bool
+    pending: list[int]
+    progress: list[ProgressRecord]
+
+
+# -- updates ------------------------------------------------------------------------------------
 class MasterStarted(Update):
     """A (re)start: live workers get a fresh heartbeat grace period from ``time``."""
     time: float
 
 
-@dataclass(frozen=True)
 class Snapshot(Update):
-    """The whole durable state (``JobState.snapshot()``): the first and only record of a
-    compacted journal."""
-    state: dict
+    """The whole durable state (``JobState.snapshot()``) but what heartbeats bring back:
+    the first and only record of a compacted journal. Decoded whole, and refused whole
+    when of another version, before the state it replaces is touched."""
+    version: int
+    job: Optional[JobRecord]
+    worker_seq: int
+    workers: list[WorkerRecord]
+    sessions: list[SessionRecord]
+    replaced: list[str]
+    partitions: dict[int, list[str]]
+    resumed: dict[int, dict[int, list[tuple[int, int]]]]  # epoch -> base split -> row ranges consumed before
+    runs: list[RunRecord]
+    prefetched: list[RunRecord]
+    errors: list[SplitError]  # failed splits, and files left out
+    error_counts: dict[str, int]
 
 
-@dataclass(frozen=True)
 class JobSubmitted(Update):
-    spec: dict
+    spec: DatasetSpec
     fingerprint: str
-    schema: dict  # column -> kind, as the table's files agree on it
-    files: list  # DataFile.to_wire() of each file
-    splits: list  # BaseSplit.to_wire() of each base split
-    skipped: list  # files left out (on_error: skip), with the reason
+    schema: dict[str, str]  # column -> kind, as the table's files agree on it
+    files: list[FileRecord]
+    splits: list[SplitRecord]
+    skipped: list[str]  # files left out (on_error: skip), with the reason
 
 
-@dataclass(frozen=True)
 class WorkerRegistered(Update):
     worker_id: str
     addr: str
@@ -51,28 +148,24 @@ class WorkerRegistered(Update):
     time: float
 
 
-@dataclass(frozen=True)
 class WorkerHeartbeat(Update):
     TRANSIENT: ClassVar[bool] = True
     worker_id: str
     time: float
     buffered: int
-    stats: dict
+    stats: dict[str, Any]
 
 
-@dataclass(frozen=True)
 class WorkerLost(Update):
     worker_id: str
     reason: str
 
 
-@dataclass(frozen=True)
 class WorkerDraining(Update):
     """No new splits for this worker; it leaves once clients consumed what it holds."""
     worker_id: str
 
 
-@dataclass(frozen=True)
 class SplitRevoked(Update):
     """A split whose worker made no progress for too long goes back to the queue."""
     epoch: int
@@ -81,7 +174,6 @@ class SplitRevoked(Update):
     reason: str
 
 
-@dataclass(frozen=True)
 class ClientJoined(Update):
     """A client session (issued by the master at ``hello``) joins for ``rank``; a session
     that held the rank before is replaced (a new process of that rank)."""
@@ -91,15 +183,13 @@ class ClientJoined(Update):
     time: float
 
 
-@dataclass(frozen=True)
 class ClientHeartbeat(Update):
     TRANSIENT: ClassVar[bool] = True
     session: str
     time: float
-    stats: dict
+    stats: dict[str, Any]
 
 
-@dataclass(frozen=True)
 class ClientLeft(Update):
     """A client said goodbye, or was silent past the client timeout. Its rank's epoch runs
     are released (a client of that rank that comes back is a new session: it reports what
@@ -109,14 +199,12 @@ class ClientLeft(Update):
     reason: str
 
 
-@dataclass(frozen=True)
 class PartitionsChanged(Update):
     """Which workers each rank reads from, as the service decided it: journaled, so that
     replay does not depend on ``--max-workers-per-client``."""
-    partitions: list  # [[rank, [worker id, ...]], ...]
+    partitions: list[tuple[int, list[str]]]  # (rank, worker ids), by rank
 
 
-@dataclass(frozen=True)
 class EpochStarted(Update):
     """Run ``seq`` of ``session``: the rank starts (or restarts) ``epoch``."""
     rank: int
@@ -125,16 +213,14 @@ class EpochStarted(Update):
     seq: int
 
 
-@dataclass(frozen=True)
 class EpochResumed(Update):
     """The epoch continues a checkpoint of a job with another world size: its plan leaves
-    out the rows consumed before (``[[base split, lo, hi], ...]``) and spreads the rest
-    over this job's ranks."""
+    out the rows consumed before (``(base split, lo, hi)``) and spreads the rest over this
+    job's ranks."""
     epoch: int
-    done: list
+    done: list[tuple[int, int, int]]
 
 
-@dataclass(frozen=True)
 class EpochPrefetched(Update):
     """Workers with nothing left of a rank's epoch may start its next one, so the trainer
     does not wait at the epoch boundary; the rank takes it over at its next start_epoch
@@ -145,7 +231,6 @@ class EpochPrefetched(Update):
     seq: int
 
 
-@dataclass(frozen=True)
 class SplitAssigned(Update):
     epoch: int
     split_id: int
@@ -153,24 +238,21 @@ class SplitAssigned(Update):
     time: float
 
 
-@dataclass(frozen=True)
 class SplitProduced(Update):
     epoch: int
     split_id: int
     worker_id: str
 
 
-@dataclass(frozen=True)
 class SplitsConsumed(Update):
     """Consumption progress. Not journaled: it is most of the traffic, and every client
     reports all it has consumed again when it sees a new master (``membership.master``)."""
     TRANSIENT: ClassVar[bool] = True
     rank: int
     seq: int  # the rank's run the acks are for; acks of another run are stale
-    acks: list  # [[split_id, pieces consumed so far], ...]
+    acks: list[tuple[int, int]]  # (split id, pieces consumed so far)
 
 
-@dataclass(frozen=True)
 class SplitFailed(Update):
     epoch: int
     split_id: int
@@ -179,19 +261,21 @@ class SplitFailed(Update):
     skipped: bool  # on_error: skip quarantines the split; fail stops the job
 
 
-@dataclass(frozen=True)
 class EpochFinished(Update):
     rank: int
     seq: int
 
 
-UPDATE_TYPES: dict[str, type] = {cls.__name__: cls for cls in Update.__subclasses__()}
+UPDATE_TYPES: dict[str, type[Update]] = {cls.__name__: cls for cls in Update.__subclasses__()}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Union[tuple(UPDATE_TYPES.values())])  # type: ignore[misc]
 
 
-def from_record(record: Any) -> Update:
-    if not isinstance(record, dict) or record.get("u") not in UPDATE_TYPES:
-        raise ValueError(f"not an update record: {str(record)[:200]}")
-    cls = UPDATE_TYPES[record["u"]]
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in record.items() if k in names})
+def encode(update: Update) -> bytes:
+    return _ENCODER.encode(update)
 
+
+def decode(record: bytes) -> Update:
+    """The update ``record`` holds, validated whole; ValueError (msgspec's errors are
+    ValueErrors) for a record of another version or shape, or damaged."""
+    return _DECODER.decode(record)

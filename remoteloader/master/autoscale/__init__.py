@@ -1,6 +1,6 @@
 """Autoscaling policy: how many workers a job needs, decided from what trainers feel.
 
-The master calls ``AutoscalePolicy.observe(snapshot)`` every tick with the latest
+The master calls ``AutoscalePolicy.observe(observation)`` every tick with the latest
 heartbeat signals; the policy returns a ``Decision`` when it acts (and, rate-limited,
 a "hold" that says why it does not). It never launches or drains anything itself:
 the caller does that (``Autoscaler`` in a running master), which is also what lets
@@ -25,7 +25,7 @@ CPU. ``CpuTargetPolicy`` (the Kubernetes HPA rule) is here as the baseline that
 shows why, and ``OraclePolicy`` as the fixed-count yardstick.
 
 Modules:
-* ``signals``: ``WorkerSignal``, ``ClientSignal``, ``Snapshot``, ``Decision``, ``Policy``.
+* ``signals``: ``WorkerSignal``, ``ClientSignal``, ``Observation``, ``Decision``, ``Policy``.
 * ``config``: ``AutoscaleConfig``.
 * ``estimators``: per-worker capacity (``CapacityEstimator``), demand tracking and the
   statistics behind them.
@@ -39,7 +39,7 @@ from .baselines import CpuTargetConfig, CpuTargetPolicy, OraclePolicy
 from .config import AutoscaleConfig
 from .controller import Autoscaler
 from .rules import AutoscalePolicy
-from .signals import ClientSignal, Decision, Policy, Snapshot, WorkerSignal
+from .signals import ClientSignal, Decision, Observation, Policy, WorkerSignal
 
 __all__ = ["AutoscaleConfig", "AutoscalePolicy", "Autoscaler", "ClientSignal", "CpuTargetConfig", "CpuTargetPolicy",
-           "Decision", "OraclePolicy", "Policy", "Snapshot", "WorkerSignal"]
+           "Decision", "Observation", "OraclePolicy", "Policy", "WorkerSignal"]

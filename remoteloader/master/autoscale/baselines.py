@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from .signals import Decision, Snapshot
+from .signals import Decision, Observation
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,15 @@ class CpuTargetPolicy:
         self._next = -math.inf
         self._history: deque[tuple[float, int]] = deque()
 
-    def observe(self, snap: Snapshot) -> Optional[Decision]:
-        c, now = self.config, snap.time
+    def observe(self, obs: Observation) -> Optional[Decision]:
+        c, now = self.config, obs.time
         if now < self._next:
             return None
         self._next = now + c.period_s
-        ready, pending = len(snap.workers), snap.pending_workers
+        ready, pending = len(obs.workers), obs.pending_workers
         current = ready + pending
         if ready:
-            cpu_sum = float(sum(w.cpu for w in snap.workers))
+            cpu_sum = float(sum(w.cpu for w in obs.workers))
             ratio = cpu_sum / ready / c.target
             # Unready (starting) workers count as 0% CPU when scaling up, as HPA does.
             desired = current if abs(ratio - 1) <= c.tolerance else math.ceil(cpu_sum / c.target)
@@ -67,7 +67,7 @@ class CpuTargetPolicy:
             d = Decision(now, "add", desired - current, desired, why)
         elif desired < current:
             k = current - desired
-            d = Decision(now, "remove", k, desired, why, tuple(w.worker_id for w in snap.workers[-k:]))
+            d = Decision(now, "remove", k, desired, why, tuple(w.worker_id for w in obs.workers[-k:]))
         else:
             return None
         self.decisions.append(d)
@@ -82,14 +82,14 @@ class OraclePolicy:
         self.workers = workers
         self.decisions: list[Decision] = []
 
-    def observe(self, snap: Snapshot) -> Optional[Decision]:
-        current = len(snap.workers) + snap.pending_workers
+    def observe(self, obs: Observation) -> Optional[Decision]:
+        current = len(obs.workers) + obs.pending_workers
         if current < self.workers:
-            d = Decision(snap.time, "add", self.workers - current, self.workers, f"fixed at {self.workers}")
-        elif len(snap.workers) > self.workers:
-            k = len(snap.workers) - self.workers
-            d = Decision(snap.time, "remove", k, self.workers, f"fixed at {self.workers}",
-                         tuple(w.worker_id for w in snap.workers[-k:]))
+            d = Decision(obs.time, "add", self.workers - current, self.workers, f"fixed at {self.workers}")
+        elif len(obs.workers) > self.workers:
+            k = len(obs.workers) - self.workers
+            d = Decision(obs.time, "remove", k, self.workers, f"fixed at {self.workers}",
+                         tuple(w.worker_id for w in obs.workers[-k:]))
         else:
             return None
         self.decisions.append(d)

@@ -1,7 +1,7 @@
 """The autoscaler in a running master: signals in, launcher and drain out.
 
 Each second it turns the master's view (heartbeat rates, buffers, client stall) into a
-``Snapshot``, asks the policy (``rules.py``), and acts: ``add`` launches workers,
+``Observation``, asks the policy (``rules.py``), and acts: ``add`` launches workers,
 ``remove`` drains the workers the policy names (they leave by themselves once clients
 have consumed what they hold, so nothing is lost). In a master the launcher is a
 ``LauncherThread``: starting, counting and reaping workers never block the loop, and a
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from .config import AutoscaleConfig
 from .rules import AutoscalePolicy
-from .signals import ClientSignal, Policy, Snapshot, WorkerSignal
+from .signals import ClientSignal, Observation, Policy, WorkerSignal
 
 if TYPE_CHECKING:  # types only: the policy and the simulator import this package without the master
     from ..launcher import Launcher
@@ -68,8 +68,8 @@ class Autoscaler:
             return
         self._next = now + self.interval_s
         self.launcher.reap()
-        snapshot = self.snapshot(now)
-        decision = self.policy.observe(snapshot)
+        observation = self.observation(now)
+        decision = self.policy.observe(observation)
         self._save_state(now)
         if decision is None or decision.action == "hold":
             return
@@ -81,7 +81,7 @@ class Autoscaler:
                 if worker_id in self.service.state.workers:
                     self.service.drain(worker_id)
 
-    def snapshot(self, now: float) -> Snapshot:
+    def observation(self, now: float) -> Observation:
         st, rates = self.service.state, self.service.rates
         # Only workers that report count: one that registered and never heartbeated (a
         # registration flood, or a worker dying at start) must not make the pool look full.
@@ -96,7 +96,7 @@ class Autoscaler:
                         for cid in st.clients)
         draining = sum(1 for w in st.workers.values() if w.draining)
         pending = max(0, self.launcher.running() - len(active) - draining)
-        return Snapshot(now, workers, clients, pending)
+        return Observation(now, workers, clients, pending)
 
     def recent_decisions(self, n: int = 10) -> list[dict]:
         """The policy's last `n` decisions as plain data (for ``remoteloader status``),

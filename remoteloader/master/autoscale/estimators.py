@@ -117,7 +117,7 @@ class CapacityEstimator:
     """Each worker's flat-out rows/s, learned while its buffer is not full, and the worker
     counts it implies.
 
-    Per-worker arrays are aligned with the worker ids of the latest snapshot (``align``);
+    Per-worker arrays are aligned with the worker ids of the latest observation (``align``);
     ``caps`` keeps learned values by id across changes of the worker set, and ``mean`` is
     the fleet mean that per-worker estimates shrink towards. The signals of the current
     tick (rates, buffer fill, CPU, aligned with ``ids``) are passed in by the policy.
@@ -162,7 +162,7 @@ class CapacityEstimator:
                 self.caps[i], self.obs[i] = v, k
 
     def load(self, caps: dict[str, float], mean: Optional[float]) -> None:
-        """Restored capacities; the arrays re-align with the next snapshot."""
+        """Restored capacities; the arrays re-align with the next observation."""
         self.caps, self.mean = caps, mean
         self.obs = {}
         self.ids = ()

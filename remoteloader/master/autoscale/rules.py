@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import AutoscaleConfig
 from .estimators import CapacityEstimator, _DemandTracker, _Mark, _Sample, _se, _Trial
-from .signals import Decision, Snapshot
+from .signals import Decision, Observation
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +67,15 @@ class AutoscalePolicy:
 
     # ------------------------------------------------------------------ public
 
-    def observe(self, snap: Snapshot) -> Optional[Decision]:
-        """One control tick. `snap.workers` are the live workers that take new splits (not
+    def observe(self, obs: Observation) -> Optional[Decision]:
+        """One control tick. `obs.workers` are the live workers that take new splits (not
         the draining ones); `pending_workers` those launched but not reporting yet. Returns
         the action to carry out ("add" n, "remove" the named workers) or, now and then, a
         "hold" saying why not; None otherwise. Never acts within `cooldown_s` of an action."""
-        c, now = self.config, snap.time
-        self._sync(snap)
+        c, now = self.config, obs.time
+        self._sync(obs)
         self._estimator.learn(now, self._rates, self._fill)
-        n, pending = len(snap.workers), snap.pending_workers
+        n, pending = len(obs.workers), obs.pending_workers
 
         if pending:
             self._pending_since = now if self._pending_since is None else self._pending_since
@@ -85,7 +85,7 @@ class AutoscalePolicy:
         if waiting:
             self._reset_window(now)     # rates while workers are joining are not representative
         if not waiting and now >= self._stable_since + c.settle_s:
-            sample = self._sample(now, snap)
+            sample = self._sample(now, obs)
             self._track_demand(sample)
             self._samples.append(sample)
             horizon = now - max(c.window_s, c.down_window_s) - 1e-9
@@ -147,11 +147,11 @@ class AutoscalePolicy:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _sync(self, snap: Snapshot) -> None:
-        """Align per-worker arrays with the snapshot; a changed set restarts the window."""
-        if self._estimator.align(tuple(w.worker_id for w in snap.workers), snap.time):
-            self._reset_window(snap.time)
-        ws, n = snap.workers, len(snap.workers)
+    def _sync(self, obs: Observation) -> None:
+        """Align per-worker arrays with the observation; a changed set restarts the window."""
+        if self._estimator.align(tuple(w.worker_id for w in obs.workers), obs.time):
+            self._reset_window(obs.time)
+        ws, n = obs.workers, len(obs.workers)
         self._rates = np.fromiter((w.rows_per_s for w in ws), float, n)
         buffered = np.fromiter((w.buffered for w in ws), float, n)
         capacity = np.fromiter((w.capacity for w in ws), float, n)
@@ -163,18 +163,18 @@ class AutoscalePolicy:
         self._stable_since = now
         self._samples.clear()
 
-    def _sample(self, now: float, snap: Snapshot) -> _Sample:
-        stall = np.fromiter((cl.stall_fraction for cl in snap.clients), float, len(snap.clients))
-        bps = np.fromiter((cl.batches_per_s for cl in snap.clients), float, len(snap.clients))
+    def _sample(self, now: float, obs: Observation) -> _Sample:
+        stall = np.fromiter((cl.stall_fraction for cl in obs.clients), float, len(obs.clients))
+        bps = np.fromiter((cl.batches_per_s for cl in obs.clients), float, len(obs.clients))
         # A trainer blocked a fraction s of the time would consume b / (1 - s) if never blocked.
         demand = float((bps / (1.0 - np.clip(stall, 0.0, 0.99))).sum())
         fill = float(self._fill.mean()) if len(self._fill) else 0.0
         starved = None
-        if any(cl.starved_fraction is not None for cl in snap.clients):
+        if any(cl.starved_fraction is not None for cl in obs.clients):
             # A client that does not say counts as starved while the buffers are drained.
             drained = fill < self.config.low_fill
             starved = float(np.mean([cl.starved_fraction if cl.starved_fraction is not None
-                                     else cl.stall_fraction * drained for cl in snap.clients]))
+                                     else cl.stall_fraction * drained for cl in obs.clients]))
         return _Sample(now, float(self._rates.sum()), float(bps.sum()), demand,
                        float(stall.mean()) if len(stall) else 0.0, fill, int(self._buffered.sum()), starved)
 

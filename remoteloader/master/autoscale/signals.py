@@ -1,6 +1,6 @@
 """What the policy sees and says: heartbeat signals in, decisions out.
 
-``Snapshot`` is one control tick's view of the workers and trainers; a ``Policy``
+``Observation`` is one control tick's view of the workers and trainers; a ``Policy``
 answers it with a ``Decision`` (or None). Plain frozen data, so the simulator can
 build them as cheaply as the master does.
 """
@@ -30,7 +30,7 @@ class ClientSignal:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class Observation:
     time: float                        # seconds, monotonic (simulated time in the simulator)
     workers: tuple[WorkerSignal, ...]  # workers that report
     clients: tuple[ClientSignal, ...]
@@ -50,4 +50,4 @@ class Decision:
 class Policy(Protocol):
     decisions: list[Decision]
 
-    def observe(self, snapshot: Snapshot) -> Optional[Decision]: ...
+    def observe(self, observation: Observation) -> Optional[Decision]: ...
