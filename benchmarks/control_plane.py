@@ -260,15 +260,21 @@ def measure_idle_pass(files: int, splits: int, passes: int) -> dict:
             "replay_ms": min(replays) * 1e3}
 
 
-def run_idle_pass(src: Path, files: int, splits: int, passes: int) -> dict:
-    """``measure_idle_pass`` in a child whose only ``remoteloader`` is the one under ``src``."""
+def run_in_tree(src: Path, module_file: str, call: str) -> dict:
+    """``call`` (an expression on ``mod``, the benchmark module at ``module_file``) in a child
+    whose only ``remoteloader`` is the one under ``src``; it must return JSON-able data."""
     code = ("import importlib.util, json, sys\n"
-            f"spec = importlib.util.spec_from_file_location('control_plane', {str(Path(__file__))!r})\n"
+            f"spec = importlib.util.spec_from_file_location('bench', {module_file!r})\n"
             "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-            f"print(json.dumps(mod.measure_idle_pass({files}, {splits}, {passes})))")
+            f"print(json.dumps({call}))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(src)}, cwd=src,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_idle_pass(src: Path, files: int, splits: int, passes: int) -> dict:
+    """``measure_idle_pass`` in a child whose only ``remoteloader`` is the one under ``src``."""
+    return run_in_tree(src, __file__, f"mod.measure_idle_pass({files}, {splits}, {passes})")
 
 
 def replay_journal(src: Path, journal: Path) -> tuple[int, float]:

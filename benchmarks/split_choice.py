@@ -13,9 +13,6 @@ Run: ``.venv/bin/python -m benchmarks.split_choice [--workers 1000 --ranks 256 -
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,13 +82,9 @@ def measure(workers: int, ranks: int, splits_per_rank: int) -> dict:
 
 def run_tree(src: Path, args: argparse.Namespace) -> dict:
     """``measure`` in a child whose only ``remoteloader`` is the one under ``src``."""
-    code = ("import importlib.util, json, sys\n"
-            f"spec = importlib.util.spec_from_file_location('split_choice', {str(Path(__file__))!r})\n"
-            "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-            f"print(json.dumps(mod.measure({args.workers}, {args.ranks}, {args.splits_per_rank})))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(src)}, cwd=src,
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+    from benchmarks.control_plane import run_in_tree  # here: the child imports this file from another tree
+
+    return run_in_tree(src, __file__, f"mod.measure({args.workers}, {args.ranks}, {args.splits_per_rank})")
 
 
 def main() -> int:

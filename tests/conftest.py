@@ -169,3 +169,17 @@ def inprocess():
     yield make
     for c in made:
         c.stop()
+
+
+@pytest.fixture
+def service(tables):
+    """A master service on the ORC table with a fake clock (``service.now[0]``, seconds)."""
+    from remoteloader.master.service import MasterConfig, MasterService
+    from remoteloader.spec import DatasetSpec
+
+    now = [1000.0]
+    spec = DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=100))
+    service = MasterService(MasterConfig(), None, lambda: now[0])
+    service.submit(spec)
+    service.now, service.spec = now, spec
+    return service

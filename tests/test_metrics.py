@@ -11,10 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from remoteloader.master.metrics import MasterMetrics, RateWindow, SlotTable, _Constant, families
-from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.master.service import MasterService
 from remoteloader.protocol.wire import MASTER_REQUESTS
-from remoteloader.spec import DatasetSpec
-from tests.conftest import spec_dict
 from tests.wire_helpers import ask
 
 # Every label a remoteloader metric may carry: none of them takes a random id or an epoch.
@@ -163,16 +161,6 @@ def test_the_metrics_name_no_table():
     assert "ads-bucket-7" not in text and "NOT-FOR-METRICS" not in text
     (sample,) = _parse(text)["remoteloader_job_info"].samples
     assert sample.labels == {"fingerprint": "abc123"}
-
-
-@pytest.fixture
-def service(tables):
-    now = [1000.0]
-    spec = DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=100))
-    service = MasterService(MasterConfig(), None, lambda: now[0])
-    service.submit(spec)
-    service.now, service.spec = now, spec
-    return service
 
 
 def _report(service: MasterService) -> list[str]:

@@ -13,10 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from remoteloader.core.procs import stop
 from remoteloader.master.metrics import MasterMetrics, RateWindow
-from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.master.service import MasterService
 from remoteloader.protocol.wire import DISCARD_REASONS
-from remoteloader.spec import DatasetSpec
-from tests.conftest import spec_dict
 from tests.wire_helpers import ask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,16 +75,6 @@ def test_rate_window_knows_how_long_a_counter_has_not_moved():
     assert w.last_report("c:a") == (3.0, {"batches": 5, "queued": 2})
     w.forget(set())
     assert w.unchanged_for("c:a", "batches", 10.0) is None
-
-
-@pytest.fixture
-def service(tables):
-    now = [1000.0]
-    spec = DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=100))
-    service = MasterService(MasterConfig(), None, lambda: now[0])
-    service.submit(spec)
-    service.now, service.spec = now, spec
-    return service
 
 
 def _value(metrics: MasterMetrics, name: str, **labels) -> float:
