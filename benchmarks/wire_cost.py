@@ -103,7 +103,8 @@ def per_call_us(fn: Callable[[], Any], n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default="HEAD", help="the commit whose wire.py is the baseline")
+    parser.add_argument("--baseline", default="4b6911a",
+                        help="the commit whose wire.py is the baseline (4b6911a: protocol 8, the last untyped one)")
     parser.add_argument("--n", type=int, default=100_000, help="messages per measurement (split: a tenth)")
     args = parser.parse_args()
     old = baseline_wire(args.baseline)
