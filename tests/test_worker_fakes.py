@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
+import pytest
 import zmq
 
 from remoteloader.core.binding import bind
@@ -167,3 +168,16 @@ class Client:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+# The fixtures of the worker tests (they import them): a job on the ORC table, and a fake master serving it.
+@pytest.fixture()
+def job(tables) -> Job:
+    return Job(tables["orc"])
+
+
+@pytest.fixture()
+def master(job):
+    m = FakeMaster(job)
+    yield m
+    m.close()

@@ -3,11 +3,9 @@ the run they were produced for, and pieces discarded for any reason are handed b
 counted, never reported stored. Plus the credit book on its own."""
 from __future__ import annotations
 
-import pytest
-
 from remoteloader.worker.credit import CreditBook
 
-from .test_worker_fakes import Client, FakeMaster, Job, RunningWorker
+from .test_worker_fakes import Client, FakeMaster, RunningWorker, job, master  # noqa: F401 (fixtures)
 
 
 class FakeClock:
@@ -16,18 +14,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture()
-def job(tables) -> Job:
-    return Job(tables["orc"])
-
-
-@pytest.fixture()
-def master(job):
-    m = FakeMaster(job)
-    yield m
-    m.close()
 
 
 def discarded(master: FakeMaster, reason: str) -> int:

@@ -3,23 +3,9 @@ re-registration windows (issue 22 defects 4 and 5), the job fingerprint (defect 
 threads that fail."""
 from __future__ import annotations
 
-import pytest
-
 from remoteloader.worker.lifecycle import TableRefused, WorkerFailed
 
-from .test_worker_fakes import Client, FakeMaster, Job, RunningWorker
-
-
-@pytest.fixture()
-def job(tables) -> Job:
-    return Job(tables["orc"])
-
-
-@pytest.fixture()
-def master(job):
-    m = FakeMaster(job)
-    yield m
-    m.close()
+from .test_worker_fakes import Client, FakeMaster, Job, RunningWorker, job, master  # noqa: F401 (fixtures)
 
 
 def registered(master: FakeMaster) -> None:
