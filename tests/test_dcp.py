@@ -4,7 +4,6 @@ loopback) saves model and loader with ``dcp.save({"model": m, "loader": loader})
 on 1 rank (with another batch size): every row exactly once, the same batch count on every rank."""
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from remoteloader import read_rank_states
 from remoteloader.tools.datagen import generate_table
-from tests.test_ddp import run_ranks
+from tests.test_ddp import run_script_job
 
 ROWS = 6_001
 
@@ -58,12 +57,7 @@ dist.destroy_process_group()
 
 def run_job(tmp_path: Path, table: Path, world: int, name: str, stop_at: int = 0, resume: bool = True,
             batch_size: int = 250) -> list[dict]:
-    script, out = tmp_path / "rank.py", tmp_path / name
-    script.write_text(SCRIPT)
-    out.mkdir()
-    run_ranks(script, world, [str(table), str(tmp_path / f"{name}.store"), str(tmp_path / "ckpt"), str(out),
-                              str(stop_at), "1" if resume else "0", str(batch_size)])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_script_job(tmp_path, SCRIPT, table, world, name, stop_at, resume, str(batch_size))
 
 
 @pytest.mark.slow

@@ -75,13 +75,20 @@ def run_ranks(script: Path, world: int, args: list[str], timeout: float = 240) -
                 p.wait()
 
 
-def run_job(tmp_path: Path, table: Path, world: int, stop_at: int, resume: bool, name: str) -> list[dict]:
+def run_script_job(tmp_path: Path, script_text: str, table: Path, world: int, name: str, stop_at: int,
+                   resume: bool, *extra: str) -> list[dict]:
+    """A job of ``world`` ranks running ``script_text`` (argv: table, store, checkpoint, out dir,
+    stop_at, resume, then ``extra``); each rank's ``rank<r>.json``."""
     script, out = tmp_path / "rank.py", tmp_path / name
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     out.mkdir()
     run_ranks(script, world, [str(table), str(tmp_path / f"{name}.store"), str(tmp_path / "ckpt"), str(out),
-                              str(stop_at), "1" if resume else "0"])
+                              str(stop_at), "1" if resume else "0", *extra])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_job(tmp_path: Path, table: Path, world: int, stop_at: int, resume: bool, name: str) -> list[dict]:
+    return run_script_job(tmp_path, SCRIPT, table, world, name, stop_at, resume)
 
 
 @pytest.mark.slow
