@@ -17,6 +17,10 @@ class WorkerSignal:
     buffered: int          # batches waiting in its bounded buffer
     capacity: int          # buffer capacity in batches
     cpu: float             # 0..1 utilization of its process (noisy, may exceed 1 slightly)
+    # Share of wall time it spent producing (reading, transforming, cutting) over the last
+    # window, 0..1: the rest it waited for room, credit or a split. rows_per_s / busy is
+    # its flat-out rate. None: not reported (the buffer fill stands in).
+    busy: Optional[float] = None
 
 
 @dataclass(frozen=True, slots=True)
