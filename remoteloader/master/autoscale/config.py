@@ -24,17 +24,22 @@ class AutoscaleConfig:
     gain_threshold: float = 0.5
     confidence_z: float = 2.0       # a shortfall or a spare capacity must exceed this many standard errors
     recheck_s: float = 300.0        # retry beyond a plateau after this long
-    # Scale-down: buffers persistently full, and the learned throughput of fewer workers covers
+    # Scale-down: no trainer waited on the workers (or, for workers that do not report how busy
+    # they are, buffers persistently full), and the learned throughput of fewer workers covers
     # demand plus its uncertainty. Demand is tracked in blocks across worker changes (what the
     # trainers want does not depend on the worker count), so trims get finer the longer it runs.
     high_fill: float = 0.7          # mean buffer fill over `down_window_s` needed to scale down
     demand_block_s: float = 10.0    # demand block length; the spread of block means gives its error
-    max_down_fraction: float = 0.5  # remove at most half the workers per step
+    max_down_fraction: float = 0.5  # remove at most half the workers per step (rounded up: 3 -> 1)
+    max_busy: float = 0.8           # scale down only to a count whose workers stay at most this busy
     headroom: float = 0.02          # spare supply kept: this fraction of demand ...
     headroom_workers: float = 1.0   # ... capped at this many workers' worth (1000 workers need not keep 20 spare)
     jitter_margin: float = 7.0      # ... raised so demand jitter empties the buffers ~exp(-7) of the time
     hysteresis: float = 0.1         # demand must move this much before a remembered limit is forgotten
-    # Learning per-worker throughput from workers whose buffer is at most `saturated_fill` full.
+    # Learning per-worker throughput: rows/s over busy share for workers that report it and were
+    # busy at least `min_busy` of the window (below, the ratio is mostly noise); else the rate of
+    # workers whose buffer is at most `saturated_fill` full.
+    min_busy: float = 0.2
     saturated_fill: float = 0.5
     learn_tau_s: float = 30.0       # EWMA time constant
     hold_log_s: float = 300.0       # repeat an unchanged "hold" at most this often

@@ -30,6 +30,7 @@ from .signals import ClientSignal, Observation, Policy, WorkerSignal
 
 if TYPE_CHECKING:  # types only: the policy and the simulator import this package without the master
     from ..launcher import Launcher
+    from ..metrics import RateWindow
     from ..service import MasterService
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,12 @@ class Autoscaler:
         # Pieces prefetched for a next epoch serve no trainer now: they do not make a buffer full.
         workers = tuple(WorkerSignal(w.worker_id, rates.rate("w:" + w.worker_id, "rows"),
                                      max(0, w.buffered - int(w.stats.get("ahead", 0))),
-                                     int(w.stats.get("capacity", 1)), float(w.stats.get("cpu", 0.0)))
+                                     int(w.stats.get("capacity", 1)), float(w.stats.get("cpu", 0.0)),
+                                     _busy(rates, w.worker_id, w.stats))
                         for w in active)
         clients = tuple(ClientSignal(cid, self.service.client_stall(cid), rates.rate("c:" + cid, "batches"),
-                                     self.service.client_starved(cid))
+                                     self.service.client_starved(cid),
+                                     rates.rate("c:" + cid, "rows") if "rows" in st.client_stats.get(cid, {}) else None)
                         for cid in st.clients)
         draining = sum(1 for w in st.workers.values() if w.draining)
         pending = max(0, self.launcher.running() - len(active) - draining)
@@ -156,3 +159,11 @@ class Autoscaler:
             log.warning("autoscaler: could not save its state to %s: %s", self.state_path, e)
             return
         self._saved = state
+
+
+def _busy(rates: "RateWindow", worker_id: str, stats: dict) -> Optional[float]:
+    """Share of the rate window the worker spent producing (None for a worker that does not
+    report ``busy_s``). The same number ``remoteloader status`` shows as ``busy``."""
+    if "busy_s" not in stats:
+        return None
+    return min(1.0, rates.rate("w:" + worker_id, "busy_s"))

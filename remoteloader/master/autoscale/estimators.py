@@ -27,6 +27,13 @@ class _Sample(NamedTuple):
     # Mean client stall while no worker held a batch for the client (what more workers
     # shorten); None when no client reports it, and the buffer fill stands in.
     starved: Optional[float] = None
+    # Workers' summed busy share (worker-equivalents of work done); nan when one does not say.
+    busy: float = math.nan
+    # Rows/s the trainers consumed, when every client reports it (else None).
+    consumed: Optional[float] = None
+    # Rows/s the trainers would take if never blocked (consumption, scaled up while they
+    # starve); None where it cannot be told (no buffer delta yet, trainers mostly blocked).
+    wanted: Optional[float] = None
 
 
 @dataclass
@@ -167,18 +174,24 @@ class CapacityEstimator:
         self.obs = {}
         self.ids = ()
 
-    def learn(self, now: float, rates: np.ndarray, fill: np.ndarray) -> None:
-        """Each worker's rate while its buffer is not full, i.e. while it runs flat out: a plain
-        mean over its first samples, then an EWMA (a single noisy sample must not decide which
-        workers look fastest and are kept)."""
+    def learn(self, now: float, rates: np.ndarray, fill: np.ndarray, busy: np.ndarray) -> None:
+        """Each worker's flat-out rate: ``rate / busy`` where it reports its busy share (and
+        was busy long enough for the ratio to mean something), else its rate while its
+        buffer is not full. A plain mean over its first samples, then an EWMA (a single
+        noisy sample must not decide which workers look fastest and are kept)."""
         c = self.config
         dt = 1.0 if self._last_learn is None else min(max(now - self._last_learn, 0.0), c.learn_tau_s)
         self._last_learn = now
         if not len(self.ids):
             return
-        sat = (fill <= c.saturated_fill) & (now - self._seen >= c.settle_s)
+        told = ~np.isnan(busy)
+        # With credit streaming a worker's buffer is nearly always empty (its pieces wait in
+        # the clients' windows), so fill says nothing of whether it ran flat out: busy does.
+        flat_out = np.where(told, np.nan_to_num(busy) >= c.min_busy, fill <= c.saturated_fill)
+        sat = flat_out & (now - self._seen >= c.settle_s)
         if not sat.any():
             return
+        rates = np.where(told, rates / np.clip(np.nan_to_num(busy, nan=1.0), c.min_busy, 1.0), rates)
         rates, cap = rates[sat], self._cap[sat]
         seen = ~np.isnan(cap)
         if seen.any():      # measurement noise of one sample, pooled over workers

@@ -30,6 +30,7 @@ class _Window(NamedTuple):
     fill: float                   # mean buffer fill
     fill_min: float               # lowest buffer fill in the window
     starved: Optional[float]      # mean client stall with no batch held for it (None: not reported)
+    busy: float                   # mean share of time the workers spent producing (nan: not reported)
     demand: float                 # rows/s the trainers would take if never blocked (inf: unknown)
     worker_bound: bool            # trainers stall for want of batches at the workers
     caps: Optional[np.ndarray]    # estimated flat-out rows/s of each worker
@@ -51,7 +52,7 @@ class AutoscalePolicy:
         self.config = config or AutoscaleConfig()
         self.decisions: list[Decision] = []
         self._estimator = CapacityEstimator(self.config)  # learned per-worker throughput
-        self._rates = self._fill = self._cpu = self._buffered = self._capacity = np.empty(0)
+        self._rates = self._fill = self._cpu = self._busy = self._buffered = self._capacity = np.empty(0)
         self._rpb: Optional[float] = None       # rows per batch, to convert buffered batches to rows
         self._samples: deque[_Sample] = deque()
         self._stable_since = -math.inf
@@ -74,7 +75,7 @@ class AutoscalePolicy:
         "hold" saying why not; None otherwise. Never acts within `cooldown_s` of an action."""
         c, now = self.config, obs.time
         self._sync(obs)
-        self._estimator.learn(now, self._rates, self._fill)
+        self._estimator.learn(now, self._rates, self._fill, self._busy)
         n, pending = len(obs.workers), obs.pending_workers
 
         if pending:
@@ -85,10 +86,12 @@ class AutoscalePolicy:
         if waiting:
             self._reset_window(now)     # rates while workers are joining are not representative
         if not waiting and now >= self._stable_since + c.settle_s:
-            sample = self._sample(now, obs)
-            self._track_demand(sample)
+            sample = self._track_demand(self._sample(now, obs))
             self._samples.append(sample)
-            horizon = now - max(c.window_s, c.down_window_s) - 1e-9
+            # Kept a window longer than the longest rule needs: ticks land "at least a tick
+            # after the last one", with jitter and drift, so a window that must be exactly
+            # `down_window_s` old when pruned at exactly that age would practically never exist.
+            horizon = now - max(c.window_s, c.down_window_s) - c.window_s
             while self._samples and self._samples[0].t < horizon:
                 self._samples.popleft()
 
@@ -158,6 +161,7 @@ class AutoscalePolicy:
         self._fill = np.divide(buffered, capacity, out=np.ones(n), where=capacity > 0)
         self._buffered, self._capacity = buffered, capacity
         self._cpu = np.fromiter((w.cpu for w in ws), float, n)
+        self._busy = np.fromiter((math.nan if w.busy is None else w.busy for w in ws), float, n)
 
     def _reset_window(self, now: float) -> None:
         self._stable_since = now
@@ -175,8 +179,11 @@ class AutoscalePolicy:
             drained = fill < self.config.low_fill
             starved = float(np.mean([cl.starved_fraction if cl.starved_fraction is not None
                                      else cl.stall_fraction * drained for cl in obs.clients]))
+        rows = [cl.rows_per_s for cl in obs.clients]
+        consumed = float(sum(rows)) if rows and None not in rows else None
         return _Sample(now, float(self._rates.sum()), float(bps.sum()), demand,
-                       float(stall.mean()) if len(stall) else 0.0, fill, int(self._buffered.sum()), starved)
+                       float(stall.mean()) if len(stall) else 0.0, fill, int(self._buffered.sum()), starved,
+                       float(self._busy.sum()), consumed)
 
     def _drained(self, s: _Sample) -> bool:
         """Trainers wait on the workers in this sample: clients say no worker held a batch
@@ -185,27 +192,33 @@ class AutoscalePolicy:
             return s.starved >= self.config.stall_threshold
         return s.fill < self.config.low_fill
 
-    def _track_demand(self, s: _Sample) -> None:
-        """Feed the long demand estimate with what trainers would consume, in rows/s.
+    def _track_demand(self, s: _Sample) -> _Sample:
+        """Feed the long demand estimate with what trainers would consume, in rows/s, and
+        return the sample with that rate (``wanted``) filled in where it can be known.
 
-        Workers report rows, trainers batches. Production minus the growth of the
-        buffers is consumption; scaled by the trainers' demand/consumption ratio it is
-        demand. Every sample counts (selecting, say, full-buffer moments would pick the
-        moments of low demand and bias the estimate low)."""
+        Clients that report rows say what they consumed. Otherwise workers report rows,
+        trainers batches: production minus the growth of the buffers is consumption.
+        Scaled by the trainers' demand/consumption ratio it is demand. Every sample counts
+        (selecting, say, full-buffer moments would pick the moments of low demand and bias
+        the estimate low)."""
         if s.batches > 0:
             ratio = s.rows / s.batches
             self._rpb = ratio if self._rpb is None else self._rpb + 0.05 * (ratio - self._rpb)
         prev = self._samples[-1] if self._samples else None
-        if prev is None:                        # no buffer delta yet
-            return
-        consumed = s.rows - (self._rpb or 0.0) * (s.buffered - prev.buffered) / max(s.t - prev.t, 1e-9)
+        if s.consumed is not None:
+            consumed = s.consumed
+        elif prev is None:                      # no buffer delta yet
+            return s
+        else:
+            consumed = s.rows - (self._rpb or 0.0) * (s.buffered - prev.buffered) / max(s.t - prev.t, 1e-9)
         if self._drained(s):
             # Trainers wait on workers, who must supply what trainers would take unblocked.
             # With batches held for them, a stall is not the workers' to fix.
             if s.stall > 0.25 or s.batches <= 0:
-                return                          # extrapolating from a mostly blocked trainer is too wild
+                return s                        # extrapolating from a mostly blocked trainer is too wild
             consumed *= s.demand / s.batches
         self._demand.add(s.t, consumed)
+        return s._replace(wanted=consumed)
 
     # ------------------------------------------------------------------ estimates
 
@@ -274,11 +287,13 @@ class AutoscalePolicy:
             worker_bound = starved >= c.stall_threshold
         else:
             worker_bound = stall >= c.stall_threshold and fill < c.low_fill
+        busy = float(np.mean([s.busy for s in up])) / n if n else math.nan
         caps = self._estimates()
         mean_cap = float(caps.mean()) if caps is not None else 0.0
         numbers = (f"stall {stall:.1%}" + ("" if starved is None else f" ({starved:.1%} with nothing held)")
+                   + ("" if math.isnan(busy) else f", workers busy {busy:.0%}")
                    + f", buffers {fill:.0%} full, {rows:,.0f} rows/s from {n} workers")
-        return _Window(rows, batches, batches_se, stall, fill, fill_min, starved, demand, worker_bound, caps,
+        return _Window(rows, batches, batches_se, stall, fill, fill_min, starved, busy, demand, worker_bound, caps,
                        mean_cap, numbers)
 
     def _track_ceiling(self, now: float, n: int, w: _Window) -> None:
@@ -377,38 +392,73 @@ class AutoscalePolicy:
                          f"~{w.mean_cap:,.0f} rows/s per worker -> {target} workers")
 
     def _scale_down(self, now: float, n: int, w: _Window) -> _Verdict:
-        """4. Scale down: buffers persistently full and fewer workers cover demand with confidence.
-        Otherwise hold, saying whether the trainers stall past the workers or all is balanced."""
+        """4. Scale down: for `down_window_s` the fleet did well under what it can, with no
+        trainer waiting on it, and fewer workers cover demand with confidence. Otherwise
+        hold, saying whether the trainers stall past the workers or all is balanced."""
         c, caps = self.config, w.caps
         if w.stall >= c.stall_threshold:
             why = ("downstream", f"trainers stall while workers hold batches for them: the bottleneck is past "
                                  f"the workers (client, network), more workers would not help; {w.numbers}")
         else:
             why = ("balanced", f"balanced; {w.numbers}")
-        down = list(self._samples)
-        upper = self._demand.upper()
-        if (now - down[0].t >= c.down_window_s - 1e-9 and caps is not None and math.isfinite(upper)
-                and float(np.mean([s.fill for s in down])) >= c.high_fill
-                and min(s.fill for s in down) >= c.low_fill):
-            level = self._demand.mean
-            target = self._estimator.needed(upper + self._headroom(level, w.mean_cap), caps)
-            if self._floor is not None:
-                if level > self._floor.level * (1 - c.hysteresis):
-                    if target <= self._floor.count:
-                        why = (why[0], f"{why[1]}; kept above {self._floor.count} workers, too few at "
-                                       f"{self._floor.level:,.0f} rows/s")
-                    target = max(target, self._floor.count + 1)
-                else:
-                    self._floor = None          # demand fell well below: the old limit no longer applies
-            target = max(target, c.min_workers, n - math.floor(n * c.max_down_fraction))
-            if target < n:
-                return self._act(now, "remove", n - target, target,
-                                 f"buffers full for {now - down[0].t:.0f} s; demand {level:,.0f} rows/s "
-                                 f"(+{upper - level:,.0f} at {c.confidence_z:g} se) is covered by {target} "
-                                 f"workers at ~{w.mean_cap:,.0f} rows/s each (utilization "
-                                 f"{level / float(caps.sum()):.0%} of {n}); {w.numbers}",
-                                 self._least_useful(n - target))
-        return _Hold(*why)
+        # The window must span `down_window_s`; samples are kept longer than that, so jittered
+        # ticks do not make the test fail by a hair (see ``observe``).
+        if now - self._samples[0].t < c.down_window_s - 1e-9 or caps is None:
+            return _Hold(*why)
+        down = [s for s in self._samples if s.t > now - c.down_window_s - 1e-9]
+        if not self._idle(down):
+            return _Hold(*why)
+        level, upper = self._demand_bounds(down)
+        if not math.isfinite(upper):
+            return _Hold(*why)
+        target = self._estimator.needed(upper + self._headroom(level, w.mean_cap), caps)
+        busy = [s.busy for s in down]
+        if not any(math.isnan(b) for b in busy):
+            # Work done, in workers: the fewest that do it without any running hotter than
+            # `max_busy` (the rows estimate above leans on learned capacity; this does not).
+            arr = np.array(busy)
+            target = max(target, math.ceil((float(arr.mean()) + c.confidence_z * _se(arr)) / c.max_busy - 1e-9))
+        if self._floor is not None:
+            if level > self._floor.level * (1 - c.hysteresis):
+                if target <= self._floor.count:
+                    why = (why[0], f"{why[1]}; kept above {self._floor.count} workers, too few at "
+                                   f"{self._floor.level:,.0f} rows/s")
+                target = max(target, self._floor.count + 1)
+            else:
+                self._floor = None          # demand fell well below: the old limit no longer applies
+        target = max(target, c.min_workers, n - math.ceil(n * c.max_down_fraction))
+        if target >= n:
+            return _Hold(*why)
+        busy_now = "" if math.isnan(w.busy) else f", workers busy {w.busy:.0%}"
+        return self._act(now, "remove", n - target, target,
+                         f"idle for {now - down[0].t:.0f} s{busy_now}; demand {level:,.0f} rows/s "
+                         f"(+{upper - level:,.0f} at {c.confidence_z:g} se) is covered by {target} "
+                         f"workers at ~{w.mean_cap:,.0f} rows/s each (utilization "
+                         f"{level / float(caps.sum()):.0%} of {n}); {w.numbers}",
+                         self._least_useful(n - target))
+
+    def _idle(self, down: list[_Sample]) -> bool:
+        """No trainer waited on the workers over the window. Where workers report how busy
+        they are, that is all it takes (how much less they could do is then measured); else
+        the old stand-in: buffers persistently full (with credit streaming they rarely are,
+        pieces waiting in the clients' windows instead)."""
+        c = self.config
+        if all(not math.isnan(s.busy) for s in down):
+            starved = [s.starved if s.starved is not None else s.stall * (s.fill < c.low_fill) for s in down]
+            return float(np.mean(starved)) < c.stall_threshold
+        return float(np.mean([s.fill for s in down])) >= c.high_fill and min(s.fill for s in down) >= c.low_fill
+
+    def _demand_bounds(self, down: list[_Sample]) -> tuple[float, float]:
+        """Demand (rows/s) and its upper confidence bound: from the long demand tracker once it
+        has enough blocks, else from this window's own samples (so a fleet need not wait for
+        three fresh blocks after demand fell before it can shrink)."""
+        if math.isfinite(self._demand.upper()):
+            return self._demand.mean, self._demand.upper()
+        wanted = np.array([s.wanted for s in down if s.wanted is not None])
+        if len(wanted) < 3 or len(wanted) < len(down) // 2:
+            return math.nan, math.inf
+        level = float(wanted.mean())
+        return level, level + self.config.confidence_z * _se(wanted)
 
     def _act(self, now: float, action: str, count: int, target: int, reason: str,
              remove: tuple[str, ...] = ()) -> Decision:

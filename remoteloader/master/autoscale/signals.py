@@ -31,6 +31,9 @@ class ClientSignal:
     # Share of wall time blocked while no worker of its partition held a batch for it (a
     # part of stall_fraction: the part more workers would shorten). None: not reported.
     starved_fraction: Optional[float] = None
+    # Rows consumed per second (what the trainer took, whatever its credit window holds).
+    # None: not reported (consumption is then inferred from worker rows and buffers).
+    rows_per_s: Optional[float] = None
 
 
 @dataclass(frozen=True, slots=True)
