@@ -1,26 +1,47 @@
 """Fixed-step simulation of the autoscaling control loop, driving the real policy code.
 
-Model (all rates in rows/s):
+Model (all rates in rows/s), as a real cluster streams under credit:
 * Worker i runs flat out at ``cap[i]`` (drawn once per worker index, log-normal
-  around ``worker_rate``) while its bounded buffer has room; a full buffer throttles
-  it. New workers start after ``startup_s`` (jittered); drained workers stop
-  producing and leave once their buffer is consumed, so nothing is lost.
-* Trainers want ``demand(t)`` rows/s with AR(1) jitter; each step they take what
-  the buffers hold, in proportion to what each worker has, and stall for the rest.
+  around ``worker_rate``) while it has somewhere to put what it makes: room in its
+  own small buffer (``buffer_batches``) or credit from a client to push to. With
+  neither it waits (a full buffer and full client windows throttle it). New workers
+  start after ``startup_s`` (jittered); drained workers stop producing and leave once
+  their buffer is consumed, so nothing is lost.
+* Credit streaming: each client holds a credit window of ``window_batches`` batches.
+  Workers push into it as soon as it has room (pieces in flight are instant at this
+  time scale); the trainer consumes from its window only. A window that is empty when
+  the trainer wants a batch is a **stall**; the stall is **starved** when no worker
+  holds a piece for the client either (the fleet's buffers are empty too), and not
+  starved when workers hold pieces the trainer could not take (``client_cap``).
+  Pieces at workers serve any client (the master spreads splits so every trainer's
+  queue fills evenly).
+* Trainers want ``demand(t)`` rows/s split evenly over ``clients``, each with its own
+  AR(1) jitter (so the aggregate jitter shrinks as 1/sqrt(clients)).
 * Bottlenecks beyond the workers: ``storage_cap`` (all workers share a read
-  bandwidth: more workers just wait longer, and waiting burns no CPU) and
-  ``client_cap`` (trainers cannot ingest faster: buffers fill while trainers stall).
-* ``cpu_busy`` is the CPU a flat-out worker shows: 0.95 CPU-bound, ~0.3 I/O-bound.
-* Measurements reported to the policy are noisy (``rate_noise``, ``cpu_noise``).
+  bandwidth: more workers just wait longer, and waiting burns no CPU, though the
+  worker counts as busy) and ``client_cap`` (trainers cannot ingest faster: windows
+  and buffers fill while trainers stall, not starved).
+* What the policy sees, as heartbeats report it: per worker the rows/s it produced,
+  ``buffered`` = whole batches waiting *in the worker* (not those already in client
+  windows), ``cpu`` (``cpu_busy`` when flat out: 0.95 CPU-bound, ~0.3 I/O-bound) and
+  ``busy`` = the share of the tick's wall time it spent producing (produced / its
+  flat-out rate under the current storage share); per client its stall, starved
+  share (always reported, as real clients do), batches/s and rows/s. Measurements are noisy
+  (``rate_noise``, ``cpu_noise``, ``busy_noise``).
+* Control ticks as the live master makes them: each tick comes at least ``tick_s``
+  after the last one, ``tick_drift_s`` late plus uniform ``[0, tick_jitter_s]``
+  (``Scenario.exact()`` gives exactly ``tick_s``). Each tick is cut into equal steps
+  of about ``dt``; tick timing has its own random stream, so a scenario with and
+  without jitter sees the same noise draws.
 
-Every step is a handful of numpy operations over all workers, so 1000 workers for
-a simulated hour run in seconds; the policy sees one ``Observation`` per ``tick_s``.
+Every step is a handful of numpy operations over all workers and clients, so 1000
+workers for a simulated hour run in seconds; the policy sees one ``Observation`` per tick.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -40,7 +61,8 @@ class Scenario:
     startup_s: float = 10.0
     startup_jitter: float = 0.3     # +-30%
     batch_rows: int = 1024
-    buffer_batches: int = 8
+    buffer_batches: int = 8         # each worker's own buffer
+    window_batches: int = 16        # each client's credit window
     clients: int = 8
     demand_jitter: float = 0.05     # per trainer (aggregate jitter shrinks as 1/sqrt(clients))
     jitter_tau_s: float = 2.0
@@ -48,12 +70,15 @@ class Scenario:
     cpu_idle: float = 0.03
     storage_cap: Optional[float] = None
     client_cap: Optional[float] = None
-    rate_noise: float = 0.05
-    cpu_noise: float = 0.03
+    rate_noise: float = 0.05        # relative, on reported rows/s
+    cpu_noise: float = 0.03         # absolute, on reported CPU
+    busy_noise: float = 0.02        # absolute, on the reported busy share (clipped to 0..1)
     initial_workers: int = 1
     drain_s: float = 30.0           # a drained worker is stopped after this even if not empty
     dt: float = 0.25
     tick_s: float = 1.0
+    tick_jitter_s: float = 0.01     # each tick up to this much later than tick_s after the last (uniform)
+    tick_drift_s: float = 0.002     # ... and always this much later: the loop's own latency
     seed: int = 0
     max_workers: int = 2000         # bound the benchmark gives every policy
 
@@ -65,12 +90,21 @@ class Scenario:
         return rate
 
     def achievable(self, demand: float) -> float:
-        """Best consumption any worker count can give: demand, unless something else caps it."""
-        return min(demand, self.storage_cap or math.inf, self.client_cap or math.inf)
+        """Best consumption any allowed worker count can give: demand, unless something else
+        caps it (storage, the trainers' ingest, or ``max_workers`` workers flat out)."""
+        return min(demand, self.storage_cap or math.inf, self.client_cap or math.inf, self.max_supply())
+
+    def max_supply(self) -> float:
+        """Rows/s of the first ``max_workers`` workers flat out."""
+        return float(worker_capacities(self, self.max_workers).sum())
 
     def phases(self) -> list[tuple[float, float]]:
         starts = [s for s, _ in self.demand] + [self.duration_s]
         return [(a, b) for a, b in zip(starts, starts[1:]) if b > a]
+
+    def exact(self) -> "Scenario":
+        """The same scenario with ticks exactly ``tick_s`` apart (no jitter, no drift)."""
+        return replace(self, tick_jitter_s=0.0, tick_drift_s=0.0)
 
 
 def worker_capacities(sc: Scenario, n: int) -> np.ndarray:
@@ -106,6 +140,9 @@ class SimResult:
     direction_changes: int                # add<->remove switches
     final_workers: int
     launched: int                         # workers ever launched (ids w0 .. w{launched-1})
+    # Per tick: t (time of the observation), dt (tick length), active, starting, draining,
+    # demand, consumed (rows/s), stall, starved (true shares, not the noisy reports),
+    # floor (unavoidable stall), buffered (rows in workers), windows (rows in client windows).
     trace: dict[str, np.ndarray] = field(repr=False)
     actions: list[Decision] = field(repr=False)
 
@@ -209,65 +246,96 @@ def _signals(cls: type, *columns: list) -> tuple:
     return tuple(objs)
 
 
+TRACE = ("t", "dt", "active", "starting", "draining", "demand", "consumed", "stall", "starved", "floor",
+         "buffered", "windows")
+
+
 def simulate(sc: Scenario, policy: Policy, name: str = "") -> SimResult:
     rng = np.random.default_rng([sc.seed, 2])
+    tick_rng = np.random.default_rng([sc.seed, 3])   # tick timing apart: jitter changes no other draw
     fleet = _Fleet(sc, rng)
     fleet.add(sc.initial_workers, 0.0, ready=True)
     bcap = float(sc.batch_rows * sc.buffer_batches)
-    steps = max(1, round(sc.tick_s / sc.dt))
-    dt = sc.tick_s / steps
-    a = math.exp(-dt / sc.jitter_tau_s)
-    jit_sd = sc.demand_jitter / math.sqrt(sc.clients)
-    jitter, t, ws = 0.0, 0.0, 0.0
-    n_ticks = int(round(sc.duration_s / sc.tick_s))
-    tr = {k: np.zeros(n_ticks) for k in ("t", "active", "starting", "draining", "demand", "consumed", "stall", "floor")}
+    wcap = float(sc.batch_rows * sc.window_batches)
+    nc = sc.clients
+    jit = np.zeros(nc)                    # each trainer's demand jitter (AR(1))
+    win = np.zeros(nc)                    # rows in each client's credit window
+    t, ws = 0.0, 0.0
+    tr: dict[str, list] = {k: [] for k in TRACE}
     actions: list[Decision] = []
-    ccap = sc.client_cap if sc.client_cap is not None else math.inf
-    client_ids = [f"c{k}" for k in range(sc.clients)]
+    ccap = sc.client_cap / nc if sc.client_cap is not None else math.inf
+    scap = min(sc.storage_cap if sc.storage_cap is not None else math.inf, sc.max_supply())
+    client_ids = [f"c{k}" for k in range(nc)]
 
-    for tick in range(n_ticks):
-        wanted = got = possible = 0.0
+    while t < sc.duration_s - 1e-9:
+        # The live master ticks at least tick_s after the last tick, a little late.
+        length = sc.tick_s + sc.tick_drift_s
+        if sc.tick_jitter_s > 0:
+            length += tick_rng.uniform(0.0, sc.tick_jitter_s)
+        steps = max(1, round(length / sc.dt))
+        dt = length / steps
+        a = math.exp(-dt / sc.jitter_tau_s)
+        wanted = np.zeros(nc)
+        got = np.zeros(nc)
+        starved = np.zeros(nc)
+        possible = 0.0
         for _ in range(steps):
             t += dt
             if fleet.starting_until <= t:
                 fleet.promote(t)
             prod = fleet.production(sc.storage_cap)   # cached between fleet changes
-            avail = fleet.buf + prod * dt
-            jitter = a * jitter + math.sqrt(1 - a * a) * jit_sd * rng.standard_normal()
-            want = max(0.0, sc.demand_at(t) * (1 + jitter)) * dt
-            ask = min(want, ccap * dt)
-            have = float(avail.sum())
-            if have <= ask:                   # trainers take everything and still wait
+            avail = fleet.buf + prod * dt             # what each worker can hand out this step
+            jit = a * jit + math.sqrt(1 - a * a) * sc.demand_jitter * rng.standard_normal(nc)
+            want = np.maximum(0.0, sc.demand_at(t) / nc * (1 + jit)) * dt
+            ask = np.minimum(want, ccap * dt)         # what the trainers can ingest
+            pull = ask + (wcap - win)                 # consumption plus the credit the windows have open
+            have, total_pull = float(avail.sum()), float(pull.sum())
+            if have <= total_pull:                    # workers push all they have and still owe credit
+                delivered = pull * (have / total_pull) if total_pull > 0 else pull * 0.0
                 fleet.acc += prod * dt
                 fleet.buf = np.zeros_like(avail)
-                got += have
-            else:                             # take in proportion to what each worker holds
-                take = avail * (ask / have)
+                short_of_workers = True
+            else:                                     # every credit is filled; the rest stays in the workers
+                delivered = pull
+                take = avail * (total_pull / have)
                 new_buf = np.minimum(avail - take, bcap)
-                fleet.acc += new_buf - fleet.buf + take   # less than prod*dt when a buffer was full
+                fleet.acc += new_buf - fleet.buf + take   # less than prod*dt when a worker had nowhere to put it
                 fleet.buf = new_buf
-                got += ask
+                short_of_workers = False
+            consumed = np.minimum(ask, win + delivered)
+            win = win + delivered - consumed
             wanted += want
-            possible += min(want, ccap * dt, sc.storage_cap * dt if sc.storage_cap is not None else math.inf)
+            got += consumed
+            if short_of_workers:                      # the window ran dry and no worker held a piece
+                starved += ask - consumed
+            possible += min(float(want.sum()), ccap * nc * dt, scap * dt)
             ws += len(fleet.ids) * dt
-            if fleet.draining_until <= t or (fleet.draining and have <= ask):
+            if fleet.draining_until <= t or (fleet.draining and short_of_workers):
                 fleet.retire(t)
 
         # Report to the policy, as heartbeats would.
         act = fleet.state == ACTIVE
-        produced = fleet.acc[act] / sc.tick_s
+        produced = fleet.acc[act] / length
         rates = np.maximum(0.0, produced * (1 + sc.rate_noise * rng.standard_normal(len(produced))))
         util = np.minimum(1.0, produced / fleet.cap[act])
         cpu = np.maximum(0.0, sc.cpu_idle + sc.cpu_busy * util + sc.cpu_noise * rng.standard_normal(len(util)))
+        flat = fleet.production(sc.storage_cap)[act]
+        busy = np.minimum(1.0, np.divide(produced, flat, out=np.zeros_like(produced), where=flat > 0))
+        busy = np.clip(busy + sc.busy_noise * rng.standard_normal(len(busy)), 0.0, 1.0)
         buffered = (fleet.buf[act] // sc.batch_rows).astype(int)
         fleet.acc[:] = 0.0
         workers = _signals(WorkerSignal, fleet.names[act].tolist(), rates.tolist(), buffered.tolist(),
-                           [sc.buffer_batches] * len(rates), cpu.tolist())
-        stall = 1.0 - got / wanted if wanted > 0 else 0.0
-        cstall = np.clip(stall * (1 + 0.05 * rng.standard_normal(sc.clients))
-                         + np.abs(0.0005 * rng.standard_normal(sc.clients)), 0.0, 1.0)
-        cbps = got / sc.tick_s / sc.batch_rows / sc.clients * (1 + 0.02 * rng.standard_normal(sc.clients))
-        clients = _signals(ClientSignal, client_ids, cstall.tolist(), cbps.tolist())
+                           [sc.buffer_batches] * len(rates), cpu.tolist(), busy.tolist())
+        total_wanted = float(wanted.sum())
+        stall = 1.0 - float(got.sum()) / total_wanted if total_wanted > 0 else 0.0
+        cstall = np.divide(wanted - got, wanted, out=np.zeros(nc), where=wanted > 0)
+        cstarved = np.divide(starved, wanted, out=np.zeros(nc), where=wanted > 0)
+        noise = 1 + 0.05 * rng.standard_normal(nc)
+        rstall = np.clip(cstall * noise + np.abs(0.0005 * rng.standard_normal(nc)), 0.0, 1.0)
+        rstarved = np.clip(cstarved * noise, 0.0, rstall)
+        crows = got / length * (1 + 0.02 * rng.standard_normal(nc))
+        clients = _signals(ClientSignal, client_ids, rstall.tolist(), (crows / sc.batch_rows).tolist(),
+                           rstarved.tolist(), crows.tolist())
         pending = int((fleet.state == STARTING).sum())
         d = policy.observe(Observation(t, workers, clients, pending))
         if d is not None and d.count > 0:
@@ -277,13 +345,16 @@ def simulate(sc: Scenario, policy: Policy, name: str = "") -> SimResult:
                 fleet.drain(d.remove, d.count, t)
             actions.append(d)
 
-        for key, val in (("t", t), ("active", int(act.sum())), ("starting", pending),
-                         ("draining", int((fleet.state == DRAINING).sum())), ("demand", wanted / sc.tick_s),
-                         ("consumed", got / sc.tick_s), ("stall", stall),
-                         ("floor", 1.0 - possible / wanted if wanted > 0 else 0.0)):
-            tr[key][tick] = val
+        for key, val in (("t", t), ("dt", length), ("active", int(act.sum())), ("starting", pending),
+                         ("draining", int((fleet.state == DRAINING).sum())), ("demand", total_wanted / length),
+                         ("consumed", float(got.sum()) / length), ("stall", stall),
+                         ("starved", float(starved.sum()) / total_wanted if total_wanted > 0 else 0.0),
+                         ("floor", 1.0 - possible / total_wanted if total_wanted > 0 else 0.0),
+                         ("buffered", float(fleet.buf.sum())), ("windows", float(win.sum()))):
+            tr[key].append(val)
 
-    return _result(sc, name or type(policy).__name__, tr, actions, ws, int((fleet.state != DRAINING).sum()),
+    trace = {k: np.asarray(v, dtype=float) for k, v in tr.items()}
+    return _result(sc, name or type(policy).__name__, trace, actions, ws, int((fleet.state != DRAINING).sum()),
                    fleet.next_id)
 
 

@@ -211,7 +211,7 @@ def test_state_dict_round_trip_keeps_the_plateau() -> None:
 
 
 def test_oracle_and_simulator_bookkeeping() -> None:
-    sc = Scenario("fixed", ((0, 20.5 * W),), duration_s=300)
+    sc = Scenario("fixed", ((0, 20.5 * W),), duration_s=300).exact()    # ticks exactly tick_s apart
     n = oracle_workers(sc)
     r = simulate(sc, OraclePolicy(n))
     assert r.final_workers == n and r.decisions == 1
