@@ -12,7 +12,7 @@ a thread of its own and gives the loop a launcher whose calls return at once.
 
 To add an engine (e.g. a Kubernetes Deployment: ``start`` raises the replica count
 and ``reap`` counts pods that terminated), implement the four methods of ``Launcher``
-and register it in ``make_launcher``.
+(and ``pending`` if its workers can wait for room) and register it in ``make_launcher``.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol, Sequence
 
@@ -37,12 +38,23 @@ def _worker_env(auth_dir: Optional[str]) -> dict[str, str]:
     return {ENV_AUTH: os.path.abspath(auth_dir)} if auth_dir else {}
 
 
+def _worker_args(buffer_bytes: Optional[int], worker_args: Sequence[str]) -> list[str]:
+    """The worker's arguments: ``--buffer-bytes`` first, so an explicit one in ``worker_args`` wins."""
+    return [*(["--buffer-bytes", str(int(buffer_bytes))] if buffer_bytes is not None else []), *worker_args]
+
+
 class Launcher(Protocol):
+    """Four methods; a fifth, ``pending() -> int``, is optional: of ``running()``, the
+    workers launched but not started yet (waiting for room on the cluster).
+    ``LauncherThread`` counts 0 for a launcher without it."""
+
     def start(self, n: int) -> None:
         """Launch ``n`` more workers pointed at the master."""
 
     def running(self) -> int:
-        """Workers launched and not known to have ended (some may still be starting)."""
+        """Workers launched and not known to have ended: those still starting, or waiting for
+        room on the cluster (``pending``), included. The autoscaler's pending workers
+        (``running()`` less reporting and draining workers) therefore include both."""
 
     def reap(self) -> int:
         """Forget workers that ended; returns how many ended without being asked to."""
@@ -58,6 +70,7 @@ class LauncherCounts:
     running: int       # the launcher's running() after its last command or reap
     starts_done: int   # workers asked for with start() that the thread has handled
     failed: int        # workers that ended without being asked to, since the thread began
+    pending: int = 0   # the launcher's pending() (workers launched, not started: no room yet)
 
 
 class LauncherThread:
@@ -67,13 +80,15 @@ class LauncherThread:
     over): it runs the ``start`` commands the loop queues, reaps every
     ``reap_interval_s``, and after each posts a ``LauncherCounts`` that the loop reads.
     ``running`` adds the starts still queued, so the autoscaler never asks twice for
-    the same workers while the thread is busy. ``stop_all`` (master shutdown) drops the
-    queued starts, has the thread stop every worker and waits for it, bounded.
+    the same workers while the thread is busy; so does ``pending``. ``stop_all`` (master
+    shutdown) drops the queued starts, has the thread stop every worker and waits for
+    it, bounded.
     """
 
     def __init__(self, launcher: Launcher, reap_interval_s: float = 1.0) -> None:
         self.reap_interval_s = reap_interval_s
         self._launcher = launcher
+        self._pending = getattr(launcher, "pending", None)  # optional: a launcher whose workers never wait
         self._counts = LauncherCounts(launcher.running(), 0, 0)  # read before the thread owns it
         self._commands: queue.SimpleQueue[Optional[int]] = queue.SimpleQueue()  # n to start; None: stop all
         self._stopping = threading.Event()
@@ -91,8 +106,18 @@ class LauncherThread:
             self._commands.put(n)
 
     def running(self) -> int:
+        """Workers launched and not known to have ended, plus the starts still queued; those
+        not started yet (``pending``) included."""
         counts = self._counts
         return counts.running + self._starts_asked - counts.starts_done
+
+    def pending(self) -> int:
+        """Of ``running()``, the workers not started yet: starts still queued on the thread,
+        and workers the launcher launched that wait for room (Ray actors its scheduler has
+        not placed: Ray's autoscaler was asked for them). They register with the master
+        only once started, so they are never among the master's workers."""
+        counts = self._counts
+        return counts.pending + self._starts_asked - counts.starts_done
 
     def reap(self) -> int:
         """Workers that failed since the previous call (the thread reaps on its own)."""
@@ -125,7 +150,8 @@ class LauncherThread:
                 self._call(self._launcher.start, command)
             starts_done += command
             failed += self._call(self._launcher.reap) or 0
-            self._counts = LauncherCounts(self._launcher.running(), starts_done, failed)
+            pending = (self._call(self._pending) or 0) if self._pending is not None else 0
+            self._counts = LauncherCounts(self._launcher.running(), starts_done, failed, pending)
 
     @staticmethod
     def _call(method, *args):
@@ -142,9 +168,9 @@ class LocalLauncher:
     """Worker processes on this machine, tied to the master's lifetime."""
 
     def __init__(self, master_addr: str, worker_args: Sequence[str] = (), auth_dir: Optional[str] = None,
-                 worker_env: Mapping[str, str] = {}) -> None:
+                 worker_env: Mapping[str, str] = {}, buffer_bytes: Optional[int] = None) -> None:
         self.master_addr = master_addr
-        self.worker_args = list(worker_args)
+        self.worker_args = _worker_args(buffer_bytes, worker_args)
         self.procs: list[subprocess.Popen] = []
         # The key directory's path and the allowlist (``worker_env``: table paths may hold
         # credentials) go in the environment, never on a command line. Both are set from scratch,
@@ -161,6 +187,9 @@ class LocalLauncher:
 
     def running(self) -> int:
         return len(self.procs)
+
+    def pending(self) -> int:
+        return 0  # a local worker runs as soon as it is forked
 
     def reap(self) -> int:
         exited = [p for p in self.procs if p.poll() is not None]
@@ -219,12 +248,40 @@ def connect_ray(address: str, auth_token_path: Optional[str] = None):
     return ray
 
 
+def request_ray_resources(bundles: list[dict[str, float]]) -> None:
+    """Ray's ``request_resources(bundles=...)``: the cluster should fit all these bundles
+    at once (those in use count), replacing any earlier request; ``[]`` clears it."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles)
+
+
+class _RayWorker:
+    """One launched actor: its handle, the ref of its ``wait()`` (ready when the worker
+    exits), and until the actor runs, the ref of a first call that answers only then."""
+
+    __slots__ = ("actor", "done", "starting")
+
+    def __init__(self, actor, done, starting=None) -> None:
+        self.actor, self.done, self.starting = actor, done, starting
+
+
 class RayLauncher:
     """Workers as Ray actors (one CPU each by default) on an existing Ray cluster.
 
-    Ray places the actors, and its autoscaler adds nodes when they do not fit. Each
-    actor runs an ordinary worker process bound to its node's IP address. The actors
-    belong to the master's Ray job, so Ray ends them if the master dies.
+    Ray places the actors. Each actor runs an ordinary worker process bound to its
+    node's IP address. The actors belong to the master's Ray job, so Ray ends them if
+    the master dies.
+
+    Past the cluster's free resources, the launcher asks Ray's cluster autoscaler for
+    room: ``ray.autoscaler.sdk.request_resources`` with one bundle per wanted worker
+    (the actor's own resources), the whole fleet each time (a request replaces the one
+    before: it is cluster-wide, last caller wins). It is sent whenever the number of
+    workers the launcher holds changes (``start``, a worker that ended seen by ``reap``)
+    and only then, and cleared by ``stop_all``; a failure is logged once and retried at
+    most every ``REQUEST_RETRY_S`` while the number still differs. Actors created but
+    not running yet (no room: Ray's autoscaler was asked for it) count in ``running``
+    and in ``pending``.
 
     Ray clusters authenticate by token (on by default since Ray 2.59): the master
     connects with ``auth_token_path`` if given, else with what the environment says
@@ -233,12 +290,16 @@ class RayLauncher:
     With ``detached_prefix`` the actors are detached and named ``PREFIX-worker-N``: they
     outlive this master, and a master started again with the same prefix (a restart, see
     ``ray_actor``) adopts those still running instead of starting a second pool.
+
+    ``buffer_bytes``: passed to each worker as ``--buffer-bytes`` (before ``worker_args``).
     """
+
+    REQUEST_RETRY_S = 30.0
 
     def __init__(self, master_addr: str, address: str, num_cpus: float = 1.0,
                  worker_args: Sequence[str] = (), auth_token_path: Optional[str] = None,
                  auth_dir: Optional[str] = None, detached_prefix: Optional[str] = None,
-                 worker_env: Mapping[str, str] = {}) -> None:
+                 worker_env: Mapping[str, str] = {}, buffer_bytes: Optional[int] = None) -> None:
         already = sys.modules.get("ray")  # not imported here: the token must be set first
         self._owns_ray = already is None or not already.is_initialized()
         self._ray = ray = connect_ray(address, auth_token_path)
@@ -252,11 +313,16 @@ class RayLauncher:
         if auth_dir:
             options["runtime_env"] = {"env_vars": _worker_env(auth_dir)}
         self._actor_cls = ray.remote(**options)(WorkerProcessActor)
+        # What one worker needs of a node: the bundle asked of Ray's autoscaler per worker.
+        self.bundle: dict[str, float] = {"CPU": float(num_cpus)} if num_cpus else {}
+        self.requested = 0  # workers last asked of Ray's autoscaler (0: nothing asked, or cleared)
+        self._request_failed = False  # logged once
+        self._retry_at = 0.0
         self.master_addr = master_addr
-        self.worker_args = list(worker_args)
+        self.worker_args = _worker_args(buffer_bytes, worker_args)
         self.worker_env = dict(worker_env)
         self.detached_prefix = detached_prefix
-        self.actors: list[tuple] = []  # (actor handle, ObjectRef of its wait())
+        self.actors: list[_RayWorker] = []
         if detached_prefix:
             self._adopt()
 
@@ -277,51 +343,96 @@ class RayLauncher:
                 log.warning("ray worker %s serves %s, not %s: stopped", name, serves, self.master_addr)
                 self._ray.kill(actor)
                 continue
-            self.actors.append((actor, actor.wait.remote()))
+            self.actors.append(_RayWorker(actor, actor.wait.remote()))  # it answered: running
         if self.actors:
             log.warning("adopted %d running ray workers of %s", len(self.actors), self.detached_prefix)
+        # Ray's autoscaler is asked for the adopted workers at the first start or reap, on the
+        # launcher's thread (the request of the master before this one is still in force meanwhile).
 
     def start(self, n: int) -> None:
         taken = set(self._worker_names()) if self.detached_prefix else set()
-        for _ in range(n):
-            cls = self._actor_cls
-            if self.detached_prefix:
-                name = next(f"{self.detached_prefix}-worker-{i}" for i in range(len(taken) + 1)
-                            if f"{self.detached_prefix}-worker-{i}" not in taken)
-                taken.add(name)
-                cls = cls.options(name=name, lifetime="detached")
-            actor = cls.remote(self.master_addr, self.worker_args, self.worker_env)
-            self.actors.append((actor, actor.wait.remote()))
+        try:
+            for _ in range(n):
+                cls = self._actor_cls
+                if self.detached_prefix:
+                    name = next(f"{self.detached_prefix}-worker-{i}" for i in range(len(taken) + 1)
+                                if f"{self.detached_prefix}-worker-{i}" not in taken)
+                    taken.add(name)
+                    cls = cls.options(name=name, lifetime="detached")
+                actor = cls.remote(self.master_addr, self.worker_args, self.worker_env)
+                # Actor calls wait until the actor runs: master() answering means it started.
+                self.actors.append(_RayWorker(actor, actor.wait.remote(), actor.master.remote()))
+        finally:
+            self._request_resources()
 
     def running(self) -> int:
+        """Actors launched and not seen to end, those Ray has not placed yet included."""
         return len(self.actors)
 
+    def pending(self) -> int:
+        """Actors launched that have not started: Ray has not placed them yet (no room on
+        the cluster; its autoscaler was asked for it), or their worker is being started."""
+        starting = [w for w in self.actors if w.starting is not None]
+        if starting:
+            # fetch_local=False: only whether the call answered (or failed: the actor died, which
+            # reap counts), never its value.
+            ready, _ = self._ray.wait([w.starting for w in starting], num_returns=len(starting), timeout=0,
+                                      fetch_local=False)
+            ready = set(ready)
+            for w in starting:
+                if w.starting in ready:
+                    w.starting = None
+        return sum(1 for w in self.actors if w.starting is not None)
+
     def reap(self) -> int:
-        if not self.actors:
-            return 0
-        refs = [ref for _, ref in self.actors]
-        done, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
         failed = 0
-        for actor, ref in [a for a in self.actors if a[1] in done]:
-            self.actors.remove((actor, ref))
-            try:
-                code = self._ray.get(ref)
-            except Exception as e:  # the actor died (node lost, OOM, killed)
-                log.warning("ray worker ended: %s", e)
-                failed += 1
-            else:
-                if code != 0:
-                    log.warning("ray worker exited with code %s", code)
+        if self.actors:
+            refs = [w.done for w in self.actors]
+            done, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+            done = set(done)
+            for w in [w for w in self.actors if w.done in done]:
+                self.actors.remove(w)
+                try:
+                    code = self._ray.get(w.done)
+                except Exception as e:  # the actor died (node lost, OOM, killed)
+                    log.warning("ray worker ended: %s", e)
                     failed += 1
-            self._ray.kill(actor)
+                else:
+                    if code != 0:
+                        log.warning("ray worker exited with code %s", code)
+                        failed += 1
+                self._ray.kill(w.actor)
+        self._request_resources()
         return failed
 
     def stop_all(self) -> None:
-        for actor, _ in self.actors:
-            self._ray.kill(actor)
+        for w in self.actors:
+            self._ray.kill(w.actor)
         self.actors.clear()
+        self._request_resources(force=True)  # cleared: nothing of this fleet is wanted any more
         if self._owns_ray:
             self._ray.shutdown()
+
+    def _request_resources(self, force: bool = False) -> None:
+        """Ask Ray's autoscaler for room for every worker held, if that number changed since
+        the last request that went through. An RPC: never on the master's loop."""
+        wanted = len(self.actors) if self.bundle else 0
+        if wanted == self.requested or (not force and time.monotonic() < self._retry_at):
+            return
+        try:
+            request_ray_resources([dict(self.bundle) for _ in range(wanted)])
+        except Exception as e:  # no autoscaler to ask, an old Ray, the control store away
+            self._retry_at = time.monotonic() + self.REQUEST_RETRY_S
+            if not self._request_failed:
+                self._request_failed = True
+                log.warning("could not ask Ray's autoscaler for room for %d workers (%s: %s); workers that do "
+                            "not fit wait for room as pending (logged once)", wanted, type(e).__name__, e)
+            else:
+                log.debug("request_resources for %d workers failed again: %s", wanted, e)
+            return
+        log.info("asked Ray's autoscaler for room for %d workers (%s each)", wanted, self.bundle)
+        self.requested = wanted
+        self._retry_at = 0.0
 
 
 def _use_ray_token_file(path: str) -> None:
@@ -342,11 +453,13 @@ def _use_ray_token_file(path: str) -> None:
 def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = None,
                   ray_auth_token_path: Optional[str] = None, ray_detached_prefix: Optional[str] = None,
                   worker_args: Sequence[str] = (), buffer_batches: int = 16, auth_dir: Optional[str] = None,
-                  insecure: bool = False, worker_env: Mapping[str, str] = {}) -> Launcher:
-    """``worker_env``: variables for every worker (the allowlist), in its environment only."""
+                  insecure: bool = False, worker_env: Mapping[str, str] = {},
+                  buffer_bytes: Optional[int] = None) -> Launcher:
+    """``worker_env``: variables for every worker (the allowlist), in its environment only;
+    ``buffer_bytes``: each worker's ``--buffer-bytes`` (None: the worker's default)."""
     if kind == "local":
         return LocalLauncher(master_addr, ["--buffer-batches", str(buffer_batches), *worker_args], auth_dir=auth_dir,
-                             worker_env=worker_env)
+                             worker_env=worker_env, buffer_bytes=buffer_bytes)
     if kind == "ray":
         if not ray_address:
             raise ValueError("--launcher ray needs --ray-address (e.g. 127.0.0.1:6379, or 'auto')")
@@ -356,5 +469,5 @@ def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = N
         return RayLauncher(master_addr, ray_address,
                            worker_args=["--buffer-batches", str(buffer_batches), *insecure_args, *worker_args],
                            auth_token_path=ray_auth_token_path, auth_dir=auth_dir,
-                           detached_prefix=ray_detached_prefix, worker_env=worker_env)
+                           detached_prefix=ray_detached_prefix, worker_env=worker_env, buffer_bytes=buffer_bytes)
     raise ValueError(f"unknown launcher {kind!r} (local, ray)")
