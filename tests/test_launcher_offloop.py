@@ -159,3 +159,39 @@ def test_shutdown_gives_up_on_a_stuck_launcher_and_drops_queued_starts(caplog):
     fake.release.set()  # the stuck call returns: the thread skips the queued start, then stops all
     assert fake.stopped.wait(WAIT_S)
     assert fake.calls.count("start") == 1 and fake.calls[-1] == "stop_all"
+
+
+class WaitingLauncher(BlockingLauncher):
+    """One whose workers can wait for room: ``pending()`` says how many (a Ray launcher's
+    unplaced actors); ``posted`` is set once the thread surely posted counts taken after ``start``."""
+
+    def __init__(self) -> None:
+        super().__init__(block_in=("start",))
+        self.waiting = 0
+        self.rounds = 0
+        self.posted = threading.Event()
+
+    def pending(self) -> int:
+        if self.started.is_set():
+            self.rounds += 1
+            if self.rounds == 2:  # the first round's counts are posted by now
+                self.posted.set()
+        return self.waiting
+
+
+def test_pending_counts_starts_not_done_and_the_launchers_waiting_workers():
+    """``pending`` (issue 25): the starts queued or stuck in the launcher, then what its
+    optional ``pending()`` says; both are in ``running`` too."""
+    fake = WaitingLauncher()
+    launcher = LauncherThread(fake, reap_interval_s=0.01)
+    launcher.start(3)
+    assert fake.entered.wait(WAIT_S)
+    assert launcher.pending() == 3 and launcher.running() == 3  # stuck in start: none started
+    fake.waiting = 1  # started, one waits for room
+    fake.release.set()
+    assert fake.posted.wait(WAIT_S)
+    assert launcher.pending() == 1 and launcher.running() == 3
+    launcher.stop_all()
+    plain = LauncherThread(BlockingLauncher(block_in=()))  # no pending(): none wait
+    assert plain.pending() == 0
+    plain.stop_all()

@@ -1,0 +1,319 @@
+"""Past one machine (issue 25): the Ray launcher asks Ray's cluster autoscaler for room.
+
+A worker that does not fit the cluster's free resources waits as a pending actor, and
+the launcher keeps ``ray.autoscaler.sdk.request_resources`` at one bundle per worker it
+holds: grown with ``start``, shrunk when a worker ends, cleared at ``stop_all``.
+
+The fast tests drive ``RayLauncher`` against a fake ``ray`` (this process must not
+import Ray: a driver's token is read once per process, see ``test_scaling``). The slow
+one runs a real head on 127.0.0.1 (2 CPUs) and reads the request back from Ray's own
+autoscaler status (``ray status``, what both autoscalers report), once per autoscaler
+(v1, a plain ``ray start``'s; v2, ``RAY_enable_autoscaler_v2=1``). Its Ray driver runs
+in a child process (``drive``), so no Ray state stays in pytest's process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from remoteloader.master import launcher as launcher_mod
+from remoteloader.master.launcher import LauncherThread, LocalLauncher, RayLauncher
+from tests.conftest import BIN
+
+WAIT_S = 120.0  # bound on waits that normally end within seconds
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- fast: a fake ray --------------------------------------------------------------------------
+
+class FakeRef:
+    def __init__(self) -> None:
+        self.ready = False
+        self.value = None
+
+
+class FakeActor:
+    def __init__(self, args: tuple) -> None:
+        self.args, self.killed = args, False
+        self.done_ref, self.started_ref = FakeRef(), FakeRef()
+        self.wait = type("M", (), {"remote": lambda _: self.done_ref})()
+        self.master = type("M", (), {"remote": lambda _: self.started_ref})()
+
+    def place(self) -> None:  # Ray found room: the actor runs
+        self.started_ref.ready = True
+
+    def exit(self, code: int = 0) -> None:  # its worker exited (drained: 0)
+        self.place()
+        self.done_ref.ready, self.done_ref.value = True, code
+
+
+class FakeRay:
+    """Just what ``RayLauncher`` calls of ``ray``."""
+
+    def __init__(self) -> None:
+        self.actors: list[FakeActor] = []
+        self.options: dict = {}
+        self.shut = False
+
+    def remote(self, **options):
+        self.options = options
+        fake = self
+
+        class Cls:
+            @staticmethod
+            def remote(*args):
+                fake.actors.append(FakeActor(args))
+                return fake.actors[-1]
+
+        return lambda _cls: Cls
+
+    def wait(self, refs, num_returns, timeout, fetch_local=True):
+        assert timeout == 0  # never blocks
+        return [r for r in refs if r.ready], [r for r in refs if not r.ready]
+
+    def get(self, ref):
+        return ref.value
+
+    def kill(self, actor):
+        actor.killed = True
+
+    def shutdown(self):
+        self.shut = True
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """``(ray, requests)``: RayLauncher connects to ``ray``; ``requests`` records every
+    request_resources call as (bundles, thread name)."""
+    ray, requests = FakeRay(), []
+    monkeypatch.setattr(launcher_mod, "connect_ray", lambda *_: ray)
+    monkeypatch.setattr(launcher_mod, "request_ray_resources",
+                        lambda bundles: requests.append((bundles, threading.current_thread().name)))
+    return ray, requests
+
+
+def test_the_request_follows_the_fleet_and_waiting_actors_are_pending(fake_ray):
+    ray, requests = fake_ray
+    launcher = RayLauncher("tcp://127.0.0.1:1", "127.0.0.1:6379", num_cpus=2)
+    assert requests == []  # nothing asked before any worker is wanted
+    launcher.start(3)
+    assert requests[-1][0] == [{"CPU": 2.0}] * 3
+    assert launcher.running() == 3 and launcher.pending() == 3
+    ray.actors[0].place()
+    ray.actors[1].place()
+    assert launcher.running() == 3 and launcher.pending() == 1  # pending are counted in running
+    launcher.reap()
+    assert len(requests) == 1  # unchanged: no second RPC
+    ray.actors[0].exit(0)  # drained
+    assert launcher.reap() == 0
+    assert requests[-1][0] == [{"CPU": 2.0}] * 2 and launcher.running() == 2 and ray.actors[0].killed
+    ray.actors[2].exit(1)  # a pending actor that failed is neither pending nor running
+    assert launcher.reap() == 1
+    assert launcher.pending() == 0 and launcher.running() == 1
+    assert requests[-1][0] == [{"CPU": 2.0}]
+    launcher.stop_all()
+    assert requests[-1][0] == [] and len(requests) == 4 and ray.shut  # cleared, then disconnected
+
+
+def test_requests_are_made_on_the_launcher_thread_and_pending_travels_to_the_loop(fake_ray):
+    ray, requests = fake_ray
+    thread = LauncherThread(RayLauncher("tcp://127.0.0.1:1", "127.0.0.1:6379"), reap_interval_s=0.01)
+    thread.start(2)
+    assert thread.pending() == 2 and thread.running() == 2  # counted at once, while queued
+    deadline = time.monotonic() + WAIT_S
+    while len(ray.actors) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ray.actors[0].place()
+    while thread.pending() != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread.pending() == 1 and thread.running() == 2
+    thread.stop_all()
+    assert [len(b) for b, _ in requests] == [2, 0]
+    assert {name for _, name in requests} == {"launcher"}  # never the caller's (the master loop's) thread
+
+
+def test_a_failing_request_is_logged_once_and_never_fatal(monkeypatch, caplog):
+    ray = FakeRay()
+    monkeypatch.setattr(launcher_mod, "connect_ray", lambda *_: ray)
+    calls = []
+
+    def no_autoscaler(bundles):
+        calls.append(len(bundles))
+        raise RuntimeError("no autoscaler here")
+
+    monkeypatch.setattr(launcher_mod, "request_ray_resources", no_autoscaler)
+    launcher = RayLauncher("tcp://127.0.0.1:1", "127.0.0.1:6379")
+    with caplog.at_level(logging.WARNING, logger=launcher_mod.__name__):
+        launcher.start(2)
+        launcher.start(1)
+        launcher.reap()
+        monkeypatch.setattr(launcher, "_retry_at", 0.0)  # as if REQUEST_RETRY_S had passed
+        launcher.reap()
+    assert launcher.running() == 3
+    assert calls == [2, 3]  # retried, not once a reap
+    assert caplog.text.count("could not ask Ray's autoscaler") == 1
+    launcher.stop_all()  # no request went through: none to clear
+    assert calls == [2, 3] and ray.shut
+
+
+def test_buffer_bytes_reaches_the_worker_command_line(monkeypatch, fake_ray):
+    argv = []
+    monkeypatch.setattr(launcher_mod.subprocess, "Popen", lambda args, **_: argv.append(args))
+    LocalLauncher("tcp://127.0.0.1:1", ["--buffer-batches", "4"], buffer_bytes=64 << 20).start(1)
+    LocalLauncher("tcp://127.0.0.1:1", ["--buffer-batches", "4"]).start(1)
+    assert argv[0][-4:] == ["--buffer-bytes", str(64 << 20), "--buffer-batches", "4"]
+    assert "--buffer-bytes" not in argv[1]
+    ray, _ = fake_ray
+    launcher_mod.make_launcher("ray", "tcp://127.0.0.1:1", ray_address="127.0.0.1:6379", buffer_bytes=1 << 20).start(1)
+    worker_args = ray.actors[0].args[1]  # WorkerProcessActor(master_addr, worker_args, worker_env)
+    assert worker_args[:2] == ["--buffer-bytes", str(1 << 20)] and "--buffer-batches" in worker_args
+
+
+# -- slow: a real Ray head on 127.0.0.1 ---------------------------------------------------------
+
+@pytest.fixture(params=["v1", "v2"], ids=["autoscaler-v1", "autoscaler-v2"])
+def ray_head(request):
+    """A Ray head on 127.0.0.1 with 2 CPUs and token authentication, its autoscaler v1 or
+    v2; yields ``(address, token file)`` and stops exactly its processes (by PID) after."""
+    from tests.test_scaling import free_port, stop_processes_of
+
+    ray_bin = BIN / "ray"
+    if not ray_bin.exists():
+        pytest.skip("ray is not installed")
+    temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # Ray's socket paths must stay short
+    token_file = Path(temp_dir) / "auth_token"
+    token_file.write_text(secrets.token_hex(32))
+    token_file.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")  # binds 127.0.0.1 only
+    head_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
+    if request.param == "v2":
+        head_env["RAY_enable_autoscaler_v2"] = "1"
+    port = free_port()
+    try:
+        subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                        "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+                        "--temp-dir", temp_dir], check=True, capture_output=True, timeout=120, env=head_env)
+        yield f"127.0.0.1:{port}", str(token_file), env
+    finally:
+        stop_processes_of(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def ray_status(address: str) -> tuple[int, int, str]:
+    """What Ray's autoscaler reports (``ray status``; the driver's environment carries the
+    token): one-CPU bundles asked for by request_resources ("From request_resources:
+    {'CPU': 1.0}: 4 from request_resources()"), one-CPU actors waiting for room ("Pending
+    Demands: {'CPU': 1.0}: 2+ pending tasks/actors"), and the whole report."""
+    out = subprocess.run([str(BIN / "ray"), "status", "--address", address], capture_output=True, text=True,
+                         timeout=60).stdout
+    requested = re.findall(r"\{'CPU': 1\.0\}: (\d+) from request_resources\(\)", out)
+    waiting = re.findall(r"\{'CPU': 1\.0\}: (\d+)\+ pending tasks/actors", out)
+    return sum(map(int, requested)), sum(map(int, waiting)), out
+
+
+def drive(address: str, token_file: str, table: str, out_path: str) -> None:
+    """The Ray driver (in a child process): a master on 127.0.0.1, a LauncherThread over a
+    RayLauncher asked for 4 workers on a 2-CPU head, one drained, then stop_all. Writes what
+    it saw at each step to ``out_path`` (JSON) for the test to check."""
+    from remoteloader.master.server import MasterServer
+    from remoteloader.master.service import MasterConfig, MasterService
+    from remoteloader.protocol import messages as M
+    from remoteloader.protocol.rpc import RpcClient
+    from remoteloader.spec import DatasetSpec
+    from tests.conftest import spec_dict
+    import zmq
+
+    seen: dict = {"requests": [], "steps": {}}
+    service = MasterService(MasterConfig(heartbeat_timeout=10))
+    service.submit(DatasetSpec.from_dict(spec_dict(Path(table))))
+    server = MasterServer(service, "tcp://127.0.0.1:0")
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    real_request = launcher_mod.request_ray_resources
+
+    def recorded(bundles):  # still Ray's own call; the record says what and from which thread
+        real_request(bundles)
+        seen["requests"].append([len(bundles), threading.current_thread().name])
+
+    launcher_mod.request_ray_resources = recorded
+    deadline = time.monotonic() + WAIT_S
+
+    rpc = RpcClient(zmq.Context.instance(), server.addr, 10)
+
+    def live_workers() -> list[dict]:  # asked of the master's loop, as `remoteloader status` does
+        return [w for w in rpc.call(M.Status()).status["workers"] if not w["draining"]]
+
+    def step(name: str, until, requested: int, waiting: int, fleet) -> None:
+        """Wait until ``until()`` and Ray's status shows ``requested`` bundles asked for and
+        ``waiting`` actors pending (it lags: its autoscaler reports every few seconds);
+        record what was seen."""
+        ray_requested = ray_waiting = -1
+        report = ""
+        while time.monotonic() < deadline:
+            if until():
+                ray_requested, ray_waiting, report = ray_status(address)
+                if (ray_requested, ray_waiting) == (requested, waiting):
+                    break
+            time.sleep(0.3)
+        seen["steps"][name] = {"running": fleet.running(), "pending": fleet.pending(),
+                               "workers": len(live_workers()), "ray_requested": ray_requested,
+                               "ray_pending": ray_waiting, "ray_status": report}
+
+    engine = RayLauncher(server.addr, address, auth_token_path=token_file)
+    launcher = LauncherThread(engine, reap_interval_s=0.2)
+    try:
+        launcher.start(4)  # two fit the head's 2 CPUs; two wait for room
+        step("grown", lambda: len(live_workers()) == 2 and launcher.pending() == 2, 4, 2, launcher)
+        first = live_workers()[0]["id"]
+        # A drain, as the worker's SIGTERM asks (with its token): it leaves once it holds nothing.
+        rpc.call(M.Drain(worker_id=first, token=server.service.keys.worker_token(first)))
+        # It exits, its CPU goes to a pending actor, and the request shrinks.
+        step("drained", lambda: launcher.running() == 3 and launcher.pending() == 1
+             and first not in [w["id"] for w in live_workers()], 3, 1, launcher)
+    finally:
+        launcher.stop_all()
+    try:
+        step("stopped", lambda: True, 0, 0, engine)  # the thread has ended: the launcher's own counts
+    finally:
+        rpc.close()
+        server.stop_event.set()
+        serving.join(5)
+    Path(out_path).write_text(json.dumps(seen))
+
+
+@pytest.mark.slow
+def test_ray_autoscaler_is_asked_for_the_workers_that_do_not_fit(ray_head, tables, tmp_path):
+    address, token_file, env = ray_head
+    out = tmp_path / "seen.json"
+    child = subprocess.run([sys.executable, "-c", "import sys, tests.test_ray_resources as t; t.drive(*sys.argv[1:])",
+                            address, token_file, str(tables["orc"]), str(out)],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-5000:]
+    seen = json.loads(out.read_text())
+    steps = seen["steps"]
+    grown, drained, stopped = steps["grown"], steps["drained"], steps["stopped"]
+    # 4 wanted on 2 CPUs: 2 run and register, 2 are pending (counted in running, not as workers),
+    # Ray's autoscaler was asked for all 4, and it too sees 2 actors waiting for room.
+    assert (grown["running"], grown["pending"], grown["workers"]) == (4, 2, 2), grown["ray_status"]
+    assert (grown["ray_requested"], grown["ray_pending"]) == (4, 2), grown["ray_status"]
+    # One drained: it left, a pending actor took its CPU, and the request shrank to 3.
+    assert (drained["running"], drained["pending"]) == (3, 1), drained["ray_status"]
+    assert (drained["ray_requested"], drained["ray_pending"]) == (3, 1), drained["ray_status"]
+    # stop_all cleared it.
+    assert (stopped["running"], stopped["pending"]) == (0, 0), stopped["ray_status"]
+    assert (stopped["ray_requested"], stopped["ray_pending"]) == (0, 0), stopped["ray_status"]
+    # One RPC per change of the fleet, all on the launcher's thread.
+    assert seen["requests"] == [[4, "launcher"], [3, "launcher"], [0, "launcher"]]
