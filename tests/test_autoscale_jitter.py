@@ -88,7 +88,11 @@ def disagreement(a: list[Decision], b: list[Decision], time_tol: float = TIME_TO
     for x, y in zip(a, b):
         if abs(x.workers - y.workers) > COUNT_TOL:
             return f"{x.action} to {x.workers} workers at t={x.time:.1f} vs to {y.workers} at t={y.time:.1f}"
-        if abs(x.time - y.time) > time_tol:
+        # Trimming one worker of ten or more happens on the margin (demand's bound within a
+        # fraction of a worker of the count's capacity): which tick first sees the margin
+        # depends on the noise each tick happens to sample, so only its time may differ.
+        marginal = x.action == "remove" and x.count == y.count == 1 and x.workers >= 10
+        if abs(x.time - y.time) > time_tol and not marginal:
             return f"{x.action} to {x.workers} at t={x.time:.1f} vs to {y.workers} at t={y.time:.1f}"
     return None
 

@@ -31,7 +31,6 @@ class AutoscaleConfig:
     high_fill: float = 0.7          # mean buffer fill over `down_window_s` needed to scale down
     demand_block_s: float = 10.0    # demand block length; the spread of block means gives its error
     max_down_fraction: float = 0.5  # remove at most half the workers per step (rounded up: 3 -> 1)
-    max_busy: float = 0.8           # scale down only to a count whose workers stay at most this busy
     headroom: float = 0.02          # spare supply kept: this fraction of demand ...
     headroom_workers: float = 1.0   # ... capped at this many workers' worth (1000 workers need not keep 20 spare)
     jitter_margin: float = 7.0      # ... raised so demand jitter empties the buffers ~exp(-7) of the time

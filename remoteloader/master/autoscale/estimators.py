@@ -185,8 +185,8 @@ class CapacityEstimator:
         if not len(self.ids):
             return
         told = ~np.isnan(busy)
-        # With credit streaming a worker's buffer is nearly always empty (its pieces wait in
-        # the clients' windows), so fill says nothing of whether it ran flat out: busy does.
+        # Under credit streaming fill says little of whether a worker ran flat out (a burst
+        # sits in the client's window, pieces held ahead do not count): busy says it.
         flat_out = np.where(told, np.nan_to_num(busy) >= c.min_busy, fill <= c.saturated_fill)
         sat = flat_out & (now - self._seen >= c.settle_s)
         if not sat.any():

@@ -412,12 +412,6 @@ class AutoscalePolicy:
         if not math.isfinite(upper):
             return _Hold(*why)
         target = self._estimator.needed(upper + self._headroom(level, w.mean_cap), caps)
-        busy = [s.busy for s in down]
-        if not any(math.isnan(b) for b in busy):
-            # Work done, in workers: the fewest that do it without any running hotter than
-            # `max_busy` (the rows estimate above leans on learned capacity; this does not).
-            arr = np.array(busy)
-            target = max(target, math.ceil((float(arr.mean()) + c.confidence_z * _se(arr)) / c.max_busy - 1e-9))
         if self._floor is not None:
             if level > self._floor.level * (1 - c.hysteresis):
                 if target <= self._floor.count:
