@@ -90,7 +90,7 @@ def test_a_busy_fleet_is_not_shrunk_below_what_it_does() -> None:
 
 
 def test_half_a_fleet_is_shed_when_it_does_half_the_work() -> None:
-    """Six workers doing 2.4 workers' worth: down to the count that stays under max_busy."""
+    """Six workers doing 2.4 workers' worth: down to the count whose capacity covers it, with headroom."""
     policy = AutoscalePolicy(AutoscaleConfig(min_workers=1, max_workers=8))
     workers = [f"w{i}" for i in range(6)]
     run(policy, workers, 60, lambda t: 12 * CAP)
