@@ -12,19 +12,26 @@ def registered(master: FakeMaster) -> None:
     master.wait_for(lambda m: m["t"] == "register" and not master.hold_register.is_set())
 
 
+def asks_register_every(worker: RunningWorker, seconds: float) -> RunningWorker:
+    """A register left unanswered is asked again after ``seconds`` (by default the worker's
+    RPC timeout): the window a test of a master that does not answer register waits through."""
+    worker.worker.control.registrar.register_timeout_s = seconds
+    return worker
+
+
 def test_no_split_is_asked_for_while_the_worker_registers_again_and_it_produces_after(master, job):
     """Defect 4: a get_split between 'unknown' and the new registration had no worker id;
     the producer died on it and the worker heartbeated on without ever taking a split."""
-    worker = RunningWorker(master.addr)
+    worker = asks_register_every(RunningWorker(master.addr), 0.25)
     try:
         first = master.wait_for(lambda m: m["t"] == "get_split")["worker_id"]
         master.hold_register.set()  # the master restarted without a journal and answers register slowly
         master.heartbeat_state = "unknown"
         master.wait_for(lambda m: m["t"] == "register")
         master.heartbeat_state = "run"
-        # Several no_split retry periods pass while register hangs; the producer must wait, not die.
+        # Several no_split retry periods (20 ms) pass while register hangs; the producer must wait, not die.
         for _ in range(3):
-            master.wait_for(lambda m: m["t"] == "register")  # register retries (rpc timeout 1 s)
+            master.wait_for(lambda m: m["t"] == "register")  # register retries (every 0.25 s)
         master.hold_register.clear()
         master.splits.put(job.task(0, session="s-a"))
         produced = master.wait_for(lambda m: m["t"] == "split_produced")

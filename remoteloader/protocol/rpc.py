@@ -10,7 +10,7 @@ import logging
 import random
 import threading
 import time
-from typing import Optional
+from typing import Optional, Protocol
 
 import zmq
 
@@ -37,6 +37,12 @@ def backoff_delay(failures: int, base_s: float, rng: random.Random) -> float:
     """Retry delay after ``failures`` failed calls: exponential, capped, with jitter in
     [0.5, 1.5) of the step so that clients of a restarting master do not retry in step."""
     return min(BACKOFF_MAX_S, base_s * 2 ** min(failures, 16)) * (0.5 + rng.random())
+
+
+class StopFlag(Protocol):
+    """What ends a call's wait early: a ``threading.Event``, or anything else that says ``is_set``."""
+
+    def is_set(self) -> bool: ...
 
 
 class MasterUnavailable(ConnectionError):
@@ -69,7 +75,7 @@ class RpcClient:
         return self._sock
 
     def call(self, request: Message, timeout_s: Optional[float] = None,
-             stop: Optional[threading.Event] = None) -> Message:
+             stop: Optional[StopFlag] = None) -> Message:
         """Send one request; return the reply. Raises MasterUnavailable or RemoteError.
 
         With ``stop``, the wait ends early (as unavailable) once the event is set, so a

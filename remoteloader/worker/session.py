@@ -72,18 +72,31 @@ class CurrentSession:
         return self._wrong_job is not None and self._wrong_job is self._session
 
 
+class _Leaving:
+    """``Lifecycle.leaving`` as the ``stop`` of an RPC call (which asks ``is_set``): a drain
+    or stop requested by a signal handler is a plain assignment, not an event's set."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.is_set = lifecycle.leaving
+
+
 class Registrar:
     """Fetches the job's spec, compiles its pipeline, then registers, in that order so
     that the master only counts on a worker that is ready (compiling kernels holds the GIL
     for seconds, long enough to miss heartbeats). A master may have no job yet, restart
     and forget us, or run another job: every step retries until it succeeds or the worker
-    is asked to leave."""
+    is asked to leave, and a request to leave (drain, stop) ends the wait for an answer at once."""
 
-    def __init__(self, addr: str, allowlist: TableAllowlist, coalesce_gap: int, lifecycle: Lifecycle) -> None:
+    def __init__(self, addr: str, allowlist: TableAllowlist, coalesce_gap: int, lifecycle: Lifecycle,
+                 register_timeout_s: Optional[float] = None) -> None:
         self.addr = addr
         self.allowlist = allowlist
         self.coalesce_gap = coalesce_gap
         self.lifecycle = lifecycle
+        # How long one register waits for its answer before asking again (None: the RPC
+        # client's timeout). Tests of a master that never answers shorten it.
+        self.register_timeout_s = register_timeout_s
+        self._leaving = _Leaving(lifecycle)
 
     def join(self, rpc: RpcClient, previous: Optional[WorkerSession] = None,
              rebuild: bool = False) -> Optional[WorkerSession]:
@@ -96,7 +109,7 @@ class Registrar:
                 if processor is None:
                     processor, fingerprint = self._build(rpc, previous)
                 reply = rpc.call(M.Register(addr=self.addr, pid=os.getpid(), fingerprint=fingerprint),
-                                 stop=self.lifecycle.stop)
+                                 timeout_s=self.register_timeout_s, stop=self._leaving)
                 if not isinstance(reply, M.Registered):
                     raise MasterUnavailable(f"register answered with {M.tag(reply)!r}")
                 if reply.fingerprint != fingerprint:
@@ -108,7 +121,8 @@ class Registrar:
                 return WorkerSession(reply.worker_id, reply.token, reply.verify_key, fingerprint, processor,
                                      reply.heartbeat_interval)
             except MasterUnavailable as e:
-                log.warning("%s; retrying", e)
+                if not self.lifecycle.leaving():
+                    log.warning("%s; retrying", e)
             except RemoteError as e:
                 if e.code == "wrong_job":
                     log.warning("%s: rebuilding for the master's job", e)
@@ -118,7 +132,7 @@ class Registrar:
         return None
 
     def _build(self, rpc: RpcClient, previous: Optional[WorkerSession]) -> tuple[SplitProcessor, str]:
-        reply = rpc.call(M.GetSpec(), stop=self.lifecycle.stop)
+        reply = rpc.call(M.GetSpec(), stop=self._leaving)
         if not isinstance(reply, M.Spec):
             raise MasterUnavailable(f"get_spec answered with {M.tag(reply)!r}")
         if previous is not None and reply.fingerprint == previous.fingerprint:
