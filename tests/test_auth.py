@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from remoteloader import RemoteDataLoader
 from remoteloader.protocol import auth
@@ -18,7 +19,10 @@ from tests.conftest import BIN, ROWS, spec_dict
 from tests.wire_helpers import encode
 from remoteloader.protocol import messages as M
 
-SILENCE_S = 2.0  # how long an unauthenticated peer waits for a reply that must never come
+SILENCE_S = 2.0  # how long an unauthenticated peer waits for a reply that must never come ...
+REFUSED_GRACE_S = 0.2  # ... or, once the server has refused its handshake, how long it still listens
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                     zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 @pytest.fixture(autouse=True)
@@ -37,16 +41,32 @@ def _mode(path) -> int:
 
 def _replies(addr: str, parts: list, creds=None, timeout_s: float = SILENCE_S, server_public=None) -> bool:
     """Does a DEALER (plain, or a CURVE client with ``creds``) get any reply to ``parts``?
-    An attacker knows the servers' public key (it is not a secret): ``server_public``."""
+    An attacker knows the servers' public key (it is not a secret): ``server_public``.
+
+    It listens ``timeout_s``, unless ZeroMQ's monitor reports that the server refused the
+    handshake: a request is only sent over a completed handshake, so then it listens
+    ``REFUSED_GRACE_S`` more (for a reply that could only be a bug) instead of the rest."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if creds is not None:
             auth.secure_client(sock, creds, server_public)
+        monitor = sock.get_monitor_socket()
         sock.connect(addr)
         sock.send_multipart(parts)
-        got = bool(sock.poll(int(timeout_s * 1000)))
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        got = False
+        while not got and (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            got = sock in ready
+            if monitor in ready and recv_monitor_message(monitor)["event"] in _HANDSHAKE_FAILED:
+                deadline = min(deadline, time.monotonic() + REFUSED_GRACE_S)
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         return got
     finally:
