@@ -23,7 +23,7 @@ from remoteloader.protocol import auth
 from remoteloader.protocol.capability import SEED_FILE, MasterKeys, SessionTokens
 from remoteloader.protocol.rpc import RemoteError, RpcClient
 from remoteloader.spec import DatasetSpec
-from remoteloader.worker.runs import MAX_SESSIONS
+from remoteloader.worker import runs
 from tests.wire_helpers import decode, encode
 from remoteloader.protocol import messages as M
 
@@ -114,15 +114,17 @@ def test_a_client_skips_a_worker_it_cannot_connect_to_with_one_warning(caplog):
 
 
 # -- a worker: credit from sessions the master never admitted ------------------------------------------
-def test_made_up_sessions_cannot_fill_the_workers_tables(tables):
-    """More made-up sessions than a worker remembers: the real session is still served."""
+def test_made_up_sessions_cannot_fill_the_workers_tables(tables, monkeypatch):
+    """More made-up sessions than a worker remembers: the real session is still served.
+    (The worker remembers 256 here, not 16,384: each made-up token costs a signature check.)"""
+    monkeypatch.setattr(runs, "MAX_SESSIONS", 256)
     job = Job(tables["orc"])
     master = FakeMaster(job)
     worker = RunningWorker(master.addr)
     flood, client = Client(worker.worker.addr), Client(worker.worker.addr)
     try:
         master.wait_for(lambda m: m["t"] == "heartbeat")  # registered: it knows the master's key
-        for i in range(MAX_SESSIONS + 100):
+        for i in range(runs.MAX_SESSIONS + 100):
             flood.credit(f"s-{i:012x}", 0, token="00" * 64)
         master.splits.put(job.task(0, "s-real"))
         client.credit("s-real", 0)
