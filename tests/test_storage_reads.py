@@ -315,8 +315,8 @@ def test_slow_filesystem_adds_latency_and_counts(wide):
     fmt, out = wide
     columns = ["label", "float_3", "idlist_5", "idlist_150"]
     fast = list_table(str(out), partitions=["ds=2026-01-01"])[0]
-    files = list_table(f"slow+{out.as_uri()}?latency_ms=30&mbps=100", partitions=["ds=2026-01-01"])
-    assert files[0].path.startswith("slow+file:///") and files[0].path.endswith("?latency_ms=30&mbps=100")
+    files = list_table(f"slow+{out.as_uri()}?latency_ms=10&mbps=100", partitions=["ds=2026-01-01"])
+    assert files[0].path.startswith("slow+file:///") and files[0].path.endswith("?latency_ms=10&mbps=100")
     for gap in (0, DEFAULT_COALESCE_GAP):
         clear_tail_cache()
         SLOW_IO.reset()
@@ -327,7 +327,7 @@ def test_slow_filesystem_adds_latency_and_counts(wide):
         assert_same(got, read_split(fast, 0, 2, columns))
         counted = SLOW_IO.snapshot()
         assert counted["requests"] == stats.requests and counted["bytes"] == stats.bytes_requested
-        assert elapsed >= 0.03 * stats.requests + stats.bytes_requested / 100e6
+        assert elapsed >= 0.01 * stats.requests + stats.bytes_requested / 100e6
         if gap == 0:
             slow_requests = stats.requests
     assert stats.requests < slow_requests  # coalescing pays fewer latencies
