@@ -191,7 +191,15 @@ def test_a_key_holder_without_the_token_takes_no_row_of_another_rank(tables, clu
     parsed = DatasetSpec.from_dict(spec)
     rpc = RpcClient(zmq.Context.instance(), master.addr, 10, auth=creds)
     try:
-        own = rpc.call(M.Hello(rank=0, world_size=1, spec=parsed.to_dict(), fingerprint=parsed.fingerprint()))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                own = rpc.call(M.Hello(rank=0, world_size=1, spec=parsed.to_dict(), fingerprint=parsed.fingerprint()))
+                break
+            except RemoteError as e:  # "binding": the master reads the table's metadata; ask again, as loaders do
+                if e.code != "binding" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
     finally:
         rpc.close()
     with RemoteDataLoader(spec, master=master.addr, auth=keys, timeout=60) as victim:
