@@ -239,6 +239,11 @@ class Batch:
         """The same rows, all marked as padding."""
         return dataclasses.replace(self, padding=torch.ones(len(self), dtype=torch.bool))
 
+    def _derived(self, batch: "Batch") -> "Batch":
+        """``batch``, made from rows of this one (``concat_rows``): as it is here; a batch on
+        its way through pinned staging (``staging.StagedBatch``) has it staged too."""
+        return batch
+
     def to(self, device: Any, non_blocking: bool = False) -> "Batch":
         return Batch(
             self.dense_features.to(device, non_blocking=non_blocking),
@@ -334,14 +339,14 @@ def concat_rows(pieces: Sequence[tuple[Batch, int, int]]) -> Batch:
     def rows_of(get):
         return torch.cat([get(b)[start:stop] for b, start, stop in pieces])
 
-    return Batch(
+    return first._derived(Batch(
         rows_of(lambda b: b.dense_features),
         kjt,
         rows_of(lambda b: b.labels),
         {name: rows_of(lambda b, n=name: b.passthrough[n]) for name in first.passthrough},
         None if first.weights is None else rows_of(lambda b: b.weights),
         _padding_of(pieces),
-    )
+    ))
 
 
 def _padding_of(pieces: Sequence[tuple[Batch, int, int]]) -> Optional[torch.Tensor]:
