@@ -20,7 +20,7 @@ from typing import Any, Generator, Iterator, Optional, Union
 import torch
 import zmq
 
-from . import checkpoint
+from . import checkpoint, staging
 from .assembly import EpochAssembler
 from .batch import Batch
 from .credit import CreditWindow
@@ -75,7 +75,16 @@ class RemoteDataLoader:
             gives every rank the same number of batches per epoch, as DDP needs.
         rank, world_size: this trainer's share; default from torch.distributed, then the
             ``RANK``/``WORLD_SIZE`` environment variables, then 0/1.
-        pin_memory: return batches in pinned memory (ignored with a warning without an accelerator).
+        pin_memory: return batches in pinned memory (ignored with a warning without an accelerator):
+            a staging thread copies each batch once into reused pinned slabs as it arrives, so
+            the training thread gets it already pinned (see ``staging.py``). A slab is reused
+            once no tensor of its batch is referenced any more.
+        pin_bytes: the most pinned memory staging holds (default: ``prefetch_bytes``); when
+            it is all in use the staging thread waits for batches to be released.
+        device: ``"cuda"`` (or ``"cuda:N"``): hand out batches already on that device, copied
+            from pinned slabs on a side CUDA stream while the model trains on the current
+            batch (the current stream waits for the copy; ``record_stream`` keeps its memory).
+            ``None`` or ``"cpu"``: no copy. Without CUDA, a CUDA device is a ``ValueError``.
         inflight: pieces of credit per worker to start with; the client grows its credit
             window while the training loop waits on batches a worker holds but may not send,
             and shrinks it back (never below this) while its queue of batches never empties.
@@ -93,7 +102,8 @@ class RemoteDataLoader:
                  even_batches: Union[bool, str, None] = None, rank: Optional[int] = None, world_size: Optional[int] = None, pin_memory: bool = False,
                  inflight: int = 2, prefetch_bytes: int = 256 << 20, timeout: float = 300.0,
                  connect_timeout: float = 60.0,
-                 auth: Union[str, os.PathLike, None] = None) -> None:
+                 auth: Union[str, os.PathLike, None] = None, device: Union[str, torch.device, None] = None,
+                 pin_bytes: Optional[int] = None) -> None:
         spec = load_spec(spec)
         if isinstance(even_batches, bool):
             even_batches = "pad" if even_batches else "off"
@@ -105,7 +115,12 @@ class RemoteDataLoader:
         self.drop_last = self.spec.drop_last
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.credit = CreditWindow(inflight, prefetch_bytes)  # kept across epochs: what it learned holds
+        self.device = staging.resolve_device(device)  # None: batches stay on the host
         self.pin_memory = pin_memory and self._can_pin()
+        # Pinned slabs for the staging thread, reused across epochs (None: no staging).
+        self.pin_pool = staging.SlabPool(pin_bytes if pin_bytes is not None else prefetch_bytes) \
+            if self.pin_memory or self.device is not None else None
+        self.pin_stats = staging.StagingStats() if self.pin_pool is not None else None
         auth_dir = os.fspath(auth) if auth is not None else os.environ.get(cluster_auth.ENV_AUTH) or None
         if auth_dir:
             cluster_auth.load(auth_dir)  # AuthError (a ValueError, one line) before anything starts
@@ -197,11 +212,16 @@ class RemoteDataLoader:
         assembler = EpochAssembler([(sid, s[0]) for sid, s in splits.items()], self.batch_size, self.drop_last,
                                    consumed=consumed)
         run = EpochRun(epoch, start.done, splits, assembler)
-        config = StreamConfig(self.rank, self.master, self.timeout, self.pin_memory, self._auth)
+        # The stream never pins: with pin_memory (or device) the staging thread does (staging.py).
+        config = StreamConfig(self.rank, self.master, self.timeout, False, self._auth)
         self._current = run
         try:
-            yield from EpochStream(self._ctx, self.session, run, config, self.credit, self.stats,
-                                   self.warnings).batches()
+            stream = EpochStream(self._ctx, self.session, run, config, self.credit, self.stats, self.warnings)
+            if self.pin_pool is None:
+                yield from stream.batches()
+            else:
+                yield from staging.staged_batches(stream, run, self.pin_pool, self.device, self.batch_size,
+                                                  self.timeout, self.pin_stats)
         finally:
             self._current = None
 
@@ -231,7 +251,9 @@ class RemoteDataLoader:
         self._closed = True
         self.session.stop.set()
         if self._active is not None:
-            self._active.close()
+            self._active.close()  # stops its staging thread, if any
+        if self.pin_pool is not None:
+            self.pin_pool.close()
         self.session.goodbye(GOODBYE_S)
         self._rpc.close()
         self._placement.close(self.world_size)
