@@ -213,7 +213,7 @@ class RemoteDataLoader:
                                    consumed=consumed)
         run = EpochRun(epoch, start.done, splits, assembler)
         # The stream never pins: with pin_memory (or device) the staging thread does (staging.py).
-        config = StreamConfig(self.rank, self.master, self.timeout, False, self._auth)
+        config = StreamConfig(self.rank, self.master, self.timeout, self._auth)
         self._current = run
         try:
             stream = EpochStream(self._ctx, self.session, run, config, self.credit, self.stats, self.warnings)

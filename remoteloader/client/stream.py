@@ -57,7 +57,6 @@ class StreamConfig:
     rank: int
     master: str
     timeout: float
-    pin_memory: bool
     auth: Optional[Credentials]
 
 
@@ -131,7 +130,7 @@ class EpochStream:
                     batch_wait = 0.0
                     window_checked = False
                     last_progress = time.monotonic()
-                    yield ready.batch.pin_memory() if self.config.pin_memory else ready.batch
+                    yield ready.batch
                 else:
                     now = time.monotonic()
                     if now - last_progress > self.config.timeout:
