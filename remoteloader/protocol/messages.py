@@ -251,6 +251,9 @@ class WorkerStats(Record, omit_defaults=True):
     time: Optional[Amount] = None
     capacity: Optional[Count] = None  # its buffer size
     ahead: Optional[Count] = None  # pieces held for a prefetched next epoch
+    held_bytes: Optional[Count] = None  # bytes of the transformed splits it holds
+    ahead_bytes: Optional[Count] = None  # of those, splits of a next epoch read ahead
+    budget_bytes: Optional[Count] = None  # its --buffer-bytes
     split: Optional[ProducingSplit] = None  # while producing
     io: Optional[IOCounters] = None
     discarded: Optional[Discarded] = None
@@ -323,6 +326,7 @@ class GetSplit(WorkerNamed, tag="get_split"):
     """The next split to produce."""
 
     avoid_ranks: Annotated[list[Count], Meta(max_length=MAX_LIST)] = []  # their share of the buffer is full
+    read_ahead: bool = True  # it has room for a split of a next epoch read ahead (within its --buffer-bytes)
 
 
 class SplitsReleased(WorkerNamed, tag="splits_released"):
@@ -414,6 +418,7 @@ class Spec(MasterReply, tag="spec"):
     spec: dict[str, Any]
     schema: dict[str, Any]
     fingerprint: Id
+    split_bytes: Optional[Count] = None  # estimated transformed bytes of the job's largest split (nil: unknown)
 
 
 class HeartbeatOk(MasterReply, tag="heartbeat_ok"):
