@@ -371,7 +371,7 @@ def test_a_slow_bind_does_not_hold_the_loop(spec, monkeypatch):
 
     release = th.Event()
     real = service_module._bind_and_plan
-    monkeypatch.setattr(service_module, "_bind_and_plan", lambda s: (release.wait(30), real(s))[1])
+    monkeypatch.setattr(service_module, "_bind_and_plan", lambda s, *budget: (release.wait(30), real(s, *budget))[1])
     service = MasterService(MasterConfig(bind_timeout=60), None, Clock())
     t, reply = hello(service, spec)
     assert (t, reply["code"]) == ("error", "binding")             # answered within BIND_WAIT_S
@@ -391,7 +391,7 @@ def test_a_bind_past_its_deadline_is_refused_naming_the_key(spec, monkeypatch):
     from remoteloader.master import service as service_module
 
     never = th.Event()
-    monkeypatch.setattr(service_module, "_bind_and_plan", lambda s: never.wait(30))
+    monkeypatch.setattr(service_module, "_bind_and_plan", lambda s, *budget: never.wait(30))
     service = MasterService(MasterConfig(bind_timeout=1.0), None, Clock())
     assert hello(service, spec)[1]["code"] == "binding"
     time.sleep(0.6)

@@ -60,7 +60,8 @@ def test_slots_are_stable_and_bounded():
 SNAPSHOT = {
     "job": {"fingerprint": "abc123", "table": SECRET_TABLE, "files": 4, "splits": 8, "rows": 5000, "world_size": 2},
     "workers": [(0, {"id": "w-1f3a", "buffered": 3, "capacity": 16, "assigned": 1, "rows_per_s": 1500.0,
-                     "cpu": 0.5, "mem": 1e8, "last_seen_s": 0.2, "draining": False}),
+                     "cpu": 0.5, "mem": 1e8, "last_seen_s": 0.2, "draining": False, "held_bytes": 3 << 20,
+                     "ahead_bytes": 1 << 20, "budget_bytes": 256 << 20, "busy": 0.75}),
                 (1, {"id": "w-88c0", "buffered": 0, "capacity": 16, "assigned": 0, "rows_per_s": 0.0,
                      "cpu": 0.0, "mem": 9e7, "last_seen_s": 0.1, "draining": True})],
     "worker_totals": {"rows": 9000, "batches": 40, "busy_s": 3.5, "io.requests": 12, "io.bytes_requested": 4096,
@@ -112,6 +113,10 @@ def test_families_follow_the_naming_conventions():
         "remoteloader_worker_rows_per_second": ("gauge", {"slot"}),
         "remoteloader_worker_cpu_ratio": ("gauge", {"slot"}),
         "remoteloader_worker_resident_memory_bytes": ("gauge", {"slot"}),
+        "remoteloader_worker_held_bytes": ("gauge", {"slot"}),
+        "remoteloader_worker_ahead_bytes": ("gauge", {"slot"}),
+        "remoteloader_worker_budget_bytes": ("gauge", {"slot"}),
+        "remoteloader_worker_busy_ratio": ("gauge", {"slot"}),
         "remoteloader_worker_rows": ("counter", set()),
         "remoteloader_worker_busy_seconds": ("counter", set()),
         "remoteloader_worker_read_bytes": ("counter", set()),
@@ -142,6 +147,11 @@ def test_families_follow_the_naming_conventions():
     assert value("remoteloader_client_wait_seconds_total", rank="0") == 1.5
     assert value("remoteloader_client_starved_seconds_total", rank="0") == 0.5
     assert value("remoteloader_worker_cpu_ratio", slot="0") == 0.5
+    assert value("remoteloader_worker_held_bytes", slot="0") == 3 << 20
+    assert value("remoteloader_worker_ahead_bytes", slot="0") == 1 << 20
+    assert value("remoteloader_worker_budget_bytes", slot="0") == 256 << 20
+    assert value("remoteloader_worker_busy_ratio", slot="0") == 0.75
+    assert [s.labels["slot"] for s in parsed["remoteloader_worker_held_bytes"].samples] == ["0"]  # 1 reports none
     assert value("remoteloader_workers", state="draining") == 1
     assert value("remoteloader_rank_epoch", rank="0") == 3
     assert [value("remoteloader_rank_splits", rank="0", state=s) for s in ("pending", "in_progress", "done")] \
@@ -174,7 +184,8 @@ def _report(service: MasterService) -> list[str]:
         for wid in ids:
             call({"t": "heartbeat", "worker_id": wid, "token": service.keys.worker_token(wid), "buffered": step,
                   "stats": {"rows": 100 * step, "batches": step, "busy_s": 0.5 * step, "cpu": 0.25,
-                            "capacity": 16, "io": {"requests": step, "bytes_requested": 1000 * step}}})
+                            "capacity": 16, "io": {"requests": step, "bytes_requested": 1000 * step},
+                            "held_bytes": 5000 * step, "ahead_bytes": 1000, "budget_bytes": 1 << 20}})
     t, reply = call({"t": "hello", "rank": 0, "world_size": 1, "spec": spec.to_dict(),
                      "fingerprint": spec.fingerprint()})
     assert t == "welcome"
@@ -214,6 +225,10 @@ def test_master_metrics_read_the_service(service):
     assert value("remoteloader_worker_read_bytes_total") == 6000
     assert value("remoteloader_worker_busy_seconds_total") == 3.0
     assert value("remoteloader_worker_cpu_ratio", slot="1") == 0.25  # the remaining worker keeps its slot
+    assert value("remoteloader_worker_held_bytes", slot="1") == 15000  # its last report
+    assert value("remoteloader_worker_ahead_bytes", slot="1") == 1000
+    assert value("remoteloader_worker_budget_bytes", slot="1") == 1 << 20
+    assert value("remoteloader_worker_busy_ratio", slot="1") == 0.5  # 0.5 s busy a second
     assert value("remoteloader_client_wait_seconds_total", rank="0") == 1.5
     assert value("remoteloader_client_starved_seconds_total", rank="0") == 0.5
     assert value("remoteloader_client_batches_total", rank="0") == 30

@@ -14,6 +14,7 @@ import zmq
 from .. import __version__
 from ..core.procs import die_with_parent
 from ..core.redact import ENV_ALLOW_TABLE, allowlist_env, allowlist_from_env, log_to_stderr, redact_text
+from ..core.sizing import parse_size, warm_up
 from ..protocol import auth as cluster_auth
 from ..protocol.address import DefaultsHelpFormatter, address_type
 from ..protocol.capability import MasterKeys
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-stop", action="store_true",
                    help="with --ray-actor: stop that master actor and its workers for good")
     p.add_argument("--worker-buffer", type=int, default=16, help="batches each launched worker may buffer")
+    p.add_argument("--buffer-bytes", type=_size, default="256M", metavar="BYTES",
+                   help="what each worker may hold of transformed splits (the workers' --buffer-bytes; bytes, or "
+                        "with a suffix K, M, G or T, powers of 1024: 512M, 2G): splits are planned so that one stays "
+                        "within half of it, fewer rows than the spec's split_rows if need be")
     p.add_argument("--worker-args", default="", help="extra arguments for launched local workers (one string)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without heartbeat before a worker is dead")
@@ -89,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level")
     return p
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -117,9 +129,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
                           split_timeout=args.split_timeout, prefetch_next_epoch=not args.no_prefetch,
-                          allowed_tables=tuple(allowed),
+                          allowed_tables=tuple(allowed), buffer_bytes=args.buffer_bytes,
                           popularity_log=args.popularity_log or (os.path.join(args.journal, "popularity.jsonl")
                                                                  if args.journal else None))
+    # Binding a job transforms a sample (the split size estimate): load numba first, so the
+    # first client's hello is not told to retry while it loads.
+    warm_up()
     journal = Journal(args.journal) if args.journal else None
     # The keys that sign sessions and workers live beside the journal: a restarted master
     # replays sessions and workers whose tokens must still verify.
@@ -156,6 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                ray_auth_token_path=args.ray_auth_token_file,
                                ray_detached_prefix=args.ray_detached_workers,
                                worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer,
+                               buffer_bytes=args.buffer_bytes,
                                worker_env=allowlist_env(served) if served else {},
                                auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
     except (ValueError, ImportError, ConnectionError) as e:

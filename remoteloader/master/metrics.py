@@ -215,6 +215,13 @@ def families(snap: dict) -> list[Metric]:
          "rows_per_s"),
         ("remoteloader_worker_cpu_ratio", "CPU time of the worker process per second (1 = one core busy).", "cpu"),
         ("remoteloader_worker_resident_memory_bytes", "Resident memory of the worker process.", "mem"),
+        ("remoteloader_worker_held_bytes", "Bytes of the transformed splits the worker holds.", "held_bytes"),
+        ("remoteloader_worker_ahead_bytes", "Of the bytes the worker holds, those of splits of a next epoch read "
+         "ahead.", "ahead_bytes"),
+        ("remoteloader_worker_budget_bytes", "What the worker may hold of transformed splits (its --buffer-bytes).",
+         "budget_bytes"),
+        ("remoteloader_worker_busy_ratio", "Share of the rate window the worker spent producing (reading, "
+         "transforming, cutting), not waiting for room or work.", "busy"),
         ("remoteloader_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.", "last_seen_s"),
         ("remoteloader_worker_draining", "1 while the worker drains before it exits.", "draining"),
     ]

@@ -16,10 +16,11 @@ from typing import Callable, Optional, Union
 import msgspec
 
 from ..core.binding import BoundDataset, bind, bind_schema
-from ..core.plan import make_task
+from ..core.plan import make_task, plan_base_splits
 from ..core.popularity import record_projection
 from ..core.redact import redact, redact_text
-from ..core.sampling import plan_job_splits
+from ..core.sampling import sampled_splits
+from ..core.sizing import DEFAULT_BUFFER_BYTES, format_size, row_bytes, split_rows_within
 from ..protocol.address import AddressError, validate_address
 from ..protocol.capability import MasterKeys
 from ..protocol import messages as M
@@ -66,6 +67,9 @@ class MasterConfig:
     # pass this many bytes, or the snapshot's own size if larger (so compaction costs O(1)
     # per byte appended, and an idle master never compacts, however large its state).
     journal_compact_bytes: int = 4 << 20
+    # What each worker may hold (its --buffer-bytes): splits are planned so that one
+    # transformed split stays within half of it.
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
 
 
 BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
@@ -74,28 +78,59 @@ BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
 MAX_DONE_RANGES = 16
 
 
-def _bind_and_plan(spec: DatasetSpec) -> tuple[BoundDataset, list]:
+@dataclass
+class Planned:
+    """A bound job, its base splits, and the estimate they were cut by."""
+
+    bound: BoundDataset
+    splits: list
+    row_bytes: Optional[float]  # transformed bytes per row of a sample (None: not estimated)
+
+
+def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) -> Planned:
+    """Bind and plan a job, with splits small enough for the workers' budget: one
+    transformed split within half of ``budget_bytes`` (core/sizing.py), or the spec's
+    ``split_rows`` if that is smaller. The splits are journaled: a replay never plans again."""
     bound = bind(spec)
-    splits = plan_job_splits(bound)
+    files = bound.files or []
+    try:
+        per_row = row_bytes(bound, files)
+    except Exception as e:  # the sample's error is the workers' to report, with its split
+        log.warning("could not estimate the transformed size of a row (%s): splits planned with split_rows %d",
+                    redact_text(str(e))[:500], spec.split_rows)
+        per_row = None
+    base = plan_base_splits(files, spec.split_rows)
+    cap = split_rows_within(budget_bytes, per_row) if per_row is not None else None
+    if cap is not None and base and max(s.raw_rows for s in base) > cap:
+        planned = max(s.raw_rows for s in base)
+        base = plan_base_splits(files, cap)
+        largest = max(s.raw_rows for s in base)
+        uncut = sum(1 for s in base if s.raw_rows > cap)
+        log.warning("split_rows %d: about %s a row once transformed makes a split of %d rows %s, more than half the "
+                    "workers' --buffer-bytes %s; planned splits of at most %d rows instead%s", spec.split_rows,
+                    format_size(per_row), planned, format_size(planned * per_row), format_size(budget_bytes), cap,
+                    "" if not uncut else f" ({uncut} splits are single stripes or row groups of up to {largest} rows, "
+                                         f"{format_size(largest * per_row)}, which cannot be cut smaller)")
+    splits = sampled_splits(bound, files, base)
     if not splits or sum(s.rows for s in splits) == 0:
         raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
-    return bound, splits
+    return Planned(bound, splits, per_row)
 
 
 class PendingBind:
     """A spec being bound on its own thread (a daemon: a hung object store cannot keep
     the master from exiting)."""
 
-    def __init__(self, spec: DatasetSpec, started: float) -> None:
-        self.spec, self.started = spec, started
+    def __init__(self, spec: DatasetSpec, started: float, budget_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
+        self.spec, self.started, self.budget_bytes = spec, started, budget_bytes
         self.done = threading.Event()
-        self.result: Optional[tuple[BoundDataset, list]] = None
+        self.result: Optional[Planned] = None
         self.error: Optional[SpecError] = None
         threading.Thread(target=self._run, name="remoteloader-bind", daemon=True).start()
 
     def _run(self) -> None:
         try:
-            self.result = _bind_and_plan(self.spec)
+            self.result = _bind_and_plan(self.spec, self.budget_bytes)
         except SpecError as e:
             self.error = e
         except Exception as e:  # a failure the binder did not foresee still answers the client
@@ -125,6 +160,11 @@ class MasterService:
         self.rates = RateWindow(config.rate_window_s)
         self.decision_log: Callable[[], list[dict]] = list  # the autoscaler's recent decisions, for status (set by it)
         self.bound: Optional[BoundDataset] = None
+        # Transformed bytes a row, and of the largest split, estimated when this master
+        # planned the job (not journaled: a replayed job's splits were cut already, and
+        # they stay unknown).
+        self.row_bytes: Optional[float] = None
+        self.split_bytes: Optional[int] = None
         self._binding: Optional[PendingBind] = None
         # Who this master process is: a client that sees it change reports everything it
         # has consumed again (consumption is not journaled).
@@ -174,14 +214,17 @@ class MasterService:
     # -- the job ---------------------------------------------------------------------
     def submit(self, spec: DatasetSpec) -> None:
         """Bind and plan a job; raises SpecError naming the key or column at fault."""
-        self._submit_bound(spec, *_bind_and_plan(spec))
+        self._submit_bound(spec, _bind_and_plan(spec, self.config.buffer_bytes))
         self.sync()
 
-    def _submit_bound(self, spec: DatasetSpec, bound: BoundDataset, splits: list) -> None:
+    def _submit_bound(self, spec: DatasetSpec, planned: Planned) -> None:
+        bound, splits = planned.bound, planned.splits
         files = bound.files or []
         self._commit(U.JobSubmitted(spec, spec.fingerprint(), bound.schema, [U.file_record(f) for f in files],
                                     [U.SplitRecord.of(s) for s in splits], bound.skipped))
         self.bound = bound
+        self.row_bytes = planned.row_bytes
+        self.split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
         if self.config.popularity_log:
             # Which columns jobs read together: `remoteloader reorder` stores them together.
             record_projection(self.config.popularity_log, spec.table.path, bound.read_columns)
@@ -284,7 +327,8 @@ class MasterService:
     def _on_get_spec(self, m: M.GetSpec) -> Reply:
         self._require_job()
         job = self.state.job
-        return M.Spec(spec=job.spec.to_dict(), schema=job.schema, fingerprint=job.fingerprint)
+        return M.Spec(spec=job.spec.to_dict(), schema=job.schema, fingerprint=job.fingerprint,
+                      split_bytes=self.split_bytes)
 
     def _on_heartbeat(self, m: M.Heartbeat) -> Reply:
         w = self.state.workers.get(m.worker_id)
@@ -331,9 +375,10 @@ class MasterService:
         avoid = frozenset(m.avoid_ranks)
         choice = self.state.choose_split(m.worker_id, avoid, ahead=False) if self.state.job else None
         # A worker with no current work reads ahead into the next epoch, one split at a
-        # time: those pieces wait in its buffer, outside the trainers' credit, until the
-        # trainer gets there.
-        if (choice is None and self.config.prefetch_next_epoch and self.state.job is not None
+        # time and only when it says it has room for one (`read_ahead`: within its byte
+        # budget, leaving a split's room for current work): those pieces wait in its
+        # buffer, outside the trainers' credit, until the trainer gets there.
+        if (choice is None and m.read_ahead and self.config.prefetch_next_epoch and self.state.job is not None
                 and not self.state.splits_ahead(m.worker_id)):
             for prefetch in self.state.prefetch_candidates(m.worker_id):
                 self._commit(prefetch)
@@ -429,7 +474,7 @@ class MasterService:
                 # Says nothing of whether the path exists: that would be an oracle.
                 raise RequestError("table.path: this master does not serve that table (see --allow-table)",
                                    code=ErrorCode.BAD_SPEC)
-            self._binding = PendingBind(spec, time.monotonic())
+            self._binding = PendingBind(spec, time.monotonic(), self.config.buffer_bytes)
         pending = self._binding
         pending.done.wait(BIND_WAIT_S)  # a small table binds within this request
         if not pending.done.is_set():
@@ -441,7 +486,7 @@ class MasterService:
         self._binding = None
         if pending.error is not None:
             raise RequestError(str(pending.error), code=ErrorCode.BAD_SPEC)
-        self._submit_bound(pending.spec, *pending.result)
+        self._submit_bound(pending.spec, pending.result)
 
     def _on_start_epoch(self, m: M.StartEpoch) -> Reply:
         session = m.session
@@ -563,11 +608,15 @@ class MasterService:
             # Redacted: any key holder may ask for the status (and it ends up in logs and tickets).
             "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec.table.path),
                                              "files": len(job.files), "splits": len(job.splits),
-                                             "rows": job.total_rows, "world_size": job.world_size},
+                                             "rows": job.total_rows, "world_size": job.world_size,
+                                             "split_bytes": self.split_bytes},
+            # Per worker, from its last heartbeat: held_bytes / ahead_bytes / budget_bytes
+            # (what it holds), and busy, its share of the rate window spent producing.
             "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, "buffered": w.buffered,
                          "assigned": len(w.assigned), "draining": w.draining,
                          "last_seen_s": round(now - w.last_seen, 3), **w.stats,
-                         "rows_per_s": round(self.rates.rate("w:" + w.worker_id, "rows"), 1)}
+                         "rows_per_s": round(self.rates.rate("w:" + w.worker_id, "rows"), 1),
+                         "busy": round(min(1.0, self.rates.rate("w:" + w.worker_id, "busy_s")), 4)}
                         for w in sorted(st.workers.values(), key=lambda w: w.seq)],
             "clients": [{"id": cid, "rank": rank, **st.client_stats.get(cid, {}),
                          "stall": round(self.client_stall(cid), 4),

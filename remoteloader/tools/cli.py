@@ -55,12 +55,15 @@ def _reorder(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from ..core.binding import bind
     from ..core.plan import plan_base_splits
+    from ..core.sizing import format_size, row_bytes
     from ..spec import DatasetSpec
 
     spec = DatasetSpec.from_file(args.spec)
     bound = bind(spec)
     files = bound.files or []
     splits = plan_base_splits(files, spec.split_rows)
+    per_row = row_bytes(bound, files)  # a sample transformed as workers would: what a held split costs
+    largest = max((s.raw_rows for s in splits), default=0)
     rows = sum(f.num_rows for f in files)
     nbytes = sum(f.nbytes for f in files)
     share = len(bound.read_columns) / max(1, len(bound.schema))
@@ -78,6 +81,8 @@ def _validate(args: argparse.Namespace) -> int:
         "batches_per_epoch": -(-rows // spec.batch_size),
         "dense_width": bound.pipeline.dense_width,
         "sparse_features": bound.sparse_keys,
+        "transformed_bytes_per_row": None if per_row is None else round(per_row, 1),
+        "largest_split_bytes": None if per_row is None else int(largest * per_row),
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -92,6 +97,10 @@ def _validate(args: argparse.Namespace) -> int:
               f"(projected share of the files)")
         print(f"  batches      {report['batches_per_epoch']} of {spec.batch_size} rows per epoch; "
               f"dense width {report['dense_width']}, sparse {len(bound.sparse_keys)}")
+        if per_row is not None:
+            print(f"  held         about {format_size(per_row)} a row once transformed: the largest split "
+                  f"({largest:,} rows) about {format_size(largest * per_row)} in a worker (a master plans splits "
+                  f"within half its --buffer-bytes)")
     return 0
 
 
@@ -120,9 +129,11 @@ def _status(args: argparse.Namespace) -> int:
     print(f"job: {job['fingerprint']} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)" if job else "job: none yet")
     print(f"workers: {len(status['workers'])}")
     for w in status["workers"]:
+        held = (f"  held {_mib(w['held_bytes'])}/{_mib(w.get('budget_bytes'))} MiB (ahead {_mib(w.get('ahead_bytes'))})"
+                if w.get("held_bytes") is not None else "")
         print(f"  {w['id']}  {w['addr']}  pid {w['pid']}{'  DRAINING' if w.get('draining') else ''}  "
-              f"buffered {w['buffered']}/{w.get('capacity', '?')}  assigned {w['assigned']}  "
-              f"{w.get('rows_per_s', 0):,.0f} rows/s  cpu {w.get('cpu', 0):.0%}")
+              f"buffered {w['buffered']}/{w.get('capacity', '?')}{held}  assigned {w['assigned']}  "
+              f"{w.get('rows_per_s', 0):,.0f} rows/s  busy {w.get('busy', 0):.0%}  cpu {w.get('cpu', 0):.0%}")
     for c in status["clients"]:
         print(f"client {c['id']} rank {c['rank']}: stall {c.get('stall', 0):.1%}  "
               f"{c.get('batches_per_s', 0):.1f} batches/s  queued {c.get('queued', 0)}")
@@ -133,6 +144,10 @@ def _status(args: argparse.Namespace) -> int:
     for e in status["errors"]:
         print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
     return 0
+
+
+def _mib(nbytes: Optional[float]) -> str:
+    return "?" if nbytes is None else f"{nbytes / (1 << 20):,.1f}"
 
 
 def _keygen(args: argparse.Namespace) -> int:
