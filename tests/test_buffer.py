@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from remoteloader.core.processor import Piece
 from remoteloader.worker.buffer import STORED, PieceBuffer
 from remoteloader.worker.runs import Run
@@ -189,3 +191,156 @@ def test_a_job_change_discards_everything_without_handing_splits_back():
     fill(buf, Run("s", 0, rank=0, epoch=0), 3)
     buf.discard_all("wrong_job")
     assert len(buf) == 0 and buf.discarded() == {"wrong_job": 3} and buf.take_released() == {}
+
+
+# -- bytes: what the worker holds is whole transformed splits ------------------------------
+class Split:
+    """A stand-in for a TransformedSplit: the buffer reads only its tensors' bytes."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.tensors = {"labels": np.zeros(nbytes, np.uint8)}
+
+
+def put_split(buf: PieceBuffer, run: Run, split: Split, pieces: int, split_id: int = 0, done: bool = True) -> None:
+    buf.admit(run)
+    for i in range(pieces):
+        assert buf.put(run, Piece(split_id, i, 1, split, i, i + 1), threading.Event()) == STORED
+    if done:
+        buf.finished(split)
+
+
+def room(buf: PieceBuffer) -> bool:
+    """Whether wait_for_room returns at once (it waits while there is none)."""
+    done, stop = threading.Event(), threading.Event()
+    waiter = threading.Thread(target=lambda: buf.wait_for_room(stop) and done.set())
+    waiter.start()
+    waiter.join(0.3)
+    stop.set()
+    waiter.join(2)
+    return done.is_set()
+
+
+def test_a_split_is_held_from_its_first_piece_until_its_last_leaves():
+    buf = PieceBuffer(64, budget_bytes=10_000)
+    run, split = Run("s", 0, rank=0, epoch=0), Split(1000)
+    assert buf.credited(run.id)
+    buf.admit(run)
+    assert buf.put(run, Piece(0, 0, 1, split, 0, 1), threading.Event()) == STORED
+    assert buf.held_bytes() == 1000  # the whole split, from its first piece
+    buf.pop(run.id)
+    assert buf.held_bytes() == 1000  # nothing buffered, but the producer still cuts it
+    put_split(buf, run, split, 3)  # the rest of it; the producer is done with it
+    assert buf.held_bytes() == 1000 and buf.byte_stats() == {"held_bytes": 1000, "ahead_bytes": 0,
+                                                              "budget_bytes": 10_000}
+    taken = [buf.pop(run.id), buf.pop(run.id)]
+    assert buf.held_bytes() == 1000
+    buf.put_back(run.id, taken)  # not sent after all
+    for _ in range(3):
+        buf.pop(run.id)
+    assert buf.held_bytes() == 0  # its last piece left
+    buf.put_back(run.id, taken[1:])  # a piece put back after that: held again while it waits
+    assert buf.held_bytes() == 1000
+    buf.pop(run.id)
+    assert buf.held_bytes() == 0
+
+
+def test_held_bytes_are_current_or_ahead_and_a_stale_runs_go_with_its_pieces():
+    buf = PieceBuffer(64, budget_bytes=10_000)
+    now, ahead = Run("s", 0, rank=0, epoch=0), Run("s", 1, rank=0, epoch=1)
+    assert buf.credited(now.id)
+    put_split(buf, now, Split(1000), 2, split_id=3)
+    put_split(buf, ahead, Split(300), 2, split_id=4)  # a next epoch read ahead
+    assert (buf.held_bytes(), buf.ahead_bytes()) == (1300, 300)
+    assert buf.credited(ahead.id)  # the client moves on: run 0's pieces are discarded, run 1 is current
+    assert (buf.held_bytes(), buf.ahead_bytes()) == (300, 0)
+    assert buf.take_released() == {"stale_run": [(0, 3)]}
+
+
+def test_dropped_and_discarded_splits_are_no_longer_held():
+    clock = FakeClock()
+    buf = PieceBuffer(64, silent_after_s=30, clock=clock, budget_bytes=10_000)
+    old, new = Run("a", 0, rank=0, epoch=0), Run("a", 1, rank=0, epoch=1)
+    assert buf.credited(old.id)
+    # A piece dropped as the client moved on mid-split: once the producer gives the split
+    # up, nothing of it is held.
+    split = Split(700)
+    put_split(buf, old, split, 2, done=False)
+    assert buf.credited(new.id)
+    outcome = buf.put(old, Piece(0, 2, 1, split, 2, 3), threading.Event())
+    assert outcome.dropped and buf.held_bytes() == 700  # still the producer's
+    buf.finished(split)
+    assert buf.held_bytes() == 0
+    # Sessions the master no longer lists, silent sessions, and a job change.
+    gone, silent, other = Run("g", 0, rank=1, epoch=0), Run("q", 0, rank=2, epoch=0), Run("o", 0, rank=3, epoch=0)
+    for run, nbytes in ((gone, 100), (silent, 200), (other, 400)):
+        assert buf.credited(run.id)
+        put_split(buf, run, Split(nbytes), 2)
+    assert buf.held_bytes() == 700
+    mark = buf.mark()
+    buf.keep_sessions(["a", "q", "o"], mark)
+    assert buf.held_bytes() == 600
+    clock.now = 31
+    buf.credited(new.id), buf.credited(other.id)
+    buf.release_silent()
+    assert buf.held_bytes() == 400
+    buf.discard_all("wrong_job")
+    assert buf.held_bytes() == 0 and len(buf) == 0
+
+
+def test_a_new_split_is_taken_only_while_held_bytes_and_the_next_fit():
+    buf = PieceBuffer(64, budget_bytes=2500)
+    run = Run("s", 0, rank=0, epoch=0)
+    assert buf.credited(run.id)
+    assert room(buf)
+    put_split(buf, run, Split(1000), 2, split_id=0)
+    assert room(buf)  # 1000 held + 1000 (the largest split seen) fit 2500
+    put_split(buf, run, Split(1000), 2, split_id=1)
+    assert not room(buf)  # 2000 + 1000 do not
+    buf.pop(run.id)
+    assert not room(buf)  # split 0 still has a piece here
+    buf.pop(run.id)
+    assert room(buf) and buf.held_bytes() == 1000
+    # A split larger than the whole budget is still taken when nothing is held, alone.
+    big = PieceBuffer(64, budget_bytes=500)
+    assert big.credited(run.id)
+    put_split(big, run, Split(1000), 1)
+    assert not room(big)
+    big.pop(run.id)
+    assert big.held_bytes() == 0 and room(big)
+
+
+def test_reading_ahead_only_within_the_budget_leaving_a_splits_room():
+    buf = PieceBuffer(64, budget_bytes=2500)
+    now, ahead = Run("s", 0, rank=0, epoch=0), Run("s", 1, rank=0, epoch=1)
+    assert buf.credited(now.id)
+    assert not buf.room_to_read_ahead()  # no split seen: no estimate
+    buf.expect_split_bytes(1000)  # the master's estimate of the job's largest split
+    assert buf.room_to_read_ahead()  # 0 + 2 x 1000 <= 2500
+    put_split(buf, now, Split(600), 1)
+    assert not buf.room_to_read_ahead()  # 600 + 2000 > 2500: the room is the current epoch's
+    buf.pop(now.id)
+    put_split(buf, ahead, Split(1000), 3)  # read ahead
+    assert not buf.room_to_read_ahead() and buf.ahead_bytes() == 1000
+    assert room(buf)  # and room for the current epoch is left: 1000 + 1000 <= 2500
+    # Even when the estimate outgrows what is left, a split read ahead alone never keeps the
+    # worker from the epoch it waits for.
+    buf.expect_split_bytes(2000)
+    assert room(buf)
+    put_split(buf, now, Split(2000), 1)
+    assert not room(buf)
+
+
+def test_a_rank_with_nothing_held_may_overshoot_the_budget_up_to_the_hard_limit():
+    buf = PieceBuffer(64, budget_bytes=2000)
+    runs = [Run(f"s{rank}", 0, rank=rank, epoch=0) for rank in (0, 1)]
+    for run in runs:
+        assert buf.credited(run.id)
+    put_split(buf, runs[0], Split(1000), 2, split_id=0)  # rank 0 stopped reading with these
+    put_split(buf, runs[0], Split(1000), 2, split_id=1)
+    assert not room(buf)
+    buf.set_hungry({runs[0].id})  # rank 0 itself waiting holds the room: no reason to overshoot
+    assert not room(buf)
+    buf.set_hungry({runs[1].id})  # rank 1 waits with nothing buffered or held
+    assert room(buf)  # 2000 + 1000 <= 2 x 2000
+    put_split(buf, runs[1], Split(1000), 2, split_id=2)
+    assert not room(buf)  # rank 1 holds a split now: nobody starves, the budget holds again

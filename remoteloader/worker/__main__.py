@@ -12,6 +12,7 @@ import zmq
 from .. import __version__
 from ..core.procs import die_with_parent
 from ..core.redact import ENV_ALLOW_TABLE, allowlist_from_env, log_to_stderr, redact_text
+from ..core.sizing import parse_size
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import auth as cluster_auth
 from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address
@@ -32,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind-host", default="127.0.0.1", type=_host,
                    help="interface the data port binds to (a free port is chosen; 0.0.0.0: every interface)")
     cluster_auth.add_server_options(p, "the data socket and the master connection", "--bind-host")
-    p.add_argument("--buffer-batches", type=int, default=16, help="bounded buffer size in batches")
+    p.add_argument("--buffer-batches", type=int, default=16,
+                   help="pieces the buffer holds for the epochs clients read (shared evenly between ranks)")
+    p.add_argument("--buffer-bytes", type=_size, default="256M", metavar="BYTES",
+                   help="what the transformed splits this worker holds may take: the one it cuts, those whose "
+                        "pieces wait for clients, one read ahead for a next epoch (bytes, or with a suffix K, M, G "
+                        "or T, powers of 1024: 512M, 2G); a single split larger than this is still produced, alone")
     p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "
                         "(0: one request per stream)")
@@ -60,6 +66,13 @@ def _host(value: str) -> str:
         raise argparse.ArgumentTypeError(f"invalid host {value!r} (expected e.g. 127.0.0.1, 0.0.0.0 or [::1])") \
             from None
     return value
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _allowed_tables(from_args: Optional[list[str]]) -> Optional[tuple[str, ...]]:
@@ -91,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches,
                         drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
                         faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
-                        client_timeout_s=args.client_timeout,
+                        client_timeout_s=args.client_timeout, buffer_bytes=args.buffer_bytes,
                         allowed_tables=allowed)
     except zmq.ZMQError as e:
         print(f"remoteloader-worker: --bind-host {args.bind_host}: {e}", file=sys.stderr)

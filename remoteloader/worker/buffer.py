@@ -19,17 +19,36 @@ starve another (security.md, "fair share"):
   **yields** the split (the master hands it out again, from what was consumed);
 * a session **silent** past ``silent_after_s`` (no credit since its pieces arrived) is
   released: its pieces are discarded and its splits handed back. Its next credit takes it back.
+
+Memory is bounded in bytes (``budget_bytes``, the worker's ``--buffer-bytes``). A piece is
+a view into its transformed split, so what the worker holds is whole splits: a split
+counts, with the sum of its tensors' bytes, from its first piece (right after the
+producer transformed it) until its last piece has left the buffer (popped, dropped or
+discarded) and the producer is done with it. ``held`` counts them all, ``ahead`` those of
+runs their client has not started reading (a next epoch read ahead). The producer takes
+a new split only while held bytes plus the largest split seen so far fit the budget
+(``wait_for_room``), and asks for a split read ahead only while two more fit
+(``room_to_read_ahead``), so reading ahead never takes the room the current epoch needs.
+Three exceptions keep the worker moving: with nothing held it always takes one split
+(a single split larger than the budget still progresses); a split read ahead alone never
+blocks the epoch it waits for; and while a rank waits with nothing buffered or held, the
+splits of other ranks may take held bytes up to ``HARD_LIMIT`` times the budget, as they
+may take pieces past the capacity.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Collection, Optional
 
-from ..core.processor import Piece
+from ..core.processor import Piece, TransformedSplit
+from ..core.sizing import DEFAULT_BUFFER_BYTES, format_size, split_nbytes
 from .runs import SESSION_GONE, Run, RunId, Sessions
+
+log = logging.getLogger(__name__)
 
 SILENT, YIELDED, WRONG_JOB = "silent", "yielded", "wrong_job"
 YIELD_AFTER_S = 0.5  # how long a full share may block the producer while another run starves
@@ -54,10 +73,21 @@ class Outcome:
 STORED, STOPPED = Outcome("stored"), Outcome("stopped")
 
 
+class _HeldSplit:
+    """A transformed split the worker holds: its bytes, its pieces in the buffer, and
+    whether the producer is still cutting it."""
+
+    __slots__ = ("run", "nbytes", "pieces", "producing")
+
+    def __init__(self, run: RunId, nbytes: int, producing: bool) -> None:
+        self.run, self.nbytes, self.pieces, self.producing = run, nbytes, 0, producing
+
+
 class PieceBuffer:
     def __init__(self, capacity: int, silent_after_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, budget_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
         self.capacity = capacity
+        self.budget_bytes = budget_bytes
         self.silent_after_s = silent_after_s
         self._clock = clock
         self._sessions = Sessions()
@@ -67,6 +97,9 @@ class PieceBuffer:
         self._hungry: frozenset = frozenset()  # sessions holding credit with nothing buffered
         self._discarded: Counter = Counter()  # reason -> pieces, cumulative
         self._unreleased: dict[str, set[tuple[int, int]]] = {}  # reason -> (epoch, split id)s to hand back
+        self._splits: dict[int, _HeldSplit] = {}  # id of a TransformedSplit -> what is held of it
+        self._largest = 0  # bytes of the largest split seen (of this job): the next one's estimate
+        self._warned_oversized = False
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
@@ -81,8 +114,10 @@ class PieceBuffer:
             return self._sessions.stale(run.id)
 
     def put(self, run: Run, piece: Piece, stop: threading.Event) -> Outcome:
-        """Add a piece, waiting while its rank's share (or the whole buffer) is full."""
+        """Add a piece, waiting while its rank's share (or the whole buffer) is full. Its
+        split is held from its first piece on, until ``finished`` and its last piece leaves."""
         with self._cond:
+            self._hold(run, piece)
             blocked_since = None
             while True:
                 reason = self._unwanted(run)
@@ -105,18 +140,44 @@ class PieceBuffer:
             self._queues.setdefault(run.id, deque()).append(piece)
             self._runs[run.id] = run
             self._count += 1
+            self._enter(run.id, piece)
             return STORED
 
-    def wait_for_room(self, stop: threading.Event) -> bool:
-        """Wait until pieces of runs that clients are reading leave room, or a run waits
-        with nothing buffered (the one holding the room is over its share: the new split
-        is for another). Pieces held ahead do not count, so they can never keep the
-        worker from the current epoch."""
+    def finished(self, split: Optional[TransformedSplit]) -> None:
+        """The producer is done with ``split`` (every piece put, or it gave up): it stays
+        held only while pieces of it are in the buffer."""
         with self._cond:
-            while not stop.is_set() and (self._current_count() >= HARD_LIMIT * self.capacity
-                                         or (self._current_count() >= self.capacity and not self._hungry)):
+            held = self._splits.get(id(split)) if split is not None else None
+            if held is not None:
+                held.producing = False
+                if not held.pieces:
+                    del self._splits[id(split)]
+                    self._cond.notify_all()
+
+    def wait_for_room(self, stop: threading.Event) -> bool:
+        """Wait until there is room for another split: pieces of runs that clients are
+        reading leave room (or a run waits with nothing buffered: the one holding the room
+        is over its share, the new split is for another), and held bytes plus the next
+        split's estimate fit the budget (module docstring). Pieces held ahead do not count
+        against the pieces' room, and a split read ahead alone never blocks: they can
+        never keep the worker from the current epoch."""
+        with self._cond:
+            while not stop.is_set() and not (self._room_for_pieces() and self._room_for_bytes()):
                 self._cond.wait(0.1)
             return not stop.is_set()
+
+    def room_to_read_ahead(self) -> bool:
+        """Whether a split read ahead (a next epoch) fits now and still leaves one split's
+        room for the current epoch: held + 2 x estimate <= budget (``get_split.read_ahead``).
+        No estimate yet (no split seen), no reading ahead."""
+        with self._cond:
+            return 0 < self._largest and self._held_bytes() + 2 * self._largest <= self.budget_bytes
+
+    def expect_split_bytes(self, nbytes: int) -> None:
+        """An estimate of the job's largest split (the master's, at bind time): the
+        estimate of the next split is never below it."""
+        with self._cond:
+            self._largest = max(self._largest, int(nbytes))
 
     def blocked_ranks(self) -> list[int]:
         """Ranks the producer should not take a split of now: silent, or at their share."""
@@ -150,7 +211,9 @@ class PieceBuffer:
                 return None
             self._count -= 1
             self._cond.notify_all()
-            return queue.popleft()
+            piece = queue.popleft()
+            self._leave(piece)
+            return piece
 
     def held(self, run: RunId) -> int:
         with self._cond:
@@ -166,6 +229,8 @@ class PieceBuffer:
                 return
             self._queues.setdefault(run, deque()).extendleft(reversed(pieces))
             self._count += len(pieces)
+            for piece in pieces:
+                self._enter(run, piece)
             self._discard_stale(run[0])
 
     # -- control side ------------------------------------------------------------------
@@ -202,9 +267,13 @@ class PieceBuffer:
         with self._cond:
             for queue in self._queues.values():
                 self._discarded[reason] += len(queue)
+                for piece in queue:
+                    self._leave(piece)
             self._queues.clear()
             self._runs.clear()
             self._count = 0
+            self._largest = 0  # another job: other splits
+            self._warned_oversized = False
             self._cond.notify_all()
 
     def take_released(self) -> dict[str, list[tuple[int, int]]]:
@@ -222,6 +291,22 @@ class PieceBuffer:
         """Pieces held for runs their client has not started reading (prefetched)."""
         with self._cond:
             return self._count - self._current_count()
+
+    def held_bytes(self) -> int:
+        """Bytes of the transformed splits the worker holds (module docstring)."""
+        with self._cond:
+            return self._held_bytes()
+
+    def ahead_bytes(self) -> int:
+        """Of those, the bytes of splits of runs their client has not started reading."""
+        with self._cond:
+            return self._ahead_bytes()
+
+    def byte_stats(self) -> dict[str, int]:
+        """``held_bytes``, ``ahead_bytes`` and ``budget_bytes``, read together (heartbeat stats)."""
+        with self._cond:
+            return {"held_bytes": self._held_bytes(), "ahead_bytes": self._ahead_bytes(),
+                    "budget_bytes": self.budget_bytes}
 
     # -- internals (called holding the lock) ----------------------------------------------
     def _unwanted(self, run: Run) -> Optional[str]:
@@ -247,6 +332,8 @@ class PieceBuffer:
             self._discarded[reason] += len(queue)
             self._unreleased.setdefault(reason, set()).update((epoch, p.split_id) for p in queue)
             self._count -= len(queue)
+            for piece in queue:
+                self._leave(piece)
             self._cond.notify_all()
 
     def _held_sessions(self) -> set[str]:
@@ -264,6 +351,66 @@ class PieceBuffer:
         live = sum(1 for _, state in self._sessions.items()
                    if state.rank is not None and state.heard > cutoff and not state.silent)
         return max(1, self.capacity // max(1, live))
+
+    # Bytes: a handful of splits are held at a time, so these sums are short.
+    def _hold(self, run: Run, piece: Piece) -> None:
+        """The producer offers a piece of ``piece.source``: from its first piece on, the split is held."""
+        split = piece.source
+        if split is None or id(split) in self._splits:
+            return
+        nbytes = split_nbytes(split.tensors)
+        self._splits[id(split)] = _HeldSplit(run.id, nbytes, producing=True)
+        self._largest = max(self._largest, nbytes)
+        if nbytes > self.budget_bytes and not self._warned_oversized:
+            self._warned_oversized = True
+            log.warning("split %d of epoch %d is %s transformed, above this worker's --buffer-bytes %s: it is held "
+                        "alone. Plan smaller splits (the master's --buffer-bytes, or the spec's split_rows), or give "
+                        "workers a larger budget", piece.split_id, run.epoch, format_size(nbytes),
+                        format_size(self.budget_bytes))
+
+    def _enter(self, run: RunId, piece: Piece) -> None:
+        """A piece entered the buffer (stored, or put back after a pop)."""
+        split = piece.source
+        if split is None:
+            return
+        held = self._splits.get(id(split))
+        if held is None:  # put back after its split's last piece had left
+            held = self._splits[id(split)] = _HeldSplit(run, split_nbytes(split.tensors), producing=False)
+        held.pieces += 1
+
+    def _leave(self, piece: Piece) -> None:
+        """A piece left the buffer (popped, dropped or discarded)."""
+        held = self._splits.get(id(piece.source)) if piece.source is not None else None
+        if held is None:
+            return
+        held.pieces -= 1
+        if held.pieces <= 0 and not held.producing:
+            del self._splits[id(piece.source)]
+
+    def _held_bytes(self) -> int:
+        return sum(h.nbytes for h in self._splits.values())
+
+    def _ahead_bytes(self) -> int:
+        return sum(h.nbytes for h in self._splits.values() if self._sessions.is_ahead(h.run))
+
+    def _room_for_pieces(self) -> bool:
+        count = self._current_count()
+        return count < HARD_LIMIT * self.capacity and (count < self.capacity or bool(self._hungry))
+
+    def _room_for_bytes(self) -> bool:
+        """Whether the producer may take another split, by bytes (module docstring)."""
+        held = self._held_bytes()
+        if not held:
+            return True  # a single split larger than the budget still progresses
+        need = held + self._largest
+        if need <= self.budget_bytes:
+            return True
+        ahead = [h for h in self._splits.values() if self._sessions.is_ahead(h.run)]
+        if len(ahead) == len(self._splits) == 1:
+            return True  # only a split read ahead: it waits for the epoch the producer must make
+        # A rank waits with nothing buffered and nothing held: the room is other ranks' pieces.
+        starving = self._hungry - {h.run[0] for h in self._splits.values()}
+        return bool(starving) and need <= HARD_LIMIT * self.budget_bytes
 
     def _full_for(self, session: str) -> bool:
         return self._session_current(session) >= self._share() or self._current_count() >= HARD_LIMIT * self.capacity

@@ -11,6 +11,7 @@ from typing import Optional
 import msgspec
 import psutil
 
+from ..core.sizing import format_size
 from ..protocol import messages as M
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient, backoff_delay
@@ -86,7 +87,27 @@ class Control:
             self.buffer.discard_all(WRONG_JOB)
         self.tokens.set_master(session.verify_key)
         self.current.publish(session)
+        if previous is None or session.fingerprint != previous.fingerprint:
+            self._check_budget(session)
         return session
+
+    def _check_budget(self, session: WorkerSession) -> None:
+        """Once per job, as its pipeline is compiled: the master's estimate of the job's
+        largest transformed split against this worker's --buffer-bytes (a larger one is
+        produced alone, one at a time). The estimate also stands for the next split until
+        a larger one is seen, so reading ahead is gated from the first split on."""
+        try:
+            reply = self.rpc.call(M.GetSpec(), timeout_s=min(self.rpc.timeout_s, 2.0), stop=self.lifecycle.stop)
+        except (MasterUnavailable, RemoteError):
+            return  # nothing lost: the buffer learns splits' sizes as it holds them
+        if not isinstance(reply, M.Spec) or reply.fingerprint != session.fingerprint or reply.split_bytes is None:
+            return
+        self.buffer.expect_split_bytes(reply.split_bytes)
+        if reply.split_bytes > self.buffer.budget_bytes:
+            log.warning("job %s: its largest split is about %s once transformed, above this worker's --buffer-bytes "
+                        "%s: such splits are produced alone, one at a time (start the master with --buffer-bytes "
+                        "%s, or give this worker more)", session.fingerprint, format_size(reply.split_bytes),
+                        format_size(self.buffer.budget_bytes), format_size(self.buffer.budget_bytes))
 
     def _report_drain(self, session: WorkerSession, now: float) -> bool:
         self._drain_reported = True
@@ -105,7 +126,7 @@ class Control:
     def _heartbeat(self, session: WorkerSession) -> bool:
         stats = dict(self.stats.to_dict(), cpu=self._proc.cpu_percent() / 100.0, capacity=self.buffer.capacity,
                      ahead=self.buffer.ahead_count(), mem=float(self._proc.memory_info().rss), time=time.time(),
-                     io=session.processor.io.to_dict(), discarded=self.buffer.discarded())
+                     io=session.processor.io.to_dict(), discarded=self.buffer.discarded(), **self.buffer.byte_stats())
         mark = self.buffer.mark()
         try:
             reply = self.rpc.call(M.Heartbeat(worker_id=session.worker_id, token=session.token,

@@ -13,7 +13,7 @@ from ..core.allowlist import TableAllowlist
 from ..core.processor import SplitError, SplitTask
 from ..protocol import messages as M
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
-from .buffer import STOPPED, WRONG_JOB, PieceBuffer
+from .buffer import STORED, WRONG_JOB, Outcome, PieceBuffer
 from .faults import Faults
 from .lifecycle import Lifecycle
 from .runs import Run
@@ -24,7 +24,12 @@ NOTIFY = "inproc://worker-notify"  # the producer wakes the pusher here
 
 
 class ProducerStats:
-    """Cumulative counters for heartbeats; written by the producer only."""
+    """Cumulative counters for heartbeats; written by the producer only.
+
+    ``busy_s`` is time spent producing: reading, transforming and cutting splits. Time
+    waiting for room in the buffer (a full share, the byte budget), for the master, or
+    for a split to do is not busy, so ``d(busy_s)/dt`` is the share of its time a worker
+    works, and ``rows / busy_s`` its rate flat out (the autoscaler reads both)."""
 
     def __init__(self) -> None:
         self.rows = self.batches = self.splits = 0
@@ -41,7 +46,8 @@ class ProducerStats:
 
 class Producer:
     def __init__(self, lifecycle: Lifecycle, current: CurrentSession, buffer: PieceBuffer, ctx: zmq.Context,
-                 connect: Callable[[], RpcClient], allowlist: TableAllowlist, faults: Faults) -> None:
+                 connect: Callable[[], RpcClient], allowlist: TableAllowlist, faults: Faults,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.lifecycle = lifecycle
         self.current = current
         self.buffer = buffer
@@ -49,6 +55,7 @@ class Producer:
         self.connect = connect
         self.allowlist = allowlist
         self.faults = faults
+        self.clock = clock  # what busy time is measured with
         self.stats = ProducerStats()
 
     def run(self) -> None:
@@ -87,7 +94,8 @@ class Producer:
         stop = self.lifecycle.stop
         try:
             reply = rpc.call(M.GetSplit(worker_id=session.worker_id, token=session.token,
-                                        avoid_ranks=list(self.buffer.blocked_ranks())), stop=stop)
+                                        avoid_ranks=list(self.buffer.blocked_ranks()),
+                                        read_ahead=self.buffer.room_to_read_ahead()), stop=stop)
         except (MasterUnavailable, RemoteError) as e:  # an unknown worker: the control thread registers again
             log.warning("get_split: %s", e)
             stop.wait(0.5)
@@ -105,38 +113,58 @@ class Producer:
         if unwanted is not None:
             self._release(rpc, session, task, unwanted)
             return
-        stop = self.lifecycle.stop
-        start = time.perf_counter()
         self.stats.producing = [task.epoch, task.split_id, 0]
         try:
-            for piece in session.processor.pieces(task):
+            outcome, failure = self._produce(session, task, run, notify)
+            if failure is not None:
+                self._report_failure(rpc, session, task, failure)
+            elif outcome.dropped:
+                self._release(rpc, session, task, outcome.reason)
+            elif outcome is STORED:
+                self.stats.splits += 1
+                # Still reported as producing until the master knows it is produced, so a
+                # heartbeat in between never makes the split look abandoned.
+                self._call_quietly(rpc, M.SplitProduced(worker_id=session.worker_id, token=session.token,
+                                                        epoch=task.epoch, split_id=task.split_id))
+        finally:
+            self.stats.producing = None
+
+    def _produce(self, session: WorkerSession, task: SplitTask, run: Run,
+                 notify: zmq.Socket) -> tuple[Outcome, Optional[str]]:
+        """Put the split's pieces into the buffer: ``STORED`` once every one is in, else the
+        outcome that ended it (``STOPPED``, or dropped), and the failure's message if it failed.
+
+        Busy time is counted here, piece by piece (heartbeats see it grow during a long
+        split): from the start to the end of the split, less the time inside ``put``."""
+        stats, stop, clock = self.stats, self.lifecycle.stop, self.clock
+        split = None  # the transformed split, once its first piece is out
+        outcome = STORED
+        mark = clock()
+        try:
+            for piece in session.processor.pieces(task):  # the first comes once the split is transformed
                 self.faults.before_piece(stop)
+                split = piece.source
+                stats.busy_s += clock() - mark
                 outcome = self.buffer.put(run, piece, stop)
-                if outcome is STOPPED:
-                    return
-                if outcome.dropped:
-                    self._release(rpc, session, task, outcome.reason)
-                    return
-                self.stats.producing[2] += 1
-                self.stats.rows += piece.rows
-                self.stats.batches += 1
+                mark = clock()
+                if outcome is not STORED:
+                    return outcome, None
+                stats.producing[2] += 1
+                stats.rows += piece.rows
+                stats.batches += 1
                 # Wake the pusher only when it may have found this queue empty: with pieces
                 # already queued it is sending them (or waits for credit, whose arrival wakes
                 # it), and a wake-up per piece costs both threads the GIL.
                 if self.buffer.held(run.id) == 1:
                     notify.send(b"")
-            self.stats.splits += 1
-            # Still reported as producing until the master knows it is produced, so a
-            # heartbeat in between never makes the split look abandoned.
-            self._call_quietly(rpc, M.SplitProduced(worker_id=session.worker_id, token=session.token,
-                                                    epoch=task.epoch, split_id=task.split_id))
+            return STORED, None
         except SplitError as e:
-            self._report_failure(rpc, session, task, str(e))
+            return outcome, str(e)
         except Exception:  # a bug in processing one split must surface in its client, not hang the job
-            self._report_failure(rpc, session, task, f"{task.describe()}: worker error:\n{traceback.format_exc()}")
+            return outcome, f"{task.describe()}: worker error:\n{traceback.format_exc()}"
         finally:
-            self.stats.producing = None
-            self.stats.busy_s += time.perf_counter() - start
+            stats.busy_s += clock() - mark  # the last stretch (about nothing after a put that ended it)
+            self.buffer.finished(split)
 
     def _release(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, reason: str) -> None:
         self._call_quietly(rpc, M.SplitsReleased(worker_id=session.worker_id, token=session.token,

@@ -23,6 +23,7 @@ from typing import Optional
 import zmq
 
 from ..core.allowlist import TableAllowlist
+from ..core.sizing import DEFAULT_BUFFER_BYTES
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import messages as M
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
@@ -44,7 +45,8 @@ class Worker:
     def __init__(self, master: str, bind_host: str = "127.0.0.1", buffer_batches: int = 16,
                  rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional[Faults] = None,
                  coalesce_gap: int = DEFAULT_COALESCE_GAP, auth: Optional[Credentials] = None,
-                 client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None) -> None:
+                 client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None,
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
         self.master = master
         self.auth = auth  # CURVE keys: the data socket is a CURVE server, the master calls CURVE clients
         self.rpc_timeout_s = rpc_timeout_s
@@ -69,7 +71,8 @@ class Worker:
         allowlist = TableAllowlist(allowed_tables)
         self.current = CurrentSession()
         # A client silent this long loses what the worker holds for it (handed back to the master).
-        self.buffer = PieceBuffer(buffer_batches, silent_after_s=client_timeout_s)
+        # The transformed splits it holds stay within buffer_bytes (buffer.py).
+        self.buffer = PieceBuffer(buffer_batches, silent_after_s=client_timeout_s, budget_bytes=buffer_bytes)
         self.producer = Producer(self.lifecycle, self.current, self.buffer, self.ctx, self._connect, allowlist,
                                  faults or Faults())
         # Which client connections proved (by the master's signature) the session they credit.
