@@ -93,14 +93,17 @@ def test_local_autoscaler_grows_while_the_trainer_starves_and_shrinks_when_it_sl
         poller.stop()
     decisions = master_status(master.addr)["autoscaler"]
     assert decisions and all(d["reason"] for d in decisions)
+    told = "\n".join(f"t={d['time'] - slowed_at:+.0f} s {d['action']} {d['count']} -> {d['workers']}: {d['reason']}"
+                     for d in decisions)
+    trace = [(round(t - slowed_at), n, stall) for t, n, stall in poller.trace]
     # The slow workers hold nothing for the trainer when it waits, and its client says so.
-    assert any(d["action"] == "add" and "nothing held" in d["reason"] for d in decisions), decisions
-    assert shrunk_at is not None and shrunk_at - slowed_at <= 60, (poller.trace, decisions)
-    assert any(d["action"] == "remove" and "busy" in d["reason"] for d in decisions), decisions
+    assert any(d["action"] == "add" and "nothing held" in d["reason"] for d in decisions), told
+    assert shrunk_at is not None and shrunk_at - slowed_at <= 60, f"{trace}\n{told}"
+    assert any(d["action"] == "remove" and "busy" in d["reason"] for d in decisions), told
     # No stall in the slow phase: once the stall measured while it was flat out has left
     # the master's 10 s rate window, the trainer never waits.
     slow_phase = [stall for t, _, stall in poller.trace if t > slowed_at + 12]
-    assert slow_phase and max(slow_phase) < 0.01, (poller.trace, decisions)
+    assert slow_phase and max(slow_phase) < 0.01, f"{trace}\n{told}"
 
 
 @pytest.fixture(scope="module")

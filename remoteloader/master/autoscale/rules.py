@@ -445,14 +445,22 @@ class AutoscalePolicy:
     def _demand_bounds(self, down: list[_Sample]) -> tuple[float, float]:
         """Demand (rows/s) and its upper confidence bound: from the long demand tracker once it
         has enough blocks, else from this window's own samples (so a fleet need not wait for
-        three fresh blocks after demand fell before it can shrink)."""
-        if math.isfinite(self._demand.upper()):
-            return self._demand.mean, self._demand.upper()
+        three fresh blocks after demand fell before it can shrink). A window whose upper
+        bound lies below the tracker's mean says demand fell while the tracker's blocks were
+        too noisy to notice (a ramp-up inflates their spread): those blocks are stale."""
         wanted = np.array([s.wanted for s in down if s.wanted is not None])
-        if len(wanted) < 3 or len(wanted) < len(down) // 2:
-            return math.nan, math.inf
-        level = float(wanted.mean())
-        return level, level + self.config.confidence_z * _se(wanted)
+        level, upper = math.nan, math.inf
+        if len(wanted) >= 3 and len(wanted) >= len(down) // 2:
+            level = float(wanted.mean())
+            upper = level + self.config.confidence_z * _se(wanted)
+        if math.isfinite(self._demand.upper()):
+            if upper < self._demand.mean:
+                log.debug("autoscale: demand fell to %.0f rows/s, below the tracked %.0f: tracking it afresh",
+                         level, self._demand.mean)
+                self._demand.reset()
+            else:
+                return self._demand.mean, self._demand.upper()
+        return level, upper
 
     def _act(self, now: float, action: str, count: int, target: int, reason: str,
              remove: tuple[str, ...] = ()) -> Decision:
