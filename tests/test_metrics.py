@@ -81,9 +81,9 @@ def _parse(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def _exposition(snapshot: dict) -> str:
+def _exposition(reading: dict) -> str:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Constant(families(snapshot)))
+    registry.register(_Constant(families(reading)))
     return generate_latest(registry).decode()
 
 
@@ -256,7 +256,7 @@ class FakeLoop:
                 duty()
 
 
-def test_endpoint_serves_a_snapshot_taken_on_the_loop(service):
+def test_endpoint_serves_a_reading_taken_on_the_loop(service):
     _drive(service)
     metrics = MasterMetrics(service, max_wait_s=2.0)
     loop = FakeLoop()
@@ -273,7 +273,7 @@ def test_endpoint_serves_a_snapshot_taken_on_the_loop(service):
     parsed = _parse(body)
     _check_conventions(parsed)
     assert next(s.value for s in parsed["remoteloader_worker_rows"].samples) == 600
-    assert next(s.value for s in parsed["remoteloader_metrics_snapshot_age_seconds"].samples) < 2.0
+    assert next(s.value for s in parsed["remoteloader_metrics_reading_age_seconds"].samples) < 2.0
 
 
 def test_a_busy_loop_does_not_hang_the_scrape(service):

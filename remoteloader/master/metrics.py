@@ -10,7 +10,7 @@ master restarts (a counter reset, which Prometheus' ``rate()`` handles).
 ``MasterMetrics`` exposes them with ``prometheus_client``: one registry per master
 (never the global default one), a collector that reads the master's state at scrape time
 on the master's own loop (the state has no locks, so the scrape thread asks the loop
-for a snapshot), a histogram of request handling time per message type, and the
+for a reading), a histogram of request handling time per message type, and the
 process collectors. docs/operations.md lists every metric. The endpoint is plain HTTP
 that anyone who reaches it may read, so it answers ``/metrics`` only and carries no table
 path (a table URI may hold a credential); the master binds it to loopback unless told
@@ -172,9 +172,9 @@ class SlotTable:
         return dict(self._slots)
 
 
-# -- the metric families, from a snapshot (a pure function: tests feed it directly) ---------
-def families(snap: dict) -> list[Metric]:
-    """The master's metrics from a snapshot (see ``MasterMetrics.snapshot`` for its keys)."""
+# -- the metric families, from a reading of the state (a pure function: tests feed it directly) ---------
+def families(reading: dict) -> list[Metric]:
+    """The master's metrics from a reading of its state (see ``MasterMetrics.read_state`` for its keys)."""
     out: list[Metric] = []
 
     def gauge(name: str, doc: str, labels: Iterable[str] = (), samples: Iterable[tuple] = ()) -> None:
@@ -189,7 +189,7 @@ def families(snap: dict) -> list[Metric]:
             c.add_metric([str(x) for x in values], float(v))
         out.append(c)
 
-    job = snap.get("job")
+    job = reading.get("job")
     if job:
         # No table label: the endpoint is unauthenticated, and `remoteloader status` names the table.
         info = InfoMetricFamily("remoteloader_job", "The job this master serves (value 1).",
@@ -203,7 +203,7 @@ def families(snap: dict) -> list[Metric]:
             gauge("remoteloader_job_world_size", "Trainer ranks of the job.", samples=[(job["world_size"],)])
 
     # Workers: current values per slot, cumulative counts summed over every worker that reported.
-    workers = snap.get("workers", [])
+    workers = reading.get("workers", [])
     draining = sum(1 for _, w in workers if w.get("draining"))
     gauge("remoteloader_workers", "Registered workers, by state.", ["state"],
           [("active", len(workers) - draining), ("draining", draining)])
@@ -228,7 +228,7 @@ def families(snap: dict) -> list[Metric]:
     for name, doc, field in per_slot:
         gauge(name, doc, ["slot"], [(slot, float(w[field])) for slot, w in workers
                                     if isinstance(w.get(field), (int, float))])
-    wt = snap.get("worker_totals", {})
+    wt = reading.get("worker_totals", {})
     for name, doc, field in [
         ("remoteloader_worker_rows", "Rows produced by all workers.", "rows"),
         ("remoteloader_worker_batches", "Batch pieces produced by all workers.", "batches"),
@@ -245,7 +245,7 @@ def families(snap: dict) -> list[Metric]:
             [(reason, wt.get(f"discarded.{reason}", 0.0)) for reason in DISCARD_REASONS])
 
     # Clients, by rank (a rank's client is replaced when the rank restarts; the rank stays).
-    clients = snap.get("clients", {})
+    clients = reading.get("clients", {})
     gauge("remoteloader_clients", "Connected trainer clients.", samples=[(len(clients),)])
     gauge("remoteloader_client_stall_ratio", "Share of time the rank's training loop waited for batches "
           "over the rate window.", ["rank"], [(r, c["stall"]) for r, c in sorted(clients.items())])
@@ -256,7 +256,7 @@ def families(snap: dict) -> list[Metric]:
     gauge("remoteloader_client_last_batch_age_seconds", "Seconds since the rank's training loop last got a "
           "batch (it grows while the rank waits, at an epoch's start too).", ["rank"],
           [(r, c["last_batch_age_s"]) for r, c in sorted(clients.items()) if c.get("last_batch_age_s") is not None])
-    ct = snap.get("client_totals", {})
+    ct = reading.get("client_totals", {})
     for name, doc, field in [
         ("remoteloader_client_wait_seconds", "Seconds the rank's training loop waited for a batch "
          "mid-epoch.", "wait_s"),
@@ -271,7 +271,7 @@ def families(snap: dict) -> list[Metric]:
     hist = HistogramMetricFamily("remoteloader_client_batch_wait_seconds",
                                  "Per-batch wait of the rank's training loop (from clients that report buckets).",
                                  labels=["rank"])
-    for rank, bounds in sorted(snap.get("client_wait_le", {}).items()):
+    for rank, bounds in sorted(reading.get("client_wait_le", {}).items()):
         totals = ct.get(rank, {})
         counts = [totals.get(f"wait_buckets.{i}", 0.0) for i in range(len(bounds) + 1)]
         cumulative, running = [], 0.0
@@ -282,7 +282,7 @@ def families(snap: dict) -> list[Metric]:
     out.append(hist)
 
     # Ranks' progress through their current epoch.
-    ranks = snap.get("ranks", {})
+    ranks = reading.get("ranks", {})
     gauge("remoteloader_rank_epoch", "The rank's current epoch.", ["rank"],
           [(r, v["epoch"]) for r, v in ranks.items()])
     gauge("remoteloader_rank_splits", "Splits of the rank's current epoch, by state (pending: no worker yet; "
@@ -293,12 +293,12 @@ def families(snap: dict) -> list[Metric]:
     gauge("remoteloader_rank_epoch_finished", "1 once the rank finished its current epoch.", ["rank"],
           [(r, 1 if v.get("finished") else 0) for r, v in ranks.items()])
 
-    errors = snap.get("errors", {})
+    errors = reading.get("errors", {})
     counter("remoteloader_errors", "Failed splits and files, by outcome (skipped under on_error: skip).",
             ["outcome"], [("failed", errors.get("failed", 0)), ("skipped", errors.get("skipped", 0))])
-    if "age_s" in snap:
-        gauge("remoteloader_metrics_snapshot_age_seconds", "Age of the state these values were read from "
-              "(above 1 s: the master's loop was busy at scrape time).", samples=[(snap["age_s"],)])
+    if "age_s" in reading:
+        gauge("remoteloader_metrics_reading_age_seconds", "Age of the state these values were read from "
+              "(above 1 s: the master's loop was busy at scrape time).", samples=[(reading["age_s"],)])
     return out
 
 
@@ -307,15 +307,15 @@ class _StatusCollector(Collector):
         self.owner = owner
 
     def collect(self) -> Iterable[Metric]:
-        snap = self.owner.current()
-        return families(snap) if snap else []  # no snapshot yet: nothing rather than zeros
+        reading = self.owner.current()
+        return families(reading) if reading else []  # nothing read yet: nothing rather than zeros
 
 
 class MasterMetrics:
     """The master's metrics on their own registry.
 
     ``refresh`` must run on the master's loop (``attach`` adds it to the server's periodic
-    duties): a scrape asks for a snapshot and waits up to ``max_wait_s`` for the loop to
+    duties): a scrape asks for a reading and waits up to ``max_wait_s`` for the loop to
     take it, then uses the previous one. Without a loop attached, the scrape reads the
     state itself (tests, or a caller that owns the only thread).
     """
@@ -343,7 +343,7 @@ class MasterMetrics:
             GCCollector(registry=self.registry)
         self._slots = SlotTable()
         self._wait_le: dict[int, list[float]] = {}
-        self._snapshot: Optional[dict] = None
+        self._reading: Optional[dict] = None
         self._scrape_lock = threading.Lock()
         self._wanted, self._fresh = threading.Event(), threading.Event()
         self._attached = False
@@ -399,17 +399,17 @@ class MasterMetrics:
         self.service.handle = timed
 
     def attach(self, server) -> None:
-        """Take snapshots on ``server``'s loop (call before ``serve_forever``)."""
+        """Read the state on ``server``'s loop (call before ``serve_forever``)."""
         self._attached = True
         server.periodic.append(self.refresh)
 
     def refresh(self) -> None:
         if self._wanted.is_set():
             self._wanted.clear()
-            self._snapshot = self.snapshot()
+            self._reading = self.read_state()
             self._fresh.set()
 
-    def snapshot(self) -> dict:
+    def read_state(self) -> dict:
         """What ``families`` needs, read from the service; only on the master's loop."""
         service = self.service
         status = service.status()
@@ -447,16 +447,16 @@ class MasterMetrics:
     # -- on the scrape thread ----------------------------------------------------------------
     def current(self) -> dict:
         if not self._attached:
-            snap = self.snapshot()
+            reading = self.read_state()
         else:
             with self._scrape_lock:
                 self._fresh.clear()
                 self._wanted.set()
                 self._fresh.wait(self.max_wait_s)
-                snap = self._snapshot
-            if snap is None:
+                reading = self._reading
+            if reading is None:
                 return {}
-        return dict(snap, age_s=max(0.0, time.monotonic() - snap["time"]))
+        return dict(reading, age_s=max(0.0, time.monotonic() - reading["time"]))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve the registry over HTTP at ``/metrics`` (other paths: 404) on a thread of
