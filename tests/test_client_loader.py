@@ -87,10 +87,10 @@ def test_a_waiting_client_says_what_it_waits_for_and_its_timeout_is_one_line(mon
                "status": ("status_reply", {"status": {"workers": {}}}),
                "goodbye": ("ok", {})}
     fake = FakeMaster(lambda h: answers[h["t"]])
-    monkeypatch.setattr(stream, "WAIT_LOG_S", 0.3)
+    monkeypatch.setattr(stream, "WAIT_LOG_S", 0.15)
     try:
         with caplog.at_level("WARNING", logger="remoteloader.client.stream"):
-            with RemoteDataLoader(SPEC, master=fake.addr, rank=0, world_size=1, timeout=1.0) as loader:
+            with RemoteDataLoader(SPEC, master=fake.addr, rank=0, world_size=1, timeout=0.5) as loader:
                 with pytest.raises(TimeoutError) as err:
                     next(iter(loader))
         message = str(err.value)

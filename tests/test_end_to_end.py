@@ -206,7 +206,7 @@ def test_spec_mismatch_is_refused(tables, cluster):
 
 
 def test_unreachable_master_is_a_clear_error(tables):
-    loader = RemoteDataLoader(spec_dict(tables["orc"]), master="tcp://127.0.0.1:9", connect_timeout=1.0)
+    loader = RemoteDataLoader(spec_dict(tables["orc"]), master="tcp://127.0.0.1:9", connect_timeout=0.3)
     with pytest.raises(MasterUnavailable, match="did not answer"):
         next(iter(loader))
     loader.close()

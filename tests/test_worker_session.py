@@ -22,7 +22,7 @@ def asks_register_every(worker: RunningWorker, seconds: float) -> RunningWorker:
 def test_no_split_is_asked_for_while_the_worker_registers_again_and_it_produces_after(master, job):
     """Defect 4: a get_split between 'unknown' and the new registration had no worker id;
     the producer died on it and the worker heartbeated on without ever taking a split."""
-    worker = asks_register_every(RunningWorker(master.addr), 0.25)
+    worker = asks_register_every(RunningWorker(master.addr), 0.1)
     try:
         first = master.wait_for(lambda m: m["t"] == "get_split")["worker_id"]
         master.hold_register.set()  # the master restarted without a journal and answers register slowly
@@ -31,7 +31,7 @@ def test_no_split_is_asked_for_while_the_worker_registers_again_and_it_produces_
         master.heartbeat_state = "run"
         # Several no_split retry periods (20 ms) pass while register hangs; the producer must wait, not die.
         for _ in range(3):
-            master.wait_for(lambda m: m["t"] == "register")  # register retries (every 0.25 s)
+            master.wait_for(lambda m: m["t"] == "register")  # register retries (every 0.1 s)
         master.hold_register.clear()
         master.splits.put(job.task(0, session="s-a"))
         produced = master.wait_for(lambda m: m["t"] == "split_produced")
