@@ -5,6 +5,11 @@ client grants each worker credit, in pieces and bytes (``credit``), and the work
 pushes pieces while it holds some: no request per batch, and memory bounded by the
 credit window (``credit.py``). While the training step runs, ZeroMQ's I/O thread is
 already receiving the next pieces. Received frames become tensors without a copy.
+
+With cluster keys the data sockets are plain sockets and every message is sealed
+(protocol/seal.py): credit under the session's key for that worker, batch frames opened
+into fresh buffers (which become the tensors). A refused batch is counted, never
+delivered; one that claimed the current run marks the stream ``lost`` (see stream.py).
 """
 from __future__ import annotations
 
@@ -12,13 +17,15 @@ import logging
 import time
 from typing import Optional
 
+import numpy as np
 import zmq
 
 from ..protocol import wire
 from ..protocol.messages import Batch as BatchHeader, Credit
 from ..protocol.address import AddressError, validate_address
-from ..protocol.auth import Credentials, secure_client
+from ..protocol.auth import Credentials
 from ..protocol.rpc import has_message
+from ..protocol.seal import Peer, SealError
 from .batch import Batch
 from .credit import CreditWindow
 from .session import RunId
@@ -38,22 +45,34 @@ class WorkerFetcher:
                  sparse_scored: Optional[list[bool]] = None, auth: Optional[Credentials] = None) -> None:
         self.ctx, self.rank, self.run, self.window, self.sparse_keys = ctx, rank, run, window, sparse_keys
         self.sparse_scored = sparse_scored  # which sparse keys carry scores (id-score features)
-        self.auth = auth  # CURVE client keys for the workers' data sockets; None: plain sockets
+        self.auth = auth  # cluster keys: messages on the workers' data sockets are sealed; None: plain
         self.sockets: dict[str, zmq.Socket] = {}
         self._worker_of: dict[zmq.Socket, str] = {}
         self.streams: dict[str, Stream] = {}
         self.poller = zmq.Poller()
         self._unreachable: set[tuple[str, str]] = set()  # (worker, address) already warned about
+        self._peers: dict[str, Peer] = {}  # worker id -> its sealing state (sealed mode)
+        self._keys: dict[str, str] = {}  # worker id -> its public key (membership)
+        self.refused = 0  # sealed batches refused (counted in the client's stats)
+        self.lost = False  # a refused batch claimed the current run: a genuine one may be lost
 
     def retarget(self, run: RunId) -> None:
         """Follow a rejoin: credit totals count anew for the new run (the worker knows nothing of it)."""
         self.run = run
         for wid in self.streams:
             self.streams[wid] = Stream()
+        if self.auth is not None:  # a new session: new keys with every worker
+            self._peers = {}
+            for wid, key in self._keys.items():
+                try:
+                    self._peers[wid] = run.seals.peer(run.session, wid, key)
+                except (SealError, AttributeError):
+                    pass  # its credit goes unsealed and is refused: the worker is skipped
 
-    def set_workers(self, members: list[list[str]]) -> None:
-        """Follow the master's view of this client's partition."""
-        wanted = {wid: addr for wid, addr in members}
+    def set_workers(self, members: list) -> None:
+        """Follow the master's view of this client's partition: (worker id, address[, key])."""
+        wanted = {m[0]: m[1] for m in members}
+        keys = {m[0]: (m[2] if len(m) > 2 else "") for m in members}
         for wid in [w for w in self.sockets if w not in wanted]:
             log.info("rank %d: worker %s left the partition", self.rank, wid)
             sock = self.sockets.pop(wid)
@@ -61,21 +80,28 @@ class WorkerFetcher:
             del self._worker_of[sock]
             sock.close(linger=0)
             del self.streams[wid]
+            self._peers.pop(wid, None)
+            self._keys.pop(wid, None)
         for wid, addr in wanted.items():
             if wid not in self.sockets:
-                self._connect(wid, addr)
+                self._connect(wid, addr, keys[wid])
         self.window.fit(len(self.sockets))
 
-    def _connect(self, wid: str, addr: str) -> None:
+    def _connect(self, wid: str, addr: str, key: str = "") -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
-        if self.auth is not None:
-            secure_client(sock, self.auth)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)  # a sealed frame has a tag
         try:
+            if self.auth is not None:
+                if self.run.seals is None:
+                    raise SealError("unknown_key", "this session has no key pair")
+                # The worker's key came from the master, over CURVE: only that worker can open
+                # our credit or seal what we accept.
+                self._peers[wid] = self.run.seals.peer(self.run.session, wid, key)
+                self._keys[wid] = key
             validate_address(addr)
             sock.connect(addr)
-        except (AddressError, zmq.ZMQError) as e:
+        except (AddressError, zmq.ZMQError, SealError) as e:
             # One address this client cannot use must not end its epoch (a bind-only address
             # once crashed every client): the partition's other workers still serve it.
             sock.close(linger=0)
@@ -108,8 +134,14 @@ class WorkerFetcher:
             stream.granted += pieces
             stream.granted_bytes = stream.received_bytes + byte_share
             stream.last_grant = now
-            sock.send_multipart(wire.encode(Credit(session=self.run.session, token=self.run.token, seq=self.run.seq,
-                                                   pieces=stream.granted, bytes=stream.granted_bytes)))
+            credit = Credit(session=self.run.session, token=self.run.token, seq=self.run.seq, pieces=stream.granted,
+                            bytes=stream.granted_bytes, key=self.run.seals.pair.public_hex if self.run.seals else "")
+            peer = self._peers.get(wid)
+            if peer is None:
+                sock.send_multipart(wire.encode(credit))
+            else:
+                make_header = lambda gen, nonce: wire.encode(_sealed(credit, gen, nonce))[0]  # noqa: E731
+                sock.send_multipart(peer.sealer.seal_frames(make_header, []))
 
     def credit_limited(self) -> bool:
         """Some worker held more pieces for us, when it sent its last one, than the credit
@@ -126,13 +158,18 @@ class WorkerFetcher:
         for sock, _ in self.poller.poll(timeout_ms):
             wid = self._worker_of[sock]
             while has_message(sock):
-                msg = wire.safe_decode(sock.recv_multipart(copy=False), f"worker {wid}")
+                parts = sock.recv_multipart(copy=False)
+                msg = wire.safe_decode(parts, f"worker {wid}")
                 if msg is None:
                     continue
                 header, frames = msg
                 if not isinstance(header, BatchHeader) or header.session != self.run.session \
                         or header.seq != self.run.seq:
                     continue
+                if self.auth is not None:
+                    frames = self._open(wid, parts[0].bytes, header, frames)
+                    if frames is None:
+                        continue
                 # Counted as received before it is checked: the worker has charged it to our credit.
                 self.streams[wid].arrived(len(header.rows), sum(len(f) for f in frames), header.held, self.window)
                 try:
@@ -144,6 +181,22 @@ class WorkerFetcher:
                     continue
                 out.extend(batches)
         return out
+
+    def _open(self, wid: str, raw: bytes, header: BatchHeader, frames: list) -> Optional[list]:
+        """A batch's frames opened (the raw header is their associated data); None (counted,
+        logged at most once per ``Refusals.every``) if refused."""
+        peer = self._peers.get(wid)
+        try:
+            if peer is None or header.gen is None or header.nonce is None:
+                raise SealError("bounds", "batch is not sealed")
+            sizes = [_declared_bytes(d) for d in header.tensors]
+            return peer.opener.open(raw, header.gen, header.nonce, [_buffer(f) for f in frames], sizes)
+        except SealError as e:
+            self.refused += 1
+            self.lost = True  # it claimed the current run: if it was genuine, a piece is lost
+            if self.run.seals is not None:
+                self.run.seals.refusals.refuse(f"worker {wid}", e, "batch")
+            return None
 
     def close(self) -> None:
         for sock in self.sockets.values():
@@ -173,3 +226,23 @@ class Stream:
         self.received += pieces
         self.received_bytes += nbytes
         self.held = held
+
+
+def _sealed(credit: Credit, gen: int, nonce: int) -> Credit:
+    credit.gen, credit.nonce = gen, nonce
+    return credit
+
+
+def _buffer(frame) -> memoryview:
+    return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+
+
+def _declared_bytes(desc) -> int:
+    """The bytes a tensor descriptor declares (dims are bounded at decode: exact ints)."""
+    n = _ITEMSIZE[desc.dtype]
+    for d in desc.shape:
+        n *= d
+    return n
+
+
+_ITEMSIZE = {name: np.dtype(t).itemsize for name, t in wire.DTYPES.items()}

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ..protocol import messages as M
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from ..protocol.seal import TO_CLIENT, TO_WORKER, KeyPair, PeerBook
 from ..spec import DatasetSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class RunId:
     seq: int
     epoch: int
     token: str  # the master's signature of the session: workers serve its pieces only to credit carrying it
+    seals: Optional[PeerBook] = None  # the session's key pair and its sealing state per worker (one per session)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class ClientSession:
         self.on_welcome = on_welcome
         self.id: Optional[str] = None
         self.token = ""  # welcome.token, for this session's credit
+        # A new X25519 key pair with each hello, so each session has keys (and nonces) of its own.
+        self.seals: Optional[PeerBook] = None
         self.job: Optional[M.JobInfo] = None
         self.run: Optional[RunId] = None
         self.resume_point: Optional[Callable[[], RunStart]] = None
@@ -81,11 +85,12 @@ class ClientSession:
 
     def _say_hello(self) -> None:
         deadline = time.monotonic() + self.timeout
+        seals = PeerBook(KeyPair(), TO_WORKER, TO_CLIENT)
         while True:
             try:
                 reply = self.rpc.call_with_retry(
                     M.Hello(rank=self.rank, world_size=self.world_size, spec=self.spec.to_dict(),
-                            fingerprint=self.spec.fingerprint()),
+                            fingerprint=self.spec.fingerprint(), key=seals.pair.public_hex),
                     time.monotonic() + self.connect_timeout, stop=self.stop, timeout_s=CALL_TIMEOUT_S)
                 break
             except MasterUnavailable as e:
@@ -98,7 +103,7 @@ class ClientSession:
                     raise SpecError(str(e)) from None
                 raise RuntimeError(f"the master refused this loader: {e}") from None
         self.on_welcome(reply.job)
-        self.id, self.token, self.job = reply.session, reply.token, reply.job
+        self.id, self.token, self.job, self.seals = reply.session, reply.token, reply.job, seals
 
     def _rejoin(self, restart_run: bool) -> None:
         # The master does not know this session (a restart without a journal, or it timed the
@@ -119,7 +124,7 @@ class ClientSession:
     def _start(self, start: RunStart) -> M.Epoch:
         reply = self._call(M.StartEpoch(session=self.id, epoch=start.epoch, consumed=ack_records(start.consumed),
                                         done=[M.DoneRange(*d) for d in start.done]))
-        self.run = RunId(self.id, reply.seq, start.epoch, self.token)
+        self.run = RunId(self.id, reply.seq, start.epoch, self.token, self.seals)
         return reply
 
     def heartbeat(self, acks: list, stats: Optional[M.ClientStats] = None) -> M.Membership:

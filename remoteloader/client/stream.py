@@ -35,6 +35,10 @@ FINISH_S = 2.0
 # While this many batches wait for the training loop, it takes the next without polling its
 # sockets (pieces arrive several to a message: a poll per batch is waste).
 QUEUED_ENOUGH = 4
+# A sealed batch that claimed this run was refused (altered on the way, so possibly a genuine
+# one lost) and no batch came for this long: the rank rejoins, so the master has the pieces
+# it has not consumed produced again (the assembler drops those it already has).
+LOST_RECOVER_S = 5.0
 
 
 @dataclass
@@ -80,9 +84,9 @@ class EpochStream:
         window_checked = False
         try:
             # One synchronous beat first, for the partition's workers.
-            self._apply(self.session.heartbeat([], self.stats.to_wire(0)))
+            self._apply(self.session.heartbeat([], self._wire_stats(0)))
             control = ControlChannel(self.ctx, self.config.master, lambda: self.session.run,
-                                     lambda: self.stats.to_wire(assembler.ready_count), HEARTBEAT_S,
+                                     lambda: self._wire_stats(assembler.ready_count), HEARTBEAT_S,
                                      auth=self.config.auth)
             last_progress = last_log = time.monotonic()
             while not assembler.exhausted:
@@ -135,6 +139,9 @@ class EpochStream:
                     now = time.monotonic()
                     if now - last_progress > self.config.timeout:
                         raise self._timeout_error(control)
+                    if fetcher.lost and now - last_progress > LOST_RECOVER_S:
+                        self._recover_lost()
+                        last_progress = time.monotonic()
                     if now - max(last_progress, last_log) >= WAIT_LOG_S:
                         last_log = now
                         log.warning("%s", self._waiting(control, now - last_progress))
@@ -146,6 +153,24 @@ class EpochStream:
                 control.close()
             self.session.resume_point = None
             fetcher.close()
+
+    def _wire_stats(self, queued: int):
+        stats = self.stats.to_wire(queued)
+        if self.fetcher.refused:
+            stats.refused = self.fetcher.refused
+        return stats
+
+    def _recover_lost(self) -> None:
+        """A refused sealed batch may have been a genuine one altered on its way: its pieces
+        are gone from the worker. A rejoin (a new session, the run restarted from what the
+        training loop consumed) has them produced again; exactly once still holds, as the
+        assembler takes each piece once."""
+        self.fetcher.lost = False
+        log.warning("rank %d epoch %d: a sealed batch was refused and no batch has come for %.0f s since; "
+                    "rejoining so that the pieces it may have held are produced again",
+                    self.config.rank, self.run.epoch, LOST_RECOVER_S)
+        self.session.rejoin_after(RemoteError("a sealed batch was refused", "unknown_client"))
+        self._apply(self.session.heartbeat([]))
 
     def _waiting(self, control: ControlChannel, waited_s: float) -> str:
         """One line: what this rank has been waiting for, for ``waited_s``."""
@@ -193,7 +218,7 @@ class EpochStream:
             else:
                 reply = self.session.heartbeat(everything)
         self.master_seen = master
-        self.fetcher.set_workers([(w.worker_id, w.addr) for w in reply.workers])
+        self.fetcher.set_workers([(w.worker_id, w.addr, w.key) for w in reply.workers])
         for err in reply.errors:
             if not err.skipped:
                 raise RuntimeError(f"rank {rank} epoch {epoch}: {err.message}")

@@ -303,7 +303,7 @@ class MasterService:
             raise RequestError(f"this master serves job {job.fingerprint}, not {m.fingerprint[:80]}",
                                code=ErrorCode.WRONG_JOB)
         worker_id = "w-" + uuid.uuid4().hex[:10]
-        self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock()))
+        self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock(), m.key))
         log.info("worker %s registered from %s (pid %d)", worker_id, m.addr, m.pid)
         # Split tasks name the job too: a worker that registered before one existed checks each.
         return M.Registered(worker_id=worker_id, heartbeat_interval=self.config.heartbeat_interval,
@@ -444,7 +444,8 @@ class MasterService:
         shares = self.state.shares()
         # The token is what lets this client's credit take the session's pieces at workers;
         # the session id alone (which status shows) does not.
-        return M.Welcome(session=session, token=self.keys.session_token(session), job=M.JobInfo(
+        # It signs the session's public key too: a token seen on the wire is no use with another key.
+        return M.Welcome(session=session, token=self.keys.session_token(session, m.key), job=M.JobInfo(
             fingerprint=job.fingerprint, total_rows=job.total_rows,
             rank_rows=shares.rows[m.rank] + shares.padding[m.rank], dropped_rows=shares.dropped,
             world_size=job.world_size, sparse_keys=list(self.bound.sparse_keys),
@@ -552,7 +553,9 @@ class MasterService:
         stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
         self._commit(U.ClientHeartbeat(session, self.clock(), stats))
         self.rates.update("c:" + session, self.clock(), stats)
-        workers = [M.WorkerAddr(wid, self.state.workers[wid].addr) for wid in self.state.partitions.get(rank, [])]
+        # Worker keys reach clients only here, over the authenticated control channel.
+        workers = [M.WorkerAddr(wid, self.state.workers[wid].addr, self.state.workers[wid].key)
+                   for wid in self.state.partitions.get(rank, [])]
         run = self.state.ranks.get(rank)
         errors = self.state.errors_for(rank, run.epoch) if run is not None and run.seq == m.seq else []
         return M.Membership(workers=workers, errors=[msgspec.convert(e, M.SplitError, from_attributes=True)

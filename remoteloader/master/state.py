@@ -41,6 +41,7 @@ class WorkerInfo:
     # Hung-split detection: what the worker last said it was producing, and since when.
     producing: Optional[tuple] = None  # (epoch, split_id, pieces produced)
     producing_since: float = 0.0
+    key: str = ""  # its X25519 public key (register.key), for clients' membership
 
 
 @dataclass
@@ -160,7 +161,7 @@ class JobState:
         self._worker_seq = u.worker_seq
         for w in u.workers:
             self.workers[w.worker_id] = WorkerInfo(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, draining=w.draining,
-                                                   assigned=set(w.assigned))
+                                                   assigned=set(w.assigned), key=w.key)
         for c in u.sessions:
             self.clients[c.session], self.client_seen[c.session], self.next_seq[c.session] = c.rank, c.seen, c.next_seq
             self.session_of[c.rank] = c.session
@@ -204,8 +205,8 @@ class JobState:
                 job.spec, job.fingerprint, dict(job.schema), [U.file_record(f) for f in job.files],
                 [U.SplitRecord.of(s) for s in job.splits], job.world_size),
             worker_seq=self._worker_seq,
-            workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned))
-                     for w in self.workers.values()],
+            workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned),
+                                    w.key) for w in self.workers.values()],
             sessions=[U.SessionRecord(session, rank, self.client_seen.get(session, 0.0), self.next_seq.get(session, 0))
                       for session, rank in self.clients.items()],
             replaced=list(self.replaced),
@@ -228,7 +229,7 @@ class JobState:
 
     def _on_WorkerRegistered(self, u: U.WorkerRegistered) -> None:
         self._worker_seq += 1
-        self.workers[u.worker_id] = WorkerInfo(u.worker_id, u.addr, u.pid, self._worker_seq, u.time)
+        self.workers[u.worker_id] = WorkerInfo(u.worker_id, u.addr, u.pid, self._worker_seq, u.time, key=u.key)
 
     def _on_WorkerHeartbeat(self, u: U.WorkerHeartbeat) -> None:
         w = self.workers.get(u.worker_id)

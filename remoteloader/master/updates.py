@@ -88,6 +88,7 @@ class WorkerRecord(msgspec.Struct, frozen=True):
     last_seen: float
     draining: bool
     assigned: list[tuple[int, int]]  # (epoch, split id), sorted
+    key: str = ""  # its X25519 public key (register.key)
 
 
 class SessionRecord(msgspec.Struct, frozen=True):
@@ -146,6 +147,7 @@ class WorkerRegistered(Update):
     addr: str
     pid: int
     time: float
+    key: str = ""  # its X25519 public key: clients get it in membership, also after a replay
 
 
 class WorkerHeartbeat(Update):

@@ -2,8 +2,10 @@
 them as (docs/security.md, "Capabilities between members").
 
 * A **session token** (``welcome.token``): the master's Ed25519 signature of the client
-  session id. A worker serves a run's pieces only to a connection whose ``credit`` carries
-  a token that verifies under the master's public key (``registered.verify_key``).
+  session id and the session's X25519 public key (``hello.key``, protocol 10), so a token
+  cannot be replayed with another key (protocol/seal.py). A worker serves a run's pieces
+  only to a connection whose ``credit`` carries a token that verifies under the master's
+  public key (``registered.verify_key``).
 * A **worker token** (``registered.token``): HMAC-SHA256 of the worker id under a key of
   the master's. Every request naming a worker id (heartbeat, get_split, the split reports,
   drain, bye) must carry it.
@@ -31,6 +33,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 SEED_FILE = "capability.key"  # in the master's journal directory
 SEED_BYTES = 32
 MAX_WORKER_TOKENS = 1 << 14  # worker ids whose token the master keeps computed
+
+
+def session_message(session: str, key: str = "") -> bytes:
+    """What a session token signs: the session id and the session's public key (hex)."""
+    return b"remoteloader session\x00" + session.encode() + b"\x00" + key.encode()
 
 
 def _derive(seed: bytes, purpose: bytes) -> bytes:
@@ -74,8 +81,8 @@ class MasterKeys:
             os.fsync(f.fileno())
         return cls(seed)
 
-    def session_token(self, session: str) -> str:
-        return self._signer.sign(session.encode()).hex()
+    def session_token(self, session: str, key: str = "") -> str:
+        return self._signer.sign(session_message(session, key)).hex()
 
     def worker_token(self, worker_id: str) -> str:
         return hmac.new(self._worker_key, worker_id.encode(), hashlib.sha256).hexdigest()
@@ -103,7 +110,7 @@ class SessionTokens:
 
     def __init__(self) -> None:
         self._key: Optional[Ed25519PublicKey] = None
-        self._proven: OrderedDict[tuple[bytes, str], None] = OrderedDict()
+        self._proven: OrderedDict[tuple[bytes, str, str], None] = OrderedDict()
 
     def set_master(self, verify_key: str) -> None:
         """The public key of the master this worker registered with (a plain reference
@@ -113,15 +120,16 @@ class SessionTokens:
         except ValueError as e:
             raise ValueError(f"the master's verify_key is not an Ed25519 public key: {e}") from None
 
-    def allows(self, identity: bytes, session: str, token: str) -> bool:
-        proof = (identity, session)
+    def allows(self, identity: bytes, session: str, token: str, key: str = "") -> bool:
+        """Whether ``token`` is the master's signature of ``session`` with ``key``."""
+        proof = (identity, session, key)
         if proof in self._proven:
             return True
-        key = self._key
-        if key is None:  # not registered yet: no run of ours can be credited
+        master = self._key
+        if master is None:  # not registered yet: no run of ours can be credited
             return False
         try:
-            key.verify(bytes.fromhex(token), session.encode())
+            master.verify(bytes.fromhex(token), session_message(session, key))
         except (ValueError, InvalidSignature):
             return False
         self._proven[proof] = None

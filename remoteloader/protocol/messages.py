@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 9  # 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 10  # 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -34,6 +34,9 @@ Count = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Amount = Annotated[float, Meta(ge=0, le=sys.float_info.max)]  # finite: NaN and inf are refused
 Dim = Annotated[int, Meta(ge=0, le=MAX_FRAME_BYTES)]
 OrUnset = Annotated[int, Meta(ge=-1, le=MAX_INT)]  # -1: not about one epoch, rank or split
+Key = Annotated[str, Meta(max_length=64, pattern="^([0-9a-f]{64})?$")]  # an X25519 public key, hex ("": none)
+Gen = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]  # a sealing key's generation
+Nonce = Annotated[int, Meta(ge=1, le=MAX_INT)]  # the first counter of a sealed message (a 64-bit field)
 DType = Literal["float32", "float64", "int32", "int64", "uint8"]
 
 
@@ -131,6 +134,7 @@ class WorkerAddr(Row):
 
     worker_id: Id
     addr: Id
+    key: Key = ""  # its X25519 public key: clients open its sealed frames with it
 
 
 class UnitRecord(Row):
@@ -257,6 +261,7 @@ class WorkerStats(Record, omit_defaults=True):
     split: Optional[ProducingSplit] = None  # while producing
     io: Optional[IOCounters] = None
     discarded: Optional[Discarded] = None
+    refused: Optional[Count] = None  # sealed credit refused (replayed, reordered, altered, out of bounds)
 
 
 class ClientStats(Record, omit_defaults=True):
@@ -272,6 +277,7 @@ class ClientStats(Record, omit_defaults=True):
     since_batch_s: Optional[Amount] = None  # since the training loop last got a batch
     wait_le: Optional[Annotated[list[Amount], Meta(max_length=MAX_BUCKETS)]] = None  # histogram bounds
     wait_buckets: Optional[Annotated[list[Count], Meta(max_length=MAX_BUCKETS)]] = None
+    refused: Optional[Count] = None  # sealed batches refused (replayed, reordered, altered, out of bounds)
 
 
 # -- messages ---------------------------------------------------------------------------
@@ -304,6 +310,7 @@ class Register(WorkerRequest, tag="register"):
     addr: Id  # tcp://HOST:PORT with a concrete host and a port in 1..65535
     pid: Count
     fingerprint: Id  # the job its pipeline is compiled for
+    key: Key = ""  # its X25519 public key (made at process start), passed to clients in membership
 
 
 class GetSpec(WorkerRequest, tag="get_spec"):
@@ -366,6 +373,7 @@ class Hello(ClientRequest, tag="hello"):
     world_size: Count
     spec: dict[str, Any]  # validated by DatasetSpec.from_dict
     fingerprint: Id
+    key: Key = ""  # the session's X25519 public key: welcome.token signs it with the session
 
 
 class SessionRequest(ClientRequest):
@@ -446,7 +454,7 @@ class Welcome(MasterReply, tag="welcome"):
     """Answers hello."""
 
     session: Id
-    token: Id  # the master's signature of the session: sent in every credit
+    token: Id  # the master's signature of the session and hello.key: sent in every credit
     job: JobInfo
 
 
@@ -491,6 +499,9 @@ class Credit(DataMessage, tag="credit"):
     seq: Count
     pieces: Count
     bytes: Count
+    key: Key = ""  # the session's hello.key (the token signs it)
+    gen: Optional[Gen] = None  # sealed (cluster keys): the key generation; one data frame, the tag
+    nonce: Optional[Nonce] = None  # sealed: the counter of the tag
 
 
 class Batch(DataMessage, tag="batch"):
@@ -503,6 +514,8 @@ class Batch(DataMessage, tag="batch"):
     rows: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_FRAME_BYTES)]], Meta(min_length=1, max_length=MAX_PIECES)]
     held: Count  # pieces of the run the worker still holds after this message
     tensors: Annotated[list[TensorDesc], Meta(max_length=64)]
+    gen: Optional[Gen] = None  # sealed (cluster keys): the key generation
+    nonce: Optional[Nonce] = None  # sealed: the counter of the first frame; frame i has nonce + i
 
     def __getitem__(self, name: str) -> Any:
         # wire.unpack_pieces (issue 24's jagged-layout work owns it) reads the header as a map.

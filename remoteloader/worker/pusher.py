@@ -1,9 +1,14 @@
 """The pusher: the worker's data socket. Takes clients' credit and pushes them pieces of
-the run they credited while the credit lasts (docs/protocol.md, flow control)."""
+the run they credited while the credit lasts (docs/protocol.md, flow control).
+
+With cluster keys the data socket is not CURVE: credit is opened and batch frames are
+sealed (protocol/seal.py) with keys derived from the worker's X25519 key pair and the
+session's key, which the session token binds to the session."""
 from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import zmq
 
@@ -11,21 +16,61 @@ from ..protocol import messages as M
 from ..protocol import wire
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import has_message
+from ..protocol.seal import TO_CLIENT, TO_WORKER, KeyPair, Peer, PeerBook, SealError
 from .buffer import PieceBuffer
 from .credit import Credit, CreditBook
+from .faults import Faults
 from .lifecycle import Lifecycle
 from .producer import NOTIFY
-from .runs import RunId
+from .runs import MAX_SESSIONS, RunId
+from .session import CurrentSession
 
 log = logging.getLogger(__name__)
 EXPIRE_EVERY_S = 1.0  # how often credit entries are checked for silence
 
 
+class WorkerSeals:
+    """The worker's side of sealing: its key pair, one ``Peer`` per (session, worker id,
+    session key) whose credit proved its key, and the peer that batches of a session go
+    sealed for (the one its last accepted credit came under)."""
+
+    def __init__(self, pair: KeyPair, rotate_frames: Optional[int] = None) -> None:
+        self.book = PeerBook(pair, TO_CLIENT, TO_WORKER, max_peers=MAX_SESSIONS, rotate_frames=rotate_frames)
+        self._by_session: dict[str, Peer] = {}
+
+    @property
+    def refused(self) -> int:
+        return self.book.refusals.total
+
+    def open_credit(self, identity: bytes, grant: M.Credit, header: bytes, frames: list, worker_id: str) -> bool:
+        """Whether ``grant`` (its token checked already) is sealed under its session's key and
+        new; a refusal is counted and logged (at most once per ``Refusals.every``)."""
+        try:
+            if grant.gen is None or grant.nonce is None or not grant.key:
+                raise SealError("bounds", "credit is not sealed")
+            peer = self.book.peer(grant.session, worker_id, grant.key)
+            peer.opener.open(header, grant.gen, grant.nonce, frames, [0])
+        except SealError as e:
+            self.book.refusals.refuse(f"client {identity.hex()[:16]} (session {grant.session[:40]})", e, "credit")
+            return False
+        self._by_session[grant.session] = peer
+        if len(self._by_session) > MAX_SESSIONS:
+            self._by_session.pop(next(iter(self._by_session)))
+        return True
+
+    def for_session(self, session: str) -> Optional[Peer]:
+        return self._by_session.get(session)
+
+
 class Pusher:
     def __init__(self, data: zmq.Socket, ctx: zmq.Context, buffer: PieceBuffer, credit: CreditBook,
-                 lifecycle: Lifecycle, tokens: SessionTokens) -> None:
+                 lifecycle: Lifecycle, tokens: SessionTokens, seals: Optional[WorkerSeals] = None,
+                 current: Optional[CurrentSession] = None, faults: Optional[Faults] = None) -> None:
         self.data = data
         self.tokens = tokens
+        self.seals = seals  # None: no cluster keys, nothing sealed
+        self.current = current
+        self.faults = faults or Faults()
         self.ctx = ctx
         self.buffer = buffer
         self.credit = credit
@@ -67,9 +112,14 @@ class Pusher:
         # Only the connection of the client the master admitted for that session may take its
         # pieces or move it to another run: a session id alone (status shows them) does not.
         # Refused credit leaves nothing behind, so made-up sessions cannot fill any table.
-        if not self.tokens.allows(identity, run[0], grant.token):
+        if not self.tokens.allows(identity, run[0], grant.token, grant.key):
             log.debug("dropped credit for session %.80s: its token does not verify", run[0])
             return
+        if self.seals is not None:
+            session = self.current.get() if self.current is not None else None
+            if session is None or not self.seals.open_credit(identity, grant, _bytes(body[0]),
+                                                             [_buffer(f) for f in body[1:]], session.worker_id):
+                return
         # Credit for a run that is not wanted (its client moved on, or its session is gone)
         # is ignored; credit for a run with no task here yet is kept: the task may come.
         if self.buffer.credited(run):
@@ -112,12 +162,21 @@ class Pusher:
             descs, frames = wire.pack_arrays(first.source.arrays(first.lo, pieces[-1].hi))
             # `held`: what is left here for this run, so its client can tell that it waits
             # for want of credit rather than for want of data.
-            msg = wire.encode(M.Batch(session=run[0], seq=run[1], split_id=first.split_id, piece=first.index,
-                                    rows=[p.rows for p in pieces], held=self.buffer.held(run), tensors=descs), frames)
+            header = M.Batch(session=run[0], seq=run[1], split_id=first.split_id, piece=first.index,
+                             rows=[p.rows for p in pieces], held=self.buffer.held(run), tensors=descs)
+            if self.seals is None:
+                msg = wire.encode(header, frames)
+            else:
+                peer = self.seals.for_session(run[0])
+                if peer is None:  # no key for it (forgotten): its next credit brings one
+                    self.buffer.put_back(run, pieces)
+                    self.credit.remove(run, identity)
+                    return False
+                msg = peer.sealer.seal_frames(lambda gen, nonce: wire.encode(_sealed(header, gen, nonce))[0], frames)
             try:
                 # Never block: a client that does not read fills its pipe, and a blocked
                 # send would stop serving everybody else.
-                self.data.send_multipart([identity, *msg], copy=False, flags=zmq.NOBLOCK)
+                self.faults.send([identity, *msg], self._send)
             except zmq.Again:
                 self.buffer.put_back(run, pieces)  # its pipe is full: try again on a later pass
                 return False
@@ -129,3 +188,19 @@ class Pusher:
                 return False
             credit.spend(len(pieces), nbytes)
         return False
+
+    def _send(self, parts: list) -> None:
+        self.data.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
+
+
+def _sealed(header: M.Batch, gen: int, nonce: int) -> M.Batch:
+    header.gen, header.nonce = gen, nonce
+    return header
+
+
+def _bytes(frame) -> bytes:
+    return frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
+
+
+def _buffer(frame) -> memoryview:
+    return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)

@@ -26,16 +26,17 @@ from ..core.allowlist import TableAllowlist
 from ..core.sizing import DEFAULT_BUFFER_BYTES
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import messages as M
-from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
+from ..protocol.auth import AuthenticatorHandle, Credentials
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from ..protocol.seal import KeyPair
 from .buffer import PieceBuffer
 from .control import Control
 from .credit import CreditBook
 from .faults import Faults
 from .lifecycle import Lifecycle
 from .producer import Producer
-from .pusher import Pusher
+from .pusher import Pusher, WorkerSeals
 from .session import CurrentSession, Registrar
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ class Worker:
                  client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
         self.master = master
-        self.auth = auth  # CURVE keys: the data socket is a CURVE server, the master calls CURVE clients
+        # Cluster keys: the master calls are CURVE clients; the data socket is a plain socket
+        # whose messages are sealed (protocol/seal.py) with keys of this process's key pair.
+        self.auth = auth
         self.rpc_timeout_s = rpc_timeout_s
         self.ctx = zmq.Context.instance()
         self.lifecycle = Lifecycle()
@@ -57,9 +60,8 @@ class Worker:
         self.data.setsockopt(zmq.MAXMSGSIZE, 64 << 10)  # clients only send small requests
         self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable send raises rather than vanishing
         self._authenticator: Optional[AuthenticatorHandle] = None
-        if auth is not None:
-            self._authenticator = server_authenticator(self.ctx, auth)
-            secure_server(self.data, auth)
+        self.pair = KeyPair()  # new with every process: no key, so no nonce, outlives it
+        self.seals = WorkerSeals(self.pair) if auth is not None else None
         try:
             self.data.bind(f"tcp://{bind_host}:0")
         except zmq.ZMQError:
@@ -73,13 +75,16 @@ class Worker:
         # A client silent this long loses what the worker holds for it (handed back to the master).
         # The transformed splits it holds stay within buffer_bytes (buffer.py).
         self.buffer = PieceBuffer(buffer_batches, silent_after_s=client_timeout_s, budget_bytes=buffer_bytes)
+        self.faults = faults or Faults()
         self.producer = Producer(self.lifecycle, self.current, self.buffer, self.ctx, self._connect, allowlist,
-                                 faults or Faults())
+                                 self.faults)
         # Which client connections proved (by the master's signature) the session they credit.
         tokens = SessionTokens()
-        self.pusher = Pusher(self.data, self.ctx, self.buffer, CreditBook(client_timeout_s), self.lifecycle, tokens)
-        self.control = Control(self.lifecycle, self.current, Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle),
-                               self.buffer, self.producer.stats, self._connect(), drain_timeout_s, tokens)
+        self.pusher = Pusher(self.data, self.ctx, self.buffer, CreditBook(client_timeout_s), self.lifecycle, tokens,
+                             self.seals, self.current, self.faults)
+        registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex)
+        self.control = Control(self.lifecycle, self.current, registrar, self.buffer, _StatsWithSeals(self),
+                               self._connect(), drain_timeout_s, tokens)
 
     def request(self, what: str) -> None:
         """For signal handlers: ``drain`` (finish what is held, then leave) or ``stop``."""
@@ -122,3 +127,20 @@ class Worker:
         self.data.close(linger=0)
         if self._authenticator is not None:
             self._authenticator.close()
+
+
+class _StatsWithSeals:
+    """The producer's statistics with the pusher's count of refused sealed credit, as the
+    heartbeat's ``stats`` (the control thread asks ``to_dict``)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._stats, self._seals = worker.producer.stats, worker.seals
+
+    def to_dict(self) -> dict:
+        out = self._stats.to_dict()
+        if self._seals is not None:
+            out["refused"] = self._seals.refused
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._stats, name)

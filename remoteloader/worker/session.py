@@ -88,8 +88,9 @@ class Registrar:
     is asked to leave, and a request to leave (drain, stop) ends the wait for an answer at once."""
 
     def __init__(self, addr: str, allowlist: TableAllowlist, coalesce_gap: int, lifecycle: Lifecycle,
-                 register_timeout_s: Optional[float] = None) -> None:
+                 register_timeout_s: Optional[float] = None, key: str = "") -> None:
         self.addr = addr
+        self.key = key  # this process's X25519 public key (hex), for clients' sealed frames
         self.allowlist = allowlist
         self.coalesce_gap = coalesce_gap
         self.lifecycle = lifecycle
@@ -108,7 +109,7 @@ class Registrar:
             try:
                 if processor is None:
                     processor, fingerprint = self._build(rpc, previous)
-                reply = rpc.call(M.Register(addr=self.addr, pid=os.getpid(), fingerprint=fingerprint),
+                reply = rpc.call(M.Register(addr=self.addr, pid=os.getpid(), fingerprint=fingerprint, key=self.key),
                                  timeout_s=self.register_timeout_s, stop=self._leaving)
                 if not isinstance(reply, M.Registered):
                     raise MasterUnavailable(f"register answered with {M.tag(reply)!r}")
