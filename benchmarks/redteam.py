@@ -43,7 +43,7 @@ import zmq
 
 from remoteloader import RemoteDataLoader
 from remoteloader.core.redact import ENV_ALLOW_TABLE
-from remoteloader.protocol import auth, wire
+from remoteloader.protocol import auth, seal, wire
 from remoteloader.protocol import messages as M
 from remoteloader.protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from remoteloader.spec import DatasetSpec, SpecError
@@ -107,7 +107,8 @@ class Target:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, 200)  # an outsider's handshake never completes: sends would block
-        if creds is not None:
+        # Protocol 10: a worker's data socket is plain (its messages are sealed), whoever connects.
+        if creds is not None and addr == self.addr:
             auth.secure_client(sock, creds, server_public=self.keys.public_key)
         sock.connect(addr)
         return sock
@@ -386,6 +387,47 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         note = ("" if exact else f"the victim got {len(rows)} rows; ") + ("" if token else "the attacker had no token")
         return Outcome(exact and taken == 0 and bool(token), taken, note)
 
+    def sealed_credit_forgeries() -> Outcome:  # issue 26: the token and key a victim's credit shows
+        spec = job_spec(t)
+        captured: list[list] = []
+        real = seal.Sealer.seal_frames
+
+        def capture(self, make_header, frames):  # what an on-path observer sees of the victim's credit
+            parts = real(self, make_header, frames)
+            if not frames:
+                captured.append([bytes(p) for p in parts])
+            return parts
+
+        seal.Sealer.seal_frames = capture
+        try:
+            victim = RemoteDataLoader(spec, master=t.addr, auth=t.keys.directory, timeout=120)
+            rows = sum(len(b) for b in victim)
+        finally:
+            seal.Sealer.seal_frames = real
+        session, token, key = victim.session.id, victim.session.token, victim.session.seals.pair.public_hex
+        workers = [w["addr"] for w in t.status()["workers"]]
+        mine = seal.KeyPair()
+        taken = 0
+        for addr in workers:
+            sock = t.socket(addr, None)
+            # the victim's token with the attacker's key; the victim's key, sealed under the attacker's own
+            send(sock, msg("credit", session=session, token=token, seq=0, pieces=1 << 20, bytes=1 << 40,
+                           key=mine.public_hex))
+            for wid in [w["id"] for w in t.status()["workers"]]:
+                peer = seal.PeerBook(mine, seal.TO_WORKER, seal.TO_CLIENT).peer(session, wid, mine.public_hex)
+                send(sock, peer.sealer.seal_frames(lambda g, n: msg("credit", session=session, token=token, seq=0,
+                                                                       pieces=1 << 20, bytes=1 << 40, key=key,
+                                                                       gen=g, nonce=n)[0], []))
+            for parts in captured[-8:]:  # the victim's own sealed credit, replayed
+                send(sock, parts)
+            while sock.poll(500):
+                header = header_of(sock.recv_multipart())
+                taken += sum(header["rows"]) if header["t"] == "batch" else 0
+            sock.close()
+        victim.close()
+        return Outcome(taken == 0 and rows == ROWS[0] and bool(captured), taken,
+                       "" if captured else "no credit captured")
+
     def made_up_sessions() -> Outcome:  # finding 3: credit for made-up ranks filled the table
         sock = t.socket(t.status()["workers"][0]["addr"], t.keys)
         for i in range(20_000):
@@ -403,6 +445,8 @@ def with_the_job(t: Target, worker_addr: str) -> dict[str, Callable[[], Outcome]
         "insider: drain every worker": drain_all,
         "insider: credit for another rank's session (before and during)": take_another_ranks_epoch,
         "insider: credit from 20,000 made-up sessions": made_up_sessions,
+        "outsider: a victim's token with its own key, its key sealed under another, its sealed credit replayed":
+            sealed_credit_forgeries,
         "outsider: status / get_spec / register at the master": outsider_master,
         "outsider: credit x40 and drain at a worker": outsider_worker,
         "insider: credit for run 2**62": lambda: Outcome(
@@ -479,6 +523,16 @@ def run_case(t: Target, name: str, case: Callable[[], Outcome]) -> Row:
     return Row(name, survived, outcome.clear_error, status is None, outcome.rows_exposed, outcome.note)
 
 
+def run_case_alone(name: str, case: Callable[[], Outcome]) -> Row:
+    """A case with a cluster of its own (started and stopped by the case)."""
+    started = time.monotonic()
+    try:
+        out = case()
+    except Exception as e:  # noqa: BLE001 (a red-team harness reports, never dies)
+        out = Outcome(False, 0, f"{type(e).__name__}: {e}")
+    return Row(name, True, out.clear_error, time.monotonic() - started > 120, out.rows_exposed, out.note)
+
+
 def idle_latency_ms(t: Target) -> float:
     """Median round trip of ``status`` to an idle master: its loop's pass time, from outside."""
     times = []
@@ -493,6 +547,27 @@ def exact_epochs(t: Target, epochs: int, rows: int) -> bool:
     with RemoteDataLoader(job_spec(t), master=t.addr, auth=t.keys.directory, timeout=120) as loader:
         return all(sorted(r for b in loader for r in b.passthrough["row_id"].tolist()) == list(range(rows))
                    for _ in range(epochs))
+
+
+def tampered_batches(tmp: Path, table: Path, kind: str) -> Outcome:
+    """Issue 26: a worker (test hook) sends an extra replayed or bit-flipped copy of every
+    third batch message; the client refuses each, and reads every row once."""
+    keys = tmp / "keys"
+    env = {**os.environ, ENV_ALLOW_TABLE: json.dumps([str(table)]), "REMOTELOADER_TEST_SEAL_TAMPER": f"{kind}:3"}
+    master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0", "--auth",
+                               str(keys), "--workers", "1"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
+        spec = {"table": {"path": str(table)}, "features": {"label": "label", "dense": ["float_0"],
+                "sparse": [{"name": "s0", "column": "idlist_0"}], "passthrough": ["row_id"]}, "batch_size": 256}
+        with RemoteDataLoader(spec, master=addr, auth=str(keys), timeout=120) as loader:
+            seen = [r for b in loader for r in b.passthrough["row_id"].tolist()]
+            refused = loader.session.seals.refusals.total
+        exact = sorted(seen) == list(range(ROWS[0]))
+        return Outcome(exact and refused > 0, 0, f"{refused} refused, epoch {'exact' if exact else 'NOT exact'}")
+    finally:
+        master.terminate()
+        master.wait(30)
 
 
 def main() -> int:
@@ -530,6 +605,9 @@ def main() -> int:
         idle_ms = idle_latency_ms(t)
     finally:
         t.stop()
+    for kind in ("replay", "flip", "reorder"):
+        rows.append(run_case_alone(f"worker hook: a {kind}ed copy of every 3rd batch message",
+                                   lambda kind=kind: tampered_batches(tmp, tmp / "t", kind)))
     width = max(len(r.case) for r in rows)
     print(f"{'case':<{width}}  survived  clear error  hang  rows exposed")
     for r in rows:

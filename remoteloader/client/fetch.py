@@ -23,9 +23,9 @@ import zmq
 from ..protocol import wire
 from ..protocol.messages import Batch as BatchHeader, Credit
 from ..protocol.address import AddressError, validate_address
-from ..protocol.auth import Credentials
+from ..protocol.auth import Credentials, secure_client
 from ..protocol.rpc import has_message
-from ..protocol.seal import Peer, SealError
+from ..protocol.seal import Peer, SealError, data_curve
 from .batch import Batch
 from .credit import CreditWindow
 from .session import RunId
@@ -46,6 +46,10 @@ class WorkerFetcher:
         self.ctx, self.rank, self.run, self.window, self.sparse_keys = ctx, rank, run, window, sparse_keys
         self.sparse_scored = sparse_scored  # which sparse keys carry scores (id-score features)
         self.auth = auth  # cluster keys: messages on the workers' data sockets are sealed; None: plain
+        self._curve = auth is not None and data_curve()  # benchmarks only: CURVE data sockets, unsealed
+        self._curve_keys = auth
+        if self._curve:
+            self.auth = None
         self.sockets: dict[str, zmq.Socket] = {}
         self._worker_of: dict[zmq.Socket, str] = {}
         self.streams: dict[str, Stream] = {}
@@ -91,6 +95,8 @@ class WorkerFetcher:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)  # a sealed frame has a tag
+        if self._curve:
+            secure_client(sock, self._curve_keys)
         try:
             if self.auth is not None:
                 if self.run.seals is None:

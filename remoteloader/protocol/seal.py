@@ -64,6 +64,9 @@ MAX_FRAME_BYTES = 1 << 30  # as messages.MAX_FRAME_BYTES
 ENV_CIPHER = "REMOTELOADER_SEAL_CIPHER"  # aes-gcm | chacha20-poly1305: overrides the CPU check
 ENV_NONCE_LOG = "REMOTELOADER_TEST_NONCE_LOG"  # tests: append "fingerprint nonce" per sealed frame
 ENV_ROTATE_FRAMES = "REMOTELOADER_TEST_SEAL_ROTATE_FRAMES"  # tests: rotate keys this often (real processes)
+# Benchmarks only (benchmarks/auth_cost.py): the data socket as before protocol 10, CURVE and
+# unsealed, to compare. Worker and clients must agree.
+ENV_DATA_CURVE = "REMOTELOADER_BENCH_DATA_CURVE"
 AES_GCM, CHACHA = "aes-gcm", "chacha20-poly1305"
 LOG_EVERY = 1000  # a refusal is logged for the first of a peer, then once per this many
 
@@ -91,6 +94,10 @@ def cpu_has_aes(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return False
     except OSError:
         return platform.machine().lower() in ("x86_64", "amd64", "arm64", "aarch64")
+
+
+def data_curve() -> bool:
+    return os.environ.get(ENV_DATA_CURVE) == "1"
 
 
 def default_cipher() -> str:
@@ -154,6 +161,13 @@ class _NonceLog:
     def __init__(self) -> None:
         self._file: Any = None
         self._checked = False
+
+    def reset(self, path: Optional[str] = "") -> None:
+        """Tests: read ``$REMOTELOADER_TEST_NONCE_LOG`` again at the next seal (None: log nothing)."""
+        with _lock:
+            if self._file is not None:
+                self._file.close()
+            self._file, self._checked = None, path is None
 
     def write(self, key_fp: str, generation: int, first: int, n: int) -> None:
         if not self._checked:

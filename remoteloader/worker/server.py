@@ -26,10 +26,10 @@ from ..core.allowlist import TableAllowlist
 from ..core.sizing import DEFAULT_BUFFER_BYTES
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import messages as M
-from ..protocol.auth import AuthenticatorHandle, Credentials
+from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
-from ..protocol.seal import KeyPair
+from ..protocol.seal import KeyPair, data_curve
 from .buffer import PieceBuffer
 from .control import Control
 from .credit import CreditBook
@@ -62,6 +62,10 @@ class Worker:
         self._authenticator: Optional[AuthenticatorHandle] = None
         self.pair = KeyPair()  # new with every process: no key, so no nonce, outlives it
         self.seals = WorkerSeals(self.pair) if auth is not None else None
+        if auth is not None and data_curve():  # benchmarks: the data socket of protocol 9
+            self.seals = None
+            self._authenticator = server_authenticator(self.ctx, auth)
+            secure_server(self.data, auth)
         try:
             self.data.bind(f"tcp://{bind_host}:0")
         except zmq.ZMQError:
