@@ -606,7 +606,7 @@ def main() -> int:
     finally:
         t.stop()
     for kind in ("replay", "flip", "reorder"):
-        rows.append(run_case_alone(f"worker hook: a {kind}ed copy of every 3rd batch message",
+        rows.append(run_case_alone(f"worker hook: a {dict(flip='bit-flipped').get(kind, kind + 'ed')} copy of every 3rd batch message",
                                    lambda kind=kind: tampered_batches(tmp, tmp / "t", kind)))
     width = max(len(r.case) for r in rows)
     print(f"{'case':<{width}}  survived  clear error  hang  rows exposed")
