@@ -128,14 +128,14 @@ def test_bad_spec_is_one_line(tmp_path, tables):
 
 @pytest.mark.parametrize("addr,bind", [
     ("tcp://127.0.0.1:5555", False), ("tcp://master.example:1", False), ("tcp://[::1]:65535", False),
-    ("tcp://127.0.0.1:0", True), ("tcp://*:5555", True), ("tcp://0.0.0.0:0", True),
+    ("tcp://127.0.0.1:0", True), ("tcp://*:5555", True), ("tcp://0.0.0.0:0", True), ("ipc:///tmp/rl-x/master", False),
 ])
 def test_valid_addresses(addr, bind):
     assert validate_address(addr, bind=bind) == addr
 
 
 @pytest.mark.parametrize("addr,bind,why", [
-    ("127.0.0.1:5555", False, "no scheme"), ("ipc:///tmp/x", False, "only tcp"), ("tcp://:5555", False, "empty host"),
+    ("127.0.0.1:5555", False, "no scheme"), ("ipc://tmp/x", False, "must be absolute"), ("tcp://:5555", False, "empty host"),
     ("tcp://host", False, "no port"), ("tcp://host:http", False, "not a number"), ("tcp://host:-1", False, "number"),
     ("tcp://host:0", False, "outside 1..65535"), ("tcp://*:5555", False, "only be bound"),
     ("tcp://::1:5555", False, "brackets"), ("tcp://a b:1", False, "not allowed"), (None, False, "not a string"),

@@ -221,7 +221,9 @@ class EphemeralKeys:
 
 
 def is_loopback(host_or_addr: str) -> bool:
-    """Is this bind host (or ``tcp://HOST:PORT``) reachable only from this machine?"""
+    """Is this bind host (or ``tcp://HOST:PORT``, or ``ipc://PATH``) reachable only from this machine?"""
+    if host_or_addr.startswith("ipc://"):  # a Unix socket: never on the network
+        return True
     host = host_or_addr
     if "://" in host:
         host = host.split("://", 1)[1].rsplit(":", 1)[0]
