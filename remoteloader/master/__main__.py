@@ -1,10 +1,20 @@
-"""``remoteloader-master --bind tcp://127.0.0.1:5555 [--spec SPEC] [--journal DIR] [--workers N]``"""
+"""``remoteloader-master --bind tcp://127.0.0.1:5555 [--spec SPEC] [--journal DIR] [--workers N]``
+
+``--bind ipc:///DIR/NAME``: one host. The master makes ``DIR`` (0700) if it does not exist
+and then removes it when it exits; an existing ``DIR`` must belong to this user with mode
+0700 (else it refuses to start, naming it) and is kept. Sockets there run without CURVE
+(the directory's permissions keep other users out; nothing leaves the kernel), its local
+workers bind ``ipc://DIR/worker-<random>``, and it registers only workers whose ipc address
+lies in ``DIR``.
+"""
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 from typing import Optional, Sequence
@@ -16,7 +26,8 @@ from ..core.procs import die_with_parent
 from ..core.redact import ENV_ALLOW_TABLE, allowlist_env, allowlist_from_env, log_to_stderr, redact_text
 from ..core.sizing import parse_size, warm_up
 from ..protocol import auth as cluster_auth
-from ..protocol.address import DefaultsHelpFormatter, address_type
+from ..protocol.address import (AddressError, DefaultsHelpFormatter, address_type, check_ipc_free, ipc_directory,
+                                is_ipc, prepare_ipc_directory, restrict_ipc_socket)
 from ..protocol.capability import MasterKeys
 from ..spec import DatasetSpec, SpecError
 from .autoscale import AutoscaleConfig, Autoscaler, CpuTargetConfig, CpuTargetPolicy
@@ -36,8 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remoteloader-master", description="The remoteloader master (control plane).",
                                 formatter_class=DefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument("--bind", default="tcp://127.0.0.1:5555", type=address_type(bind=True), metavar="tcp://HOST:PORT",
-                   help="address to listen on (port 0: any free port; the address bound is printed)")
+    p.add_argument("--bind", default="tcp://127.0.0.1:5555", type=address_type(bind=True),
+                   metavar="tcp://HOST:PORT|ipc://PATH",
+                   help="address to listen on (port 0: any free port; the address bound is printed); ipc:///DIR/NAME: "
+                        "one host, no CURVE, DIR made 0700 if missing (and then removed at exit), else it must be "
+                        "this user's with mode 0700; launched workers bind in DIR too")
     cluster_auth.add_server_options(p, "every socket, and hand the directory to launched workers", "--bind")
     p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
     p.add_argument("--allow-table", action="append", default=[], metavar="PREFIX",
@@ -146,10 +160,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"remoteloader-master: {redact_text(str(e))}", file=sys.stderr)
             return 2
     try:
+        ipc_dir = _prepare_ipc(args.bind, creds is not None)
         server = MasterServer(service, args.bind, auth=creds)
-    except zmq.ZMQError as e:  # e.g. the port is taken, or the host is not this machine's
+        restrict_ipc_socket(server.addr)
+    except (zmq.ZMQError, AddressError, OSError) as e:  # e.g. the port is taken, the host is not this machine's
         print(f"remoteloader-master: --bind {args.bind}: {e}", file=sys.stderr)
         return 2
+    service.ipc_dir = ipc_dir  # _check_worker_addr: registered ipc addresses must lie in it
     metrics = None
     if args.metrics_port is not None:
         metrics = MasterMetrics(service)
@@ -206,7 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.periodic.append(keep_workers)
     elif not launcher.running():  # otherwise a client would wait out its timeout in silence
         log.warning("this master starts no workers (--workers 0, no autoscaling): start them by hand with "
-                    "remoteloader-worker --master %s%s", server.addr, " --auth DIR" if creds is not None else "")
+                    "remoteloader-worker --master %s%s%s", server.addr,
+                    f" --bind ipc://{ipc_dir}/worker-NAME" if ipc_dir else "", " --auth DIR" if creds is not None else "")
 
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
@@ -224,12 +242,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _prepare_ipc(bind: str, curve: bool) -> Optional[str]:
+    """For ``--bind ipc://DIR/NAME``: make (then remove at exit) or check ``DIR``; None for tcp."""
+    if not is_ipc(bind):
+        return None
+    directory = ipc_directory(bind)
+    if prepare_ipc_directory(directory):
+        # Any exit but SIGKILL of this very process: a normal stop, SIGTERM (also the
+        # parent-death signal of --die-with-parent), an error at start. Launched workers'
+        # stale sockets go with it.
+        atexit.register(shutil.rmtree, directory, True)
+    check_ipc_free(bind)
+    if curve:
+        log.warning("--bind %s with keys (--auth or $%s): CURVE runs on the ipc sockets too, which the directory's "
+                    "mode 0700 already keeps from other users; it costs about 30%% of throughput (drop the keys "
+                    "for a one-host cluster)", bind, cluster_auth.ENV_AUTH)
+    return directory
+
+
 def _as_ray_actor(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     """``--ray-actor NAME``: hand this master to Ray as a restartable actor, or stop it."""
     from . import ray_actor
 
     if not args.ray_address:
         p.error("--ray-actor needs --ray-address")
+    if is_ipc(args.bind):
+        p.error("--ray-actor needs a tcp --bind: an ipc socket is reachable on one host only")
     host, port = args.bind.rsplit(":", 1)
     if port == "0":
         p.error("--ray-actor needs a fixed --bind port: a restarted master must be found at the same address")

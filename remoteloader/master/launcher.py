@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import subprocess
 import sys
 import threading
@@ -165,13 +166,19 @@ class LauncherThread:
 
 
 class LocalLauncher:
-    """Worker processes on this machine, tied to the master's lifetime."""
+    """Worker processes on this machine, tied to the master's lifetime.
+
+    A master on ``ipc://DIR/NAME`` (one host) has each worker bind its data socket in the
+    same private directory, ``ipc://DIR/worker-<random>``; the launcher removes the socket
+    file of a worker it saw end (one killed leaves its file behind)."""
 
     def __init__(self, master_addr: str, worker_args: Sequence[str] = (), auth_dir: Optional[str] = None,
                  worker_env: Mapping[str, str] = {}, buffer_bytes: Optional[int] = None) -> None:
         self.master_addr = master_addr
         self.worker_args = _worker_args(buffer_bytes, worker_args)
         self.procs: list[subprocess.Popen] = []
+        self._ipc_dir = os.path.dirname(master_addr[len("ipc://"):]) if master_addr.startswith("ipc://") else None
+        self._sockets: dict[int, str] = {}  # pid -> the ipc socket file it binds
         # The key directory's path and the allowlist (``worker_env``: table paths may hold
         # credentials) go in the environment, never on a command line. Both are set from scratch,
         # so a stray $REMOTELOADER_AUTH or allowlist in the master's environment cannot split the cluster.
@@ -181,9 +188,23 @@ class LocalLauncher:
 
     def start(self, n: int) -> None:
         for _ in range(n):
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "remoteloader.worker", "--master", self.master_addr, "--die-with-parent",
-                 *self.worker_args], env=self.env))
+            bind: list[str] = []
+            if self._ipc_dir is not None:
+                path = os.path.join(self._ipc_dir, "worker-" + secrets.token_hex(8))
+                bind = ["--bind", "ipc://" + path]
+            proc = subprocess.Popen([sys.executable, "-m", "remoteloader.worker", "--master", self.master_addr,
+                                     "--die-with-parent", *bind, *self.worker_args], env=self.env)
+            self.procs.append(proc)
+            if bind:
+                self._sockets[proc.pid] = path
+
+    def _forget(self, p: subprocess.Popen) -> None:
+        path = self._sockets.pop(p.pid, None)
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # it closed its socket itself
 
     def running(self) -> int:
         return len(self.procs)
@@ -195,6 +216,7 @@ class LocalLauncher:
         exited = [p for p in self.procs if p.poll() is not None]
         for p in exited:
             self.procs.remove(p)
+            self._forget(p)
             if p.returncode != 0:
                 log.warning("local worker pid %d exited with code %s", p.pid, p.returncode)
         return sum(1 for p in exited if p.returncode != 0)
@@ -205,6 +227,7 @@ class LocalLauncher:
                 p.kill()
         for p in self.procs:
             p.wait()
+            self._forget(p)
         self.procs.clear()
 
 

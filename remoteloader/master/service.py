@@ -310,15 +310,23 @@ class MasterService:
                             fingerprint=m.fingerprint if job is None else job.fingerprint,
                             token=self.keys.worker_token(worker_id), verify_key=self.keys.verify_key)
 
-    @staticmethod
-    def _check_worker_addr(addr: str) -> None:
+    def _check_worker_addr(self, addr: str) -> None:
         """An address every client can connect to: a concrete host (not ``*``, not an
-        any-address) and a port in 1..65535. A bind-only address would make every
+        any-address) and a port in 1..65535; or an ipc socket in this master's own private
+        directory (``remoteloader-master --bind ipc://DIR/NAME``), so that a worker cannot
+        point clients at an arbitrary socket path. A bind-only address would make every
         client's connect fail."""
         try:
             validate_address(addr)
         except AddressError as e:
             raise RequestError(f"register: {e}") from None
+        if addr.startswith("ipc://"):
+            ipc_dir = getattr(self, "ipc_dir", None)  # set by remoteloader-master for an ipc --bind
+            if ipc_dir is None or addr[len("ipc://"):].rpartition("/")[0] != ipc_dir:  # validated: normalized
+                where = f"its private directory {ipc_dir}" if ipc_dir else "none: it listens on tcp"
+                raise RequestError(f"register: ipc address {addr[:160]!r} is not in this master's private ipc "
+                                   f"directory ({where})")
+            return
         host = addr[len("tcp://"):].rpartition(":")[0]
         if host in ("0.0.0.0", "[::]", "[0:0:0:0:0:0:0:0]") or len(addr) > 256:
             raise RequestError(f"register: addr {addr[:80]!r} is not one clients can connect to "

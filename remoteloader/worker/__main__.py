@@ -1,4 +1,9 @@
-"""``remoteloader-worker --master tcp://HOST:PORT``: one stateless worker process."""
+"""``remoteloader-worker --master tcp://HOST:PORT``: one stateless worker process.
+
+With ``--bind ipc:///DIR/NAME`` (one host: the master launches its local workers so when it
+listens on ``ipc://DIR/...``) the data socket is a Unix socket in ``DIR``, which must belong
+to this user with mode 0700; without keys it runs without CURVE.
+"""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +20,8 @@ from ..core.redact import ENV_ALLOW_TABLE, allowlist_from_env, log_to_stderr, re
 from ..core.sizing import parse_size
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import auth as cluster_auth
-from ..protocol.address import AddressError, DefaultsHelpFormatter, address_type, validate_address
+from ..protocol.address import (AddressError, DefaultsHelpFormatter, address_type, check_ipc_directory,
+                                check_ipc_free, ipc_directory, is_ipc, restrict_ipc_socket, validate_address)
 from .faults import Faults
 from .lifecycle import TableRefused, WorkerFailed
 from .server import Worker
@@ -32,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the master's address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--bind-host", default="127.0.0.1", type=_host,
                    help="interface the data port binds to (a free port is chosen; 0.0.0.0: every interface)")
+    p.add_argument("--bind", type=_ipc_bind, metavar="ipc://PATH",
+                   help="bind the data socket to this Unix socket instead of --bind-host (one host: PATH lies in the "
+                        "master's private directory, which must be this user's with mode 0700)")
     cluster_auth.add_server_options(p, "the data socket and the master connection", "--bind-host")
     p.add_argument("--buffer-batches", type=int, default=16,
                    help="pieces the buffer holds for the epochs clients read (shared evenly between ranks)")
@@ -68,6 +77,27 @@ def _host(value: str) -> str:
     return value
 
 
+def _ipc_bind(value: str) -> str:
+    try:
+        validate_address(value, bind=True)
+    except AddressError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not is_ipc(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not ipc://PATH (a tcp data socket is chosen by --bind-host)")
+    return value
+
+
+def _bind_ipc(worker: Worker, endpoint: str) -> None:
+    """Move the data socket from the loopback port ``Worker`` bound to ``endpoint``, before the
+    worker registers (``run`` has not started: nothing has seen the tcp address). Stopgap until
+    ``Worker`` takes a bind endpoint itself (worker/server.py)."""
+    worker.data.unbind(worker.addr)
+    worker.data.bind(endpoint)
+    restrict_ipc_socket(endpoint)
+    worker.addr = endpoint
+    worker.control.registrar.addr = endpoint
+
+
 def _size(value: str) -> int:
     try:
         return parse_size(value)
@@ -90,8 +120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.die_with_parent:
         die_with_parent()
     try:
-        creds = cluster_auth.server_credentials("remoteloader-worker", args.auth, args.insecure, "--bind-host",
-                                                args.bind_host)
+        creds = cluster_auth.server_credentials("remoteloader-worker", args.auth, args.insecure,
+                                                "--bind" if args.bind else "--bind-host", args.bind or args.bind_host)
     except cluster_auth.AuthError as e:
         print(e, file=sys.stderr)
         return 2
@@ -100,8 +130,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"remoteloader-worker: {e}", file=sys.stderr)
         return 2
+    if args.bind:
+        try:
+            check_ipc_directory(ipc_directory(args.bind))  # made and removed by the master, never here
+            check_ipc_free(args.bind)
+        except (AddressError, OSError) as e:
+            print(f"remoteloader-worker: --bind {args.bind}: {e}", file=sys.stderr)
+            return 2
     try:
-        worker = Worker(args.master, bind_host=args.bind_host, buffer_batches=args.buffer_batches,
+        worker = Worker(args.master, bind_host="127.0.0.1" if args.bind else args.bind_host, buffer_batches=args.buffer_batches,
                         drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
                         faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
                         client_timeout_s=args.client_timeout, buffer_bytes=args.buffer_bytes,
@@ -109,6 +146,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except zmq.ZMQError as e:
         print(f"remoteloader-worker: --bind-host {args.bind_host}: {e}", file=sys.stderr)
         return 2
+    if args.bind:
+        try:
+            _bind_ipc(worker, args.bind)
+        except (zmq.ZMQError, OSError) as e:
+            print(f"remoteloader-worker: --bind {args.bind}: {e}", file=sys.stderr)
+            worker.control.rpc.close()
+            worker._close_data()
+            return 2
     # SIGTERM (scale-down, orderly shutdown) drains; SIGINT (Ctrl-C) stops at once.
     signal.signal(signal.SIGTERM, lambda *_: worker.request("drain"))
     signal.signal(signal.SIGINT, lambda *_: worker.request("stop"))
