@@ -208,17 +208,19 @@ def test_standalone_worker_with_auth_flag(tables, cluster, keys):
 
 
 @pytest.mark.slow
-def test_embedded_default_is_authenticated(tables):
+def test_embedded_default_is_private_to_this_user(tables):
+    """One host: no keys, Unix sockets in a 0700 directory of this user's (another uid gets
+    nothing: tests/test_ipc_local.py::test_another_uid_cannot_connect_to_the_master_or_a_worker)."""
     loader = RemoteDataLoader(spec_dict(tables["orc"]), num_workers=1, timeout=60)
     try:
-        key_dir = loader._cluster.auth_dir
-        assert _mode(key_dir) == 0o700 and auth.load(key_dir)
-        assert not _replies(loader.master, encode("status"))  # the embedded master wants the key too
+        ipc_dir = loader._cluster.ipc_dir
+        assert loader.master == f"ipc://{ipc_dir}/master" and loader._auth is None
+        assert _mode(ipc_dir) == 0o700 and os.stat(ipc_dir).st_uid == os.geteuid()
         seen = _one_epoch(loader)
         assert len(seen) == ROWS and set(seen.values()) == {1}
     finally:
         loader.close()
-    assert not os.path.exists(key_dir)  # ephemeral keys are removed with the cluster
+    assert not os.path.exists(ipc_dir)  # the private directory is removed with the cluster
 
 
 @pytest.mark.slow

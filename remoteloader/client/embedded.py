@@ -10,19 +10,24 @@ its address; the other ranks find it in torch.distributed's default store when a
 process group is initialized, else in the ``REMOTELOADER_MASTER`` environment variable
 (``ranks.py``).
 
-The embedded cluster is always authenticated (CURVE, ``protocol/auth.py``): without a
-key directory of the user's, it makes ephemeral keys in a private temporary directory
-(0700) that it removes at ``close``. The master gets the directory's path in
-``REMOTELOADER_AUTH`` and hands it on to its workers the same way; rank 0 publishes the
-path (never the keys) beside the address, for ranks on this machine (the master binds
-loopback only) to read. The table the master may serve goes in its environment too
-(``REMOTELOADER_ALLOW_TABLE``): a table URI may hold a credential, and any local user can
-read a process's command line.
+One host, so the kernel is the lock: the master listens on ``ipc://DIR/master`` and its
+workers on ``ipc://DIR/worker-<random>``, Unix sockets in a private directory ``DIR`` (mode
+0700, this user's; under ``$XDG_RUNTIME_DIR`` or ``/tmp``) that the master makes at start and
+removes when it exits, also on its parent-death signal; ``close`` removes it too, if the
+master could not. Another local user cannot connect (the directory's permissions), nothing
+goes on the network, and there is no CURVE: no keys at all, and no encryption cost on the
+data path. Only with a key directory of the user's (``auth=DIR`` or ``REMOTELOADER_AUTH``)
+do the same ipc sockets run CURVE too, with those keys, which the master hands on to its
+workers in their environment; rank 0 publishes the path (never the keys) beside the
+address for ranks on this machine. The table the master may serve goes in its environment
+too (``REMOTELOADER_ALLOW_TABLE``): a table URI may hold a credential, and any local user
+can read a process's command line.
 """
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +35,8 @@ from typing import Optional, Sequence
 
 from ..core.procs import stop as stop_process
 from ..core.redact import allowlist_env
-from ..protocol.auth import ENV_AUTH, EphemeralKeys
+from ..protocol.address import new_ipc_directory
+from ..protocol.auth import ENV_AUTH
 
 ENV_MASTER = "REMOTELOADER_MASTER"
 
@@ -38,17 +44,19 @@ ENV_MASTER = "REMOTELOADER_MASTER"
 class EmbeddedCluster:
     def __init__(self, num_workers: int, start_timeout: float = 60.0, extra_args: tuple = (),
                  auth_dir: Optional[str] = None, allowed_tables: Sequence[str] = ()) -> None:
-        """``auth_dir``: the user's key directory; without it, ephemeral keys made here.
+        """``auth_dir``: the user's key directory (CURVE on the ipc sockets too); without it, no keys.
         ``allowed_tables``: the prefixes the master may serve (none: no client spec)."""
-        self._keys = EphemeralKeys() if auth_dir is None else None
-        self.auth_dir = os.path.abspath(auth_dir) if auth_dir is not None else self._keys.directory
+        self.auth_dir = os.path.abspath(auth_dir) if auth_dir is not None else None
+        # Not made here: the master makes it (0700) and so removes it when it exits.
+        self.ipc_dir = new_ipc_directory()
         self.proc = None
+        env = {k: v for k, v in os.environ.items() if k != ENV_AUTH}  # no stray keys: the argument decides
+        env.update(allowlist_env(allowed_tables), **({ENV_AUTH: self.auth_dir} if self.auth_dir else {}))
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
+                [sys.executable, "-m", "remoteloader.master", "--bind", f"ipc://{self.ipc_dir}/master",
                  "--workers", str(num_workers), "--die-with-parent", *extra_args],
-                stdout=subprocess.PIPE, text=True,
-                env=dict(os.environ, **{ENV_AUTH: self.auth_dir}, **allowlist_env(allowed_tables)))
+                stdout=subprocess.PIPE, text=True, env=env)
             self.addr = self._read_address(start_timeout)
         except BaseException:
             self.close()
@@ -70,8 +78,9 @@ class EmbeddedCluster:
     def close(self) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout=10)
-        if self._keys is not None:
-            self._keys.close()
+        # The master removes it as it exits; it stays only if the master was killed (SIGKILL).
+        if os.path.isdir(self.ipc_dir) and os.stat(self.ipc_dir).st_uid == os.geteuid():
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def resolve_rank(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:

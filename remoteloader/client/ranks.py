@@ -1,9 +1,9 @@
 """torchrun lifecycle: the ranks of a job meet in torch.distributed's store.
 
-Rank 0 starts the embedded master and publishes where it listens, on which host, and its
-key directory's path (never key material: the store is not authenticated). The other
-ranks read it; a rank on another host cannot reach a loopback master, so it refuses at
-construction, saying what to set. At close, every rank counts itself out after its
+Rank 0 starts the embedded master and publishes where it listens (a Unix socket in its
+private directory, ``embedded.py``), on which host, and its key directory's path if it has
+one (never key material: the store is not authenticated). The other ranks read it; a rank
+on another host cannot reach that socket, so it refuses at construction, saying what to set. At close, every rank counts itself out after its
 goodbye, and the owner of the embedded master waits (bounded) until all have, so a rank
 still finishing its epoch is never stranded by rank 0 stopping the master under it.
 """
@@ -31,7 +31,7 @@ WAIT_LOG_S = 10.0
 
 
 class MultiHostError(RuntimeError):
-    """A rank on another host than rank 0's embedded (loopback-only) master."""
+    """A rank on another host than rank 0's embedded (one-host, ipc) master."""
 
 
 def default_store() -> Optional[Any]:
