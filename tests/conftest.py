@@ -138,6 +138,16 @@ def wait_gone(pids, timeout: float = 15.0) -> None:
     assert not alive, f"processes left behind: {alive}"
 
 
+def pytest_configure(config) -> None:
+    """One intra-op torch thread in this process, as the demo's trainer has: its in-process
+    clusters run master, workers and loaders on threads of it, and on two shared cores a
+    parallel region per small tensor op costs more than it saves. (Processes the tests
+    start keep torch's default.)"""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start real processes are ``slow`` (``pytest -m "not slow"`` skips them);
     every test using the ``cluster`` or ``ray_cluster`` fixture is one, others say so.
