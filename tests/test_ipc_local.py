@@ -87,7 +87,7 @@ def test_register_refuses_an_ipc_address_outside_the_masters_directory(spec, tmp
     outside = "ipc:///tmp/elsewhere/worker-1"
     t, reply = call(service, "register", addr=outside, pid=1, fingerprint=fingerprint)
     assert t == "error" and outside in reply["message"] and "none: it listens on tcp" in reply["message"]
-    service.ipc_dir = str(tmp_path)  # what remoteloader-master sets for --bind ipc://DIR/NAME
+    service.config.ipc_dir = str(tmp_path)  # what remoteloader-master sets for --bind ipc://DIR/NAME
     for addr in (outside, f"ipc://{tmp_path}/sub/worker-1", f"ipc://{os.path.dirname(tmp_path)}/worker-1"):
         t, reply = call(service, "register", addr=addr, pid=1, fingerprint=fingerprint)
         assert t == "error" and addr in reply["message"] and str(tmp_path) in reply["message"], reply

@@ -144,6 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
                           split_timeout=args.split_timeout, prefetch_next_epoch=not args.no_prefetch,
                           allowed_tables=tuple(allowed), buffer_bytes=args.buffer_bytes,
+                          ipc_dir=ipc_directory(args.bind) if is_ipc(args.bind) else None,
                           popularity_log=args.popularity_log or (os.path.join(args.journal, "popularity.jsonl")
                                                                  if args.journal else None))
     # Binding a job transforms a sample (the split size estimate): load numba first, so the
@@ -166,7 +167,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (zmq.ZMQError, AddressError, OSError) as e:  # e.g. the port is taken, the host is not this machine's
         print(f"remoteloader-master: --bind {args.bind}: {e}", file=sys.stderr)
         return 2
-    service.ipc_dir = ipc_dir  # _check_worker_addr: registered ipc addresses must lie in it
     metrics = None
     if args.metrics_port is not None:
         metrics = MasterMetrics(service)

@@ -486,6 +486,9 @@ def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = N
     if kind == "ray":
         if not ray_address:
             raise ValueError("--launcher ray needs --ray-address (e.g. 127.0.0.1:6379, or 'auto')")
+        if master_addr.startswith("ipc://"):
+            raise ValueError(f"--launcher ray with --bind {master_addr}: Ray places workers on other machines, "
+                             "which cannot reach an ipc socket; bind tcp://HOST:PORT (with --auth)")
         # Ray workers bind their node's IP: without keys they start only if the master's operator said
         # --insecure too (a worker on a loopback node IP, as in single-machine tests, needs neither).
         insecure_args = ["--insecure"] if insecure and not auth_dir else []

@@ -70,6 +70,9 @@ class MasterConfig:
     # What each worker may hold (its --buffer-bytes): splits are planned so that one
     # transformed split stays within half of it.
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    # The master's private ipc directory (``--bind ipc://DIR/NAME``): registered ipc
+    # addresses must lie in it. None: the master listens on tcp, and takes no ipc worker.
+    ipc_dir: Optional[str] = None
 
 
 BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
@@ -321,7 +324,7 @@ class MasterService:
         except AddressError as e:
             raise RequestError(f"register: {e}") from None
         if addr.startswith("ipc://"):
-            ipc_dir = getattr(self, "ipc_dir", None)  # set by remoteloader-master for an ipc --bind
+            ipc_dir = self.config.ipc_dir
             if ipc_dir is None or addr[len("ipc://"):].rpartition("/")[0] != ipc_dir:  # validated: normalized
                 where = f"its private directory {ipc_dir}" if ipc_dir else "none: it listens on tcp"
                 raise RequestError(f"register: ipc address {addr[:160]!r} is not in this master's private ipc "

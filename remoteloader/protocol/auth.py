@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -207,17 +206,6 @@ def server_authenticator(ctx: zmq.Context, creds: Credentials) -> AuthenticatorH
                 zmq.auth.load_certificates(creds.public_keys_dir))
         shared.users += 1
     return AuthenticatorHandle(ctx)
-
-
-class EphemeralKeys:
-    """A private temporary key directory (0700), removed by ``close``: the embedded default's keys."""
-
-    def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="remoteloader-auth-")  # mkdtemp makes it 0700
-        keygen(self.directory)
-
-    def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def is_loopback(host_or_addr: str) -> bool:

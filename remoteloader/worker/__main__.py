@@ -21,7 +21,7 @@ from ..core.sizing import parse_size
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import auth as cluster_auth
 from ..protocol.address import (AddressError, DefaultsHelpFormatter, address_type, check_ipc_directory,
-                                check_ipc_free, ipc_directory, is_ipc, restrict_ipc_socket, validate_address)
+                                check_ipc_free, ipc_directory, is_ipc, validate_address)
 from .faults import Faults
 from .lifecycle import TableRefused, WorkerFailed
 from .server import Worker
@@ -87,17 +87,6 @@ def _ipc_bind(value: str) -> str:
     return value
 
 
-def _bind_ipc(worker: Worker, endpoint: str) -> None:
-    """Move the data socket from the loopback port ``Worker`` bound to ``endpoint``, before the
-    worker registers (``run`` has not started: nothing has seen the tcp address). Stopgap until
-    ``Worker`` takes a bind endpoint itself (worker/server.py)."""
-    worker.data.unbind(worker.addr)
-    worker.data.bind(endpoint)
-    restrict_ipc_socket(endpoint)
-    worker.addr = endpoint
-    worker.control.registrar.addr = endpoint
-
-
 def _size(value: str) -> int:
     try:
         return parse_size(value)
@@ -142,18 +131,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
                         faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
                         client_timeout_s=args.client_timeout, buffer_bytes=args.buffer_bytes,
-                        allowed_tables=allowed)
-    except zmq.ZMQError as e:
-        print(f"remoteloader-worker: --bind-host {args.bind_host}: {e}", file=sys.stderr)
+                        allowed_tables=allowed, bind=args.bind)
+    except (zmq.ZMQError, OSError) as e:
+        flag = f"--bind {args.bind}" if args.bind else f"--bind-host {args.bind_host}"
+        print(f"remoteloader-worker: {flag}: {e}", file=sys.stderr)
         return 2
-    if args.bind:
-        try:
-            _bind_ipc(worker, args.bind)
-        except (zmq.ZMQError, OSError) as e:
-            print(f"remoteloader-worker: --bind {args.bind}: {e}", file=sys.stderr)
-            worker.control.rpc.close()
-            worker._close_data()
-            return 2
     # SIGTERM (scale-down, orderly shutdown) drains; SIGINT (Ctrl-C) stops at once.
     signal.signal(signal.SIGTERM, lambda *_: worker.request("drain"))
     signal.signal(signal.SIGINT, lambda *_: worker.request("stop"))

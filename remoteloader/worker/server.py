@@ -27,6 +27,7 @@ from ..core.sizing import DEFAULT_BUFFER_BYTES
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import messages as M
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
+from ..protocol.address import restrict_ipc_socket
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from ..protocol.seal import KeyPair, data_curve
@@ -47,7 +48,9 @@ class Worker:
                  rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional[Faults] = None,
                  coalesce_gap: int = DEFAULT_COALESCE_GAP, auth: Optional[Credentials] = None,
                  client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None,
-                 buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, bind: Optional[str] = None) -> None:
+        """``bind``: the data endpoint (an ``ipc://`` path in the cluster's private directory);
+        without it, an any-port tcp endpoint on ``bind_host``."""
         self.master = master
         # Cluster keys: the master calls are CURVE clients; the data socket is a plain socket
         # whose messages are sealed (protocol/seal.py) with keys of this process's key pair.
@@ -67,8 +70,10 @@ class Worker:
             self._authenticator = server_authenticator(self.ctx, auth)
             secure_server(self.data, auth)
         try:
-            self.data.bind(f"tcp://{bind_host}:0")
-        except zmq.ZMQError:
+            self.data.bind(bind or f"tcp://{bind_host}:0")
+            if bind is not None:
+                restrict_ipc_socket(bind)  # 0600: the directory is the lock, this a second one
+        except (zmq.ZMQError, OSError):
             self._close_data()
             raise
         self.addr = self.data.getsockopt(zmq.LAST_ENDPOINT).decode()
