@@ -559,3 +559,12 @@ def test_resumes_are_bounded_whatever_a_client_sends(spec):
     for epoch in range(1, 60):  # each the next epoch: allowed, but only a few are kept
         assert call(service, "start_epoch", session=s, epoch=epoch, done=[[1, 0, 1]])[0] == "epoch"
     assert len(service.state.resumed) <= MAX_RESUMED_EPOCHS and 59 in service.state.resumed
+
+
+def test_status_reports_pending_workers_apart_from_workers(service):
+    """Launched workers that have not started (a Ray actor waiting for room) show as pending,
+    never among the workers."""
+    assert service.status()["pending_workers"] == 0
+    service.pending_workers = lambda: 2
+    status = service.status()
+    assert status["pending_workers"] == 2 and status["workers"] == []

@@ -200,6 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Built above before the loop serves (Ray connects, adopts detached workers), then owned by
     # its own thread: the loop only queues commands and reads the counts it posts.
     launcher = LauncherThread(engine)
+    service.pending_workers = launcher.pending
     scaling = _autoscale_config(args, service)
     autoscaler = None
     if scaling is not None:

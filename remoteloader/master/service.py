@@ -162,6 +162,9 @@ class MasterService:
         self.state = JobState()
         self.rates = RateWindow(config.rate_window_s)
         self.decision_log: Callable[[], list[dict]] = list  # the autoscaler's recent decisions, for status (set by it)
+        # Workers launched and not yet registered (a Ray actor waiting for room, a process
+        # starting), for status: not counted among the workers (set by remoteloader-master).
+        self.pending_workers: Callable[[], int] = lambda: 0
         self.bound: Optional[BoundDataset] = None
         # Transformed bytes a row, and of the largest split, estimated when this master
         # planned the job (not journaled: a replayed job's splits were cut already, and
@@ -637,6 +640,7 @@ class MasterService:
                          "starved": round(self.client_starved(cid) or 0.0, 4),
                          "batches_per_s": round(self.rates.rate("c:" + cid, "batches"), 2)}
                         for cid, rank in st.clients.items()],
+            "pending_workers": self.pending_workers(),
             "autoscaler": self.decision_log(),
             "ranks": ranks,
             "errors": [dict(e, message=redact_text(e["message"])) for e in st.errors[-20:]],  # they name files

@@ -127,7 +127,8 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     job = status["job"]
     print(f"job: {job['fingerprint']} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)" if job else "job: none yet")
-    print(f"workers: {len(status['workers'])}")
+    pending = status.get("pending_workers", 0)
+    print(f"workers: {len(status['workers'])}" + (f" (+{pending} pending: launched, not started yet)" if pending else ""))
     for w in status["workers"]:
         held = (f"  held {_mib(w['held_bytes'])}/{_mib(w.get('budget_bytes'))} MiB (ahead {_mib(w.get('ahead_bytes'))})"
                 if w.get("held_bytes") is not None else "")
