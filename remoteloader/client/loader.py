@@ -92,8 +92,9 @@ class RemoteDataLoader:
         timeout: seconds without any progress (no batch, no master answer) before an error.
         connect_timeout: seconds to wait for the master's first answer.
         auth: key directory (``remoteloader keygen DIR``) of a cluster started with ``--auth``;
-            default ``$REMOTELOADER_AUTH``. The embedded default is always authenticated: it
-            uses this directory if given, else ephemeral keys it makes and removes itself.
+            default ``$REMOTELOADER_AUTH``. The embedded default needs none: it talks over
+            Unix sockets in a private 0700 directory (with a directory given, CURVE runs on
+            them too).
     """
 
     def __init__(self, spec: Union[DatasetSpec, dict, str, os.PathLike], *, master: Optional[str] = None,
