@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -106,15 +107,17 @@ def test_local_autoscaler_grows_while_the_trainer_starves_and_shrinks_when_it_sl
     assert slow_phase and max(slow_phase) < 0.01, f"{trace}\n{told}"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A Ray head on 127.0.0.1 only, with token authentication on, shared by this module's
-    tests (a head takes seconds to start); its processes stopped afterwards.
+@contextlib.contextmanager
+def ray_head(num_cpus: int, head_env: Optional[dict] = None):
+    """A Ray head on 127.0.0.1 only, with token authentication on; yields ``(address, token
+    file, env)``, ``env`` the environment a driver needs (the token is not in it: a driver
+    is handed the file, as ``--ray-auth-token-file`` does), and stops exactly this head's
+    processes (by PID) after.
 
     Ray >= 2.59 turns token authentication on by default, so the head and every driver
-    must share a token. The head gets it through its environment; the test's driver
-    (the master's launcher) is handed the token file, as ``--ray-auth-token-file`` does.
-    Yields ``(address, token file)``.
+    must share a token. Ray refuses a loopback node address unless told this is a
+    single-machine "cluster"; with it, GCS and raylet bind to 127.0.0.1 instead of every
+    interface.
     """
     ray_bin = BIN / "ray"
     if not ray_bin.exists():
@@ -123,23 +126,30 @@ def ray_cluster():
     token_file = Path(temp_dir) / "auth_token"
     token_file.write_text(secrets.token_hex(32))
     token_file.chmod(0o600)
-    with pytest.MonkeyPatch.context() as env:
-        # Ray refuses a loopback node address unless told this is a single-machine
-        # "cluster"; with it, GCS and raylet bind to 127.0.0.1 instead of every interface.
-        env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    port = str(free_port())
+    try:
+        subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
+                        "--num-cpus", str(num_cpus), "--include-dashboard", "false", "--disable-usage-stats",
+                        "--temp-dir", temp_dir], check=True, capture_output=True, timeout=120,
+                       env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file), **(head_env or {})})
+        yield f"127.0.0.1:{port}", str(token_file), env
+    finally:
+        stop_processes_of(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A Ray head shared by this module's tests (a head takes seconds to start); the test's
+    own process is the driver. Yields ``(address, token file)``."""
+    with ray_head(4) as (address, token_file, env), pytest.MonkeyPatch.context() as patch:
         for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-            env.delenv(name, raising=False)
-        head_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
-        port = str(free_port())
-        try:
-            subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
-                            "--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats",
-                            "--temp-dir", temp_dir], check=True, capture_output=True, timeout=120, env=head_env)
-            yield f"127.0.0.1:{port}", str(token_file)
-        finally:
-            stop_processes_of(temp_dir)
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            patch.delenv(name, raising=False)
+        for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED"):
+            patch.setenv(name, env[name])
+        yield address, token_file
 
 
 def free_port() -> int:
