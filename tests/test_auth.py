@@ -47,6 +47,7 @@ def _replies(addr: str, parts: list, creds=None, timeout_s: float = SILENCE_S, s
     handshake: a request is only sent over a completed handshake, so then it listens
     ``REFUSED_GRACE_S`` more (for a reply that could only be a bug) instead of the rest."""
     ctx = zmq.Context()
+    sock = monitor = None
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -65,12 +66,14 @@ def _replies(addr: str, parts: list, creds=None, timeout_s: float = SILENCE_S, s
             got = sock in ready
             if monitor in ready and recv_monitor_message(monitor)["event"] in _HANDSHAKE_FAILED:
                 deadline = min(deadline, time.monotonic() + REFUSED_GRACE_S)
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
         return got
     finally:
-        ctx.term()
+        # However this ends: the socket first (it stops its monitor), then the monitor's end,
+        # then the context (whose term would otherwise wait forever on an open socket).
+        for s in (sock, monitor):
+            if s is not None:
+                s.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 # -- key material and the in-process building blocks ------------------------------------------------
