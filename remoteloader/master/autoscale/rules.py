@@ -444,15 +444,17 @@ class AutoscalePolicy:
 
     def _demand_bounds(self, down: list[_Sample]) -> tuple[float, float]:
         """Demand (rows/s) and its upper confidence bound: from the long demand tracker once it
-        has enough blocks, else from this window's own samples (so a fleet need not wait for
-        three fresh blocks after demand fell before it can shrink). A window whose upper
+        has enough blocks, else from this window's own samples (so a fleet need not wait
+        for three fresh blocks after demand fell before it can shrink). A window whose upper
         bound lies below the tracker's mean says demand fell while the tracker's blocks were
         too noisy to notice (a ramp-up inflates their spread): those blocks are stale."""
-        wanted = np.array([s.wanted for s in down if s.wanted is not None])
-        level, upper = math.nan, math.inf
-        if len(wanted) >= 3 and len(wanted) >= len(down) // 2:
-            level = float(wanted.mean())
-            upper = level + self.config.confidence_z * _se(wanted)
+        c = self.config
+        # The window's latest `down_window_s - window_s` only: rates are averages over the
+        # master's rate window (as long as `window_s`), so after demand fell the window's first
+        # samples still carry the old level, while the window (no trainer starved) may have
+        # begun before the fall.
+        fresh = [s.wanted for s in down if s.t > down[-1].t - (c.down_window_s - c.window_s) - 1e-9]
+        level, upper = _bound(fresh, c.confidence_z)
         if math.isfinite(self._demand.upper()):
             if upper < self._demand.mean:
                 log.debug("autoscale: demand fell to %.0f rows/s, below the tracked %.0f: tracking it afresh",
@@ -487,3 +489,12 @@ class AutoscalePolicy:
         if len(self.decisions) > 1000:      # bounded history for a long-running master
             del self.decisions[:-500]
         log.info("autoscale %s %d -> %d workers at t=%.1f: %s", d.action, d.count, d.workers, d.time, d.reason)
+
+
+def _bound(wanted: list[Optional[float]], z: float) -> tuple[float, float]:
+    """Mean of the known values and its upper confidence bound (nan, inf: too few known)."""
+    known = np.array([w for w in wanted if w is not None])
+    if len(known) < 3 or len(known) < len(wanted) // 2:
+        return math.nan, math.inf
+    level = float(known.mean())
+    return level, level + z * _se(known)
