@@ -118,18 +118,10 @@ def test_held_bytes_and_busy_in_the_status(spec):
         (3000, 1000, 8000, 0.25)
 
 
-class _ManualClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_busy_time_counts_producing_not_waiting_for_room():
     """A split of 4 pieces: each costs 1 s to make, and the buffer keeps the producer
     waiting 10 s for room before taking it: busy is the 4 s of work."""
-    clock = _ManualClock()
+    clock = Clock()
     split = SimpleNamespace(tensors={"labels": np.zeros(8, np.float32)})
 
     def pieces(task):

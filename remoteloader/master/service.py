@@ -613,6 +613,15 @@ class MasterService:
             return None
         return min(1.0, self.rates.rate("c:" + client_id, "starved_s"))
 
+    def worker_busy(self, worker_id: str) -> Optional[float]:
+        """Share of the window the worker spent producing (reading, transforming, cutting);
+        None for a worker that does not report ``busy_s``. What ``status`` shows as ``busy``
+        and the autoscaler scales down on."""
+        worker = self.state.workers.get(worker_id)
+        if worker is None or "busy_s" not in worker.stats:
+            return None
+        return min(1.0, self.rates.rate("w:" + worker_id, "busy_s"))
+
     def status(self) -> dict:
         st, now = self.state, self.clock()
         job = st.job
@@ -633,7 +642,7 @@ class MasterService:
                          "assigned": len(w.assigned), "draining": w.draining,
                          "last_seen_s": round(now - w.last_seen, 3), **w.stats,
                          "rows_per_s": round(self.rates.rate("w:" + w.worker_id, "rows"), 1),
-                         "busy": round(min(1.0, self.rates.rate("w:" + w.worker_id, "busy_s")), 4)}
+                         "busy": round(self.worker_busy(w.worker_id) or 0.0, 4)}
                         for w in sorted(st.workers.values(), key=lambda w: w.seq)],
             "clients": [{"id": cid, "rank": rank, **st.client_stats.get(cid, {}),
                          "stall": round(self.client_stall(cid), 4),

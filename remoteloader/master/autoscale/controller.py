@@ -30,7 +30,6 @@ from .signals import ClientSignal, Observation, Policy, WorkerSignal
 
 if TYPE_CHECKING:  # types only: the policy and the simulator import this package without the master
     from ..launcher import Launcher
-    from ..metrics import RateWindow
     from ..service import MasterService
 
 log = logging.getLogger(__name__)
@@ -91,7 +90,7 @@ class Autoscaler:
         workers = tuple(WorkerSignal(w.worker_id, rates.rate("w:" + w.worker_id, "rows"),
                                      max(0, w.buffered - int(w.stats.get("ahead", 0))),
                                      int(w.stats.get("capacity", 1)), float(w.stats.get("cpu", 0.0)),
-                                     _busy(rates, w.worker_id, w.stats))
+                                     self.service.worker_busy(w.worker_id))
                         for w in active)
         clients = tuple(ClientSignal(cid, self.service.client_stall(cid), rates.rate("c:" + cid, "batches"),
                                      self.service.client_starved(cid),
@@ -159,11 +158,3 @@ class Autoscaler:
             log.warning("autoscaler: could not save its state to %s: %s", self.state_path, e)
             return
         self._saved = state
-
-
-def _busy(rates: "RateWindow", worker_id: str, stats: dict) -> Optional[float]:
-    """Share of the rate window the worker spent producing (None for a worker that does not
-    report ``busy_s``). The same number ``remoteloader status`` shows as ``busy``."""
-    if "busy_s" not in stats:
-        return None
-    return min(1.0, rates.rate("w:" + worker_id, "busy_s"))
