@@ -402,7 +402,7 @@ class AutoscalePolicy:
         else:
             why = ("balanced", f"balanced; {w.numbers}")
         # The window must span `down_window_s`; samples are kept longer than that, so jittered
-        # ticks do not make the test fail by a hair (see ``observe``).
+        # ticks do not miss it by a hair (see ``observe``).
         if now - self._samples[0].t < c.down_window_s - 1e-9 or caps is None:
             return _Hold(*why)
         down = [s for s in self._samples if s.t > now - c.down_window_s - 1e-9]
@@ -423,9 +423,8 @@ class AutoscalePolicy:
         target = max(target, c.min_workers, n - math.ceil(n * c.max_down_fraction))
         if target >= n:
             return _Hold(*why)
-        busy_now = "" if math.isnan(w.busy) else f", workers busy {w.busy:.0%}"
         return self._act(now, "remove", n - target, target,
-                         f"idle for {now - down[0].t:.0f} s{busy_now}; demand {level:,.0f} rows/s "
+                         f"idle for {now - down[0].t:.0f} s; demand {level:,.0f} rows/s "
                          f"(+{upper - level:,.0f} at {c.confidence_z:g} se) is covered by {target} "
                          f"workers at ~{w.mean_cap:,.0f} rows/s each (utilization "
                          f"{level / float(caps.sum()):.0%} of {n}); {w.numbers}",
@@ -434,8 +433,8 @@ class AutoscalePolicy:
     def _idle(self, down: list[_Sample]) -> bool:
         """No trainer waited on the workers over the window. Where workers report how busy
         they are, that is all it takes (how much less they could do is then measured); else
-        the old stand-in: buffers persistently full (with credit streaming they rarely are,
-        pieces waiting in the clients' windows instead)."""
+        the old stand-in: buffers persistently full (a poor one under credit streaming: a
+        burst waits in the clients' windows, and pieces held ahead do not count)."""
         c = self.config
         if all(not math.isnan(s.busy) for s in down):
             starved = [s.starved if s.starved is not None else s.stall * (s.fill < c.low_fill) for s in down]
@@ -458,7 +457,7 @@ class AutoscalePolicy:
         if math.isfinite(self._demand.upper()):
             if upper < self._demand.mean:
                 log.debug("autoscale: demand fell to %.0f rows/s, below the tracked %.0f: tracking it afresh",
-                         level, self._demand.mean)
+                          level, self._demand.mean)
                 self._demand.reset()
             else:
                 return self._demand.mean, self._demand.upper()
