@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.auth_cost import rows_per_second
+from benchmarks.auth_cost import job_spec, rows_per_second
 from remoteloader import RemoteDataLoader
 from remoteloader.protocol import auth
 from remoteloader.tools.datagen import generate_table
@@ -22,11 +22,7 @@ from remoteloader.tools.datagen import generate_table
 def embedded_rows_per_second(table: Path, epochs: int) -> float:
     """``RemoteDataLoader(spec)`` with no master: 2 local workers, ipc, no keys; the same spec
     and measurement as ``auth_cost.rows_per_second``."""
-    spec = {"table": {"path": str(table)},
-            "features": {"label": "label", "dense": [f"float_{i}" for i in range(4)],
-                         "sparse": [{"name": f"s{i}", "column": f"idlist_{i}"} for i in range(4)]},
-            "batch_size": 1024, "split_rows": 16384}
-    with RemoteDataLoader(spec, num_workers=2, timeout=120) as loader:
+    with RemoteDataLoader(job_spec(table), num_workers=2, timeout=120) as loader:
         assert loader.master.startswith("ipc://") and loader._auth is None
         sum(len(b) for b in loader)  # warm-up: workers start and compile
         start, rows = time.perf_counter(), 0

@@ -31,27 +31,22 @@ CPU readings to mean something).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import resource
-import select
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional
 
-import psutil
 import torch
 
+from benchmarks.auth_cost import curve_data_env, descendants, job_spec, reap, tcp_master
 from benchmarks.pinning import nbytes
 from remoteloader import RemoteDataLoader
 from remoteloader.client import staging
-from remoteloader.core.procs import stop as stop_process
 from remoteloader.protocol import auth, seal
 from remoteloader.tools.datagen import generate_table
 
@@ -62,79 +57,6 @@ LABELS = {
     "CURVE data": "CURVE data sockets (--auth, protocol 9's)",
     "sealed": "sealed AES-GCM frames (--auth, protocol 10)",
 }
-
-
-def job_spec(table: Path) -> dict:
-    """``auth_cost``'s and ``ipc_cost``'s spec: 4 dense + 4 sparse, batch 1024."""
-    return {"table": {"path": str(table)},
-            "features": {"label": "label", "dense": [f"float_{i}" for i in range(4)],
-                         "sparse": [{"name": f"s{i}", "column": f"idlist_{i}"} for i in range(4)]},
-            "batch_size": 1024, "split_rows": 16384}
-
-
-def reap(pids: list[int], timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL, each of ``pids`` still alive (by pid)."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=timeout)
-
-
-def descendants() -> list[int]:
-    return [c.pid for c in psutil.Process().children(recursive=True)]
-
-
-@contextlib.contextmanager
-def curve_data_env(on: bool) -> Iterator[None]:
-    """``$REMOTELOADER_BENCH_DATA_CURVE`` for the master, its workers and this process's loader."""
-    before = os.environ.pop(seal.ENV_DATA_CURVE, None)
-    if on:
-        os.environ[seal.ENV_DATA_CURVE] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(seal.ENV_DATA_CURVE, None)
-        if before is not None:
-            os.environ[seal.ENV_DATA_CURVE] = before
-
-
-@contextlib.contextmanager
-def tcp_master(table: Path, keys: Optional[str], workers: int, timeout: float = 60.0) -> Iterator[str]:
-    """A master with ``workers`` local workers on loopback TCP (as ``auth_cost``); its address.
-    On exit the master and every process under it are stopped, by pid."""
-    extra = ["--auth", keys] if keys else []
-    master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
-                               "--allow-table", str(table), "--workers", str(workers), "--die-with-parent", *extra],
-                              stdout=subprocess.PIPE, text=True)
-    under: list[int] = []
-    try:
-        deadline, addr = time.monotonic() + timeout, None
-        while addr is None:
-            if master.poll() is not None:
-                raise RuntimeError(f"the master exited with code {master.returncode} at start")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the master did not start within {timeout:g} s")
-            if select.select([master.stdout], [], [], 0.1)[0]:
-                line = master.stdout.readline()
-                if "listening on " in line:
-                    addr = line.rsplit("listening on ", 1)[1].strip()
-        master.stdout.close()
-        yield addr
-    finally:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            under = [c.pid for c in psutil.Process(master.pid).children(recursive=True)]
-        stop_process(master, timeout=10)
-        reap(under)
 
 
 def measure(loader: RemoteDataLoader, epochs: int) -> dict:
