@@ -123,6 +123,9 @@ def test_cipher_choice_follows_the_cpu_and_can_be_overridden(tmp_path, monkeypat
     assert seal.default_cipher() == seal.CHACHA
     monkeypatch.setenv(seal.ENV_CIPHER, seal.AES_GCM)
     assert seal.default_cipher() == seal.AES_GCM
+    monkeypatch.setenv(seal.ENV_CIPHER, "aes-cbc")  # a misspelt choice is an error, not another cipher
+    with pytest.raises(ValueError, match=seal.ENV_CIPHER):
+        seal.default_cipher()
 
 
 def test_a_session_token_binds_the_sessions_key():

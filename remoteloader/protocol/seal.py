@@ -104,6 +104,8 @@ def default_cipher() -> str:
     chosen = os.environ.get(ENV_CIPHER, "").strip().lower()
     if chosen in (AES_GCM, CHACHA):
         return chosen
+    if chosen:  # both ends must agree: a misspelt choice must not quietly become another cipher
+        raise ValueError(f"${ENV_CIPHER}={chosen!r}: expected {AES_GCM} or {CHACHA}")
     return AES_GCM if cpu_has_aes() else CHACHA
 
 
