@@ -1,4 +1,4 @@
-"""``remoteloader``: the operator's command line (gen-data, validate, status, keygen)."""
+"""``remoteloader``: the operator's command line (gen-data, validate, status, keygen, cache)."""
 from __future__ import annotations
 
 import argparse
@@ -161,6 +161,60 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    from ..core.sizing import parse_size  # here: it imports the transforms, slow for every other command
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _cache_store(args: argparse.Namespace):
+    from ..core.cache.segments import BlockSigner
+    from ..core.cache.store import BlockStore
+    from ..protocol import auth as cluster_auth
+
+    return BlockStore(args.uri, BlockSigner.for_credentials(cluster_auth.from_option(args.auth)))
+
+
+def _cache_ls(args: argparse.Namespace) -> int:
+    import datetime
+
+    from ..core.sizing import format_size
+
+    entries = _cache_store(args).entries()
+    print(f"{'split':<40} {'segments':>8} {'blocks':>7} {'bytes':>12}  last used (UTC)")
+    for e in entries:
+        used = datetime.datetime.fromtimestamp(e.last_used, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{e.split_key:<40} {e.segments:>8} {e.blocks:>7} {e.bytes:>12,}  {used}")
+    print(f"{len(entries)} splits, {sum(e.segments for e in entries)} segments, {sum(e.blocks for e in entries)} "
+          f"blocks, {format_size(sum(e.bytes for e in entries))}")
+    return 0
+
+
+def _cache_gc(args: argparse.Namespace) -> int:
+    from ..core.sizing import format_size
+
+    result = _cache_store(args).gc(args.max_bytes)
+    print(f"deleted {result.deleted_splits} splits ({format_size(result.deleted_bytes)}) and "
+          f"{result.deleted_temps} stale temp files; {format_size(result.remaining_bytes)} left "
+          f"(bound {format_size(args.max_bytes)})")
+    return 0
+
+
+def _cache_verify(args: argparse.Namespace) -> int:
+    result = _cache_store(args).verify(delete=args.delete)
+    for path, reason in result.corrupt:
+        print(f"CORRUPT{' (deleted)' if path in result.deleted else ''}  {path}: {reason}")
+    for path, reason in result.unverifiable:
+        print(f"unverifiable  {path}: {reason}")
+    hint = " (pass --auth DIR to check keyed segments)" if result.unverifiable and not args.auth else ""
+    print(f"{result.segments} segments, {result.blocks} blocks verified; {len(result.corrupt)} corrupt, "
+          f"{len(result.unverifiable)} unverifiable{hint}")
+    return 1 if result.corrupt else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remoteloader", description="remoteloader's command line: synthetic data, "
                                 "table rewrites, spec checks and a running master's status.",
@@ -225,6 +279,25 @@ def build_parser() -> argparse.ArgumentParser:
     k = command("keygen", "write a cluster key directory for --auth (CURVE keys; 0700/0600)")
     k.add_argument("directory", metavar="DIR", help="directory to write (created; refuses to overwrite a key)")
     k.set_defaults(run=_keygen)
+
+    c = command("cache", "list, bound or check a feature-block cache (a directory or filesystem URI)")
+    actions = c.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+
+    def cache_action(name: str, help_: str, run) -> argparse.ArgumentParser:
+        a = actions.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".",
+                               formatter_class=DefaultsHelpFormatter)
+        a.add_argument("uri", metavar="URI", help="the cache location (the --cache of masters and workers)")
+        a.add_argument("--auth", metavar="DIR", help="key directory of a cluster run with --auth, so its keyed "
+                       "blocks verify (without it: $REMOTELOADER_AUTH, else none)")
+        a.set_defaults(run=run)
+        return a
+
+    cache_action("ls", "list the cached splits: segments, blocks, bytes, last use", _cache_ls)
+    cg = cache_action("gc", "delete the least recently used splits until the cache fits a byte bound", _cache_gc)
+    cg.add_argument("--max-bytes", required=True, type=_size, metavar="BYTES",
+                    help="bytes the cache may hold (or a number with K, M, G or T, e.g. 10G)")
+    cv = cache_action("verify", "read and check every block; exit 1 if any is corrupt", _cache_verify)
+    cv.add_argument("--delete", action="store_true", help="delete the corrupt segments")
     return p
 
 
