@@ -86,6 +86,14 @@ class Op:
 
     name: str = ""
     arity: int = 1  # number of input columns; 2 for the pair ops (inputs: [a, b])
+    # Row-local: each output row depends only on the same row of the inputs (and of the
+    # extra columns), so apply(take(x, i)) == take(apply(x), i) byte for byte for any
+    # index array i. The feature-block cache relies on it: it stores transformed blocks in
+    # the table's row order and turns an epoch's shuffle into a gather on read. An operator
+    # whose output row depends on other rows of the batch (batch statistics, a row's
+    # position, the batch length) must set this to False; features using it are never
+    # cached. A duck-typed op without the attribute counts as row-local.
+    row_local: bool = True
 
     def validate(self, params: Mapping[str, Any]) -> dict:
         """Check the parameters (without ``op``) and return them normalized with defaults.
