@@ -82,6 +82,7 @@ class DatasetSpec:
     sampling: Optional[dict] = None
     on_error: str = "fail"
     autoscale: Optional[dict] = None  # {min_workers, max_workers}: let the master size the worker pool
+    cache: Optional[dict] = None  # {mode, expected_epochs}: the block cache (docs/cache.md); None: mode auto
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -137,6 +138,8 @@ class DatasetSpec:
             out["sampling"] = dict(self.sampling)
         if self.autoscale is not None:
             out["autoscale"] = dict(self.autoscale)
+        if self.cache is not None:
+            out["cache"] = dict(self.cache)
         return out
 
     def fingerprint(self) -> str:
@@ -152,8 +155,10 @@ class DatasetSpec:
 
 # -- parsing ---------------------------------------------------------------------------
 _TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling", "on_error",
-             "autoscale"}
+             "autoscale", "cache"}
 _AUTOSCALE_KEYS = {"min_workers", "max_workers"}
+_CACHE_KEYS = {"mode", "expected_epochs"}
+CACHE_MODES = ("auto", "off", "read", "write-all")
 _TABLE_KEYS = {"path", "format", "partitions"}
 _FEATURE_GROUP_KEYS = {"label", "dense", "sparse", "passthrough"}
 _FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
@@ -254,6 +259,7 @@ def _parse(data: Any, base_dir: Path) -> DatasetSpec:
         sampling=dict(_mapping(top["sampling"], "sampling")) if top.get("sampling") is not None else None,
         on_error=_typed(top.get("on_error", "fail"), (str,), "on_error", "'fail' or 'skip'"),
         autoscale=_parse_autoscale(top.get("autoscale")),
+        cache=_parse_cache(top.get("cache")),
     )
     _check_batching(spec)
     return spec
@@ -289,6 +295,26 @@ def _parse_autoscale(value: Any) -> Optional[dict]:
         raise SpecError("autoscale: min_workers and max_workers must be at least 1")
     if out.get("min_workers", 1) > out.get("max_workers", 1 << 30):
         raise SpecError("autoscale.min_workers: larger than autoscale.max_workers")
+    return out
+
+
+def _parse_cache(value: Any) -> Optional[dict]:
+    """``cache: {mode, expected_epochs}``: whether this job may use the block cache and how
+    often it expects to read its rows (the policy's reuse hint). Where the cache lives is the
+    operator's choice (``--cache``), never the spec's."""
+    if value is None:
+        return None
+    c = _mapping(value, "cache")
+    _no_unknown(c, _CACHE_KEYS, "cache")
+    mode = _typed(c.get("mode", "auto"), (str,), "cache.mode", " or ".join(map(repr, CACHE_MODES)))
+    if mode not in CACHE_MODES:
+        raise SpecError(f"cache.mode: {mode!r} is not one of {', '.join(CACHE_MODES)}")
+    out: dict[str, Any] = {"mode": mode}
+    if "expected_epochs" in c:
+        epochs = _typed(c["expected_epochs"], (int,), "cache.expected_epochs", "a positive integer")
+        if epochs < 1:
+            raise SpecError("cache.expected_epochs: must be at least 1")
+        out["expected_epochs"] = epochs
     return out
 
 

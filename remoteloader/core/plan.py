@@ -23,7 +23,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ..formats import DataFile, Unit
-from ..protocol.messages import FileRecord, SplitTaskRecord, UnitRecord
+from ..protocol.messages import CacheDirective, FileRecord, SplitTaskRecord, UnitRecord
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class SplitTask:
     session: str = ""
     seq: int = 0
     fingerprint: str = ""
+    cache: Optional[CacheDirective] = None  # what the split does with the block cache; None: nothing
 
     def to_wire(self) -> SplitTaskRecord:
         """The task as ``get_split`` answers it: its file lists only the split's units (a
@@ -82,13 +83,14 @@ class SplitTask:
         units = [UnitRecord(u.index, u.first_row, u.num_rows, u.nbytes)
                  for u in f.unit_range(self.first_unit, self.stop_unit)]
         fields = {k: v for k, v in self.__dict__.items() if k != "file"}
-        return SplitTaskRecord(file=FileRecord(f.path, f.format, f.partition, f.num_rows, f.nbytes, units), **fields)
+        return SplitTaskRecord(file=FileRecord(f.path, f.format, f.partition, f.num_rows, f.nbytes, units, f.tail_digest),
+                               **fields)
 
     @classmethod
     def from_wire(cls, record: SplitTaskRecord) -> "SplitTask":
         f = record.file
         file = DataFile(f.path, f.format, f.partition, f.num_rows, f.nbytes,
-                        tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units))
+                        tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units), f.tail_digest)
         fields = {name: getattr(record, name) for name in record.__struct_fields__ if name != "file"}
         return cls(file=file, **fields)
 
@@ -208,12 +210,12 @@ def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, 
 
 
 def make_task(files: Sequence[DataFile], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0,
-              session: str = "", seq: int = 0, fingerprint: str = "") -> SplitTask:
+              session: str = "", seq: int = 0, fingerprint: str = "", cache: Optional[CacheDirective] = None) -> SplitTask:
     """What a worker needs to produce one epoch split (for the run ``seq`` of client ``session``)."""
     return SplitTask(epoch=epoch, split_id=split.id, rank=split.rank, base=base.id, file=files[base.file],
                      first_unit=base.first_unit, stop_unit=base.stop_unit, raw_rows=base.raw_rows,
                      position=base.position, base_rows=base.rows, row_lo=split.row_lo, row_hi=split.row_hi,
-                     skip=skip, session=session, seq=seq, fingerprint=fingerprint)
+                     skip=skip, session=session, seq=seq, fingerprint=fingerprint, cache=cache)
 
 
 def pieces_of(rows: int, batch_size: int) -> int:

@@ -6,6 +6,7 @@ time, since on an object store each footer costs a round trip.
 """
 from __future__ import annotations
 
+import hashlib
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -23,6 +24,7 @@ FORMATS: dict[str, ModuleType] = {"orc": orc, "parquet": parquet}
 SUFFIXES = {".orc": "orc", ".parquet": "parquet", ".pq": "parquet"}
 # Footer reads are I/O bound (object-store round trips): overlap them.
 _METADATA_THREADS = 16
+TAIL_DIGEST_BYTES = 64 << 10  # a file's identity covers its footer (DataFile.tail_digest)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -158,9 +160,10 @@ def _describe(fs: pafs.FileSystem, info: pafs.FileInfo, name: str, fmt: str, par
     try:
         with fs.open_input_file(info.path) as source:
             num_rows, units = module.units(source)
+            tail = source.read_at(min(info.size, TAIL_DIGEST_BYTES), info.size - min(info.size, TAIL_DIGEST_BYTES))
     except module.READ_ERRORS as e:
         raise TableError(f"cannot read the {fmt} footer of {name}: {e}") from e
-    return DataFile(name, fmt, partition, num_rows, info.size, units)
+    return DataFile(name, fmt, partition, num_rows, info.size, units, hashlib.blake2b(tail, digest_size=16).hexdigest())
 
 
 def _parallel(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:

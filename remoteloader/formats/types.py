@@ -28,6 +28,10 @@ class DataFile:
     num_rows: int
     nbytes: int  # file size
     units: tuple[Unit, ...]
+    # A digest of the file's last bytes (its footer: stripe or row-group offsets and
+    # statistics), taken when the table is listed. With path and size it is the file's
+    # identity for the block cache: a file rewritten with the same size has another tail.
+    tail_digest: str = ""
 
     def unit_range(self, first: int, stop: int) -> tuple[Unit, ...]:
         """Units ``[first, stop)`` by index, or () if the file does not list all of them. A

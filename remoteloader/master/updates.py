@@ -34,12 +34,12 @@ class Update(msgspec.Struct, frozen=True, tag_field="u", tag=True):
 # -- records nested in updates and in the snapshot (the wire's, where they coincide) --------
 def file_record(f: DataFile) -> FileRecord:
     return FileRecord(f.path, f.format, f.partition, f.num_rows, f.nbytes,
-                      [UnitRecord(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units])
+                      [UnitRecord(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units], f.tail_digest)
 
 
 def data_file(r: FileRecord) -> DataFile:
     return DataFile(r.path, r.format, r.partition, r.num_rows, r.nbytes,
-                    tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in r.units))
+                    tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in r.units), r.tail_digest)
 
 
 # A job has up to ~100,000 base splits and an epoch as many progress entries: those two
@@ -98,6 +98,13 @@ class SessionRecord(msgspec.Struct, frozen=True):
     next_seq: int
 
 
+class CacheChoiceRecord(msgspec.Struct, frozen=True, array_like=True):
+    """A feature group's cache mode (compute | transformed | source) and why."""
+    group: str
+    mode: str
+    reason: str
+
+
 class RunRecord(msgspec.Struct, frozen=True):
     """An epoch run of a rank (current or prefetched): the splits come from the epoch's plan."""
     rank: int
@@ -131,6 +138,8 @@ class Snapshot(Update):
     prefetched: list[RunRecord]
     errors: list[SplitError]  # failed splits, and files left out
     error_counts: dict[str, int]
+    cache_plan: list[CacheChoiceRecord] = []  # the cache policy's last decision (mode auto)
+    cache_reverted: list[str] = []
 
 
 class JobSubmitted(Update):
@@ -261,6 +270,14 @@ class SplitFailed(Update):
     worker_id: str
     error: str
     skipped: bool  # on_error: skip quarantines the split; fail stops the job
+
+
+class CachePlanChanged(Update):
+    """The cache policy's decision for the job (``cache.mode: auto``): a mode per feature
+    group, and the groups reverted to compute for good because caching made the job slower."""
+    fingerprint: str
+    choices: list[CacheChoiceRecord]
+    reverted: list[str]
 
 
 class EpochFinished(Update):

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 10  # 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 11  # 11: block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -171,6 +171,23 @@ class FileRecord(Record):
     num_rows: Count
     nbytes: Count
     units: Annotated[list[UnitRecord], Meta(max_length=MAX_LIST)]
+    tail_digest: Annotated[str, Meta(max_length=64)] = ""  # the file's identity with path and size (block cache keys)
+
+
+MAX_FEATURES = 1 << 14  # features or columns a cache directive or a cost report names
+
+
+class CacheDirective(Record):
+    """What a split does with the block cache (docs/cache.md), from the master's cache plan
+    for the job: look up the transformed blocks of ``features`` and the raw blocks of table
+    columns ``sources``; of what it then computes or reads from the table, store the
+    features in ``write_features`` and the columns in ``write_sources`` (with the label and
+    passthrough columns, so that a split whose features are all cached reads no table)."""
+
+    features: Annotated[list[Id], Meta(max_length=MAX_FEATURES)]
+    sources: Annotated[list[Id], Meta(max_length=MAX_FEATURES)]
+    write_features: Annotated[list[Id], Meta(max_length=MAX_FEATURES)]
+    write_sources: Annotated[list[Id], Meta(max_length=MAX_FEATURES)]
 
 
 class SplitTaskRecord(Record):
@@ -193,6 +210,7 @@ class SplitTaskRecord(Record):
     session: Annotated[str, Meta(max_length=64)]
     seq: Count
     fingerprint: Annotated[str, Meta(max_length=64)]
+    cache: Optional[CacheDirective] = None  # None: the split does not touch the cache
 
 
 class JobInfo(Record):
@@ -243,6 +261,43 @@ class Discarded(Record, omit_defaults=True):
 DISCARD_REASONS: tuple[str, ...] = Discarded.__struct_fields__
 
 
+class CacheStats(Record, omit_defaults=True):
+    """A worker's block cache: lookups found and missed, blocks put, faults by kind, bytes and seconds."""
+
+    hits: Optional[Count] = None
+    misses: Optional[Count] = None
+    puts: Optional[Count] = None
+    put_bytes: Optional[Count] = None
+    corrupt: Optional[Count] = None  # a block whose checksum or MAC failed (written without the key, too)
+    unverifiable: Optional[Count] = None  # a keyed block seen without the key
+    faults: Optional[Count] = None  # listing, reading or writing failed, or timed out
+    dropped: Optional[Count] = None  # writes dropped because the background writer was full
+    bytes_read: Optional[Count] = None
+    read_seconds: Optional[Amount] = None
+    write_seconds: Optional[Amount] = None
+
+
+class Cost(Row):
+    """What computing one column or feature cost a worker so far: rows, seconds, bytes."""
+
+    name: Id
+    rows: Count
+    seconds: Amount
+    nbytes: Count
+
+
+class JobCosts(Record):
+    """A job's measured costs on a worker (the cache policy's input, cumulative): per table
+    column read and decoded, per feature transformed, and whole splits (``split_s`` over
+    ``rows``, with or without the cache)."""
+
+    fingerprint: Annotated[str, Meta(max_length=64)]
+    rows: Count
+    split_s: Amount
+    columns: Annotated[list[Cost], Meta(max_length=MAX_FEATURES)]
+    features: Annotated[list[Cost], Meta(max_length=MAX_FEATURES)]
+
+
 class WorkerStats(Record, omit_defaults=True):
     """Cumulative counters a worker reports with each heartbeat (the autoscaler's input)."""
 
@@ -262,6 +317,8 @@ class WorkerStats(Record, omit_defaults=True):
     io: Optional[IOCounters] = None
     discarded: Optional[Discarded] = None
     refused: Optional[Count] = None  # sealed credit refused (replayed, reordered, altered, out of bounds)
+    cache: Optional[CacheStats] = None
+    costs: Optional[Annotated[list[JobCosts], Meta(max_length=16)]] = None  # the jobs it produced for lately
 
 
 class ClientStats(Record, omit_defaults=True):
@@ -530,7 +587,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 AnyMessage = Union[MESSAGE_TYPES]  # type: ignore[valid-type]
 RECORD_TYPES: tuple[type[Record], ...] = (
     Ack, DoneRange, SplitRef, EpochSplitInfo, WorkerAddr, SplitError, JobInfo, SplitTaskRecord, FileRecord,
-    UnitRecord, TensorDesc, WorkerStats, ProducingSplit, IOCounters, Discarded, ClientStats)
+    UnitRecord, TensorDesc, CacheDirective, CacheStats, Cost, JobCosts, WorkerStats, ProducingSplit, IOCounters,
+    Discarded, ClientStats)
 MASTER_REQUESTS = frozenset(c.__struct_config__.tag for c in MESSAGE_TYPES
                             if issubclass(c, (WorkerRequest, ClientRequest)))
 
