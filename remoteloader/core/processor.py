@@ -8,18 +8,25 @@ if rows remain, one short tail piece that the client merges with other tails.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import numpy as np
 
 from .. import jagged
 from ..columns import Column, DenseColumn, SparseColumn
 from ..formats import DEFAULT_COALESCE_GAP, DataFile, IOStats, TableError, read_split
-from ..transforms import sampling_keep, validate_sampling
+from ..protocol.messages import CacheDirective
+from ..transforms import FeatureOutput, sampling_keep, validate_sampling
 from .binding import BoundDataset
+from .cache.costs import CostMeter
+from .cache.keys import SAMPLING_WEIGHTS
 from .plan import SplitTask, epoch_rng, pieces_of
+
+if TYPE_CHECKING:
+    from .cache.job import JobCache
 
 
 class SplitError(RuntimeError):
@@ -52,12 +59,15 @@ class Piece:
 
 
 class SplitProcessor:
-    def __init__(self, bound: BoundDataset, coalesce_gap: int = DEFAULT_COALESCE_GAP) -> None:
+    def __init__(self, bound: BoundDataset, coalesce_gap: int = DEFAULT_COALESCE_GAP,
+                 cache: "Optional[JobCache]" = None) -> None:
         self.bound = bound
         self.spec = bound.spec
         self.coalesce_gap = coalesce_gap
         self.io = IOStats()  # storage requests and bytes, reported in heartbeats
         self.sampling = validate_sampling(self.spec.sampling) if self.spec.sampling else None
+        self.cache = cache  # None: splits never touch the block cache, whatever their directive
+        self.costs = CostMeter()  # per column and feature, reported in heartbeats (the cache policy's input)
 
     def pieces(self, task: SplitTask) -> Iterator[Piece]:
         split = self.transform(task)
@@ -67,31 +77,101 @@ class SplitProcessor:
             yield Piece(task.split_id, i, hi - lo, split, lo, hi)
 
     def transform(self, task: SplitTask) -> TransformedSplit:
-        columns = self._read(task.file, task.first_unit, task.stop_unit, self.bound.read_columns, task.raw_rows,
-                             task.describe())
+        start = time.perf_counter()
+        if self.cache is not None and task.cache is not None:
+            split = self._transform_cached(task, task.cache)
+        else:
+            split = self._transform(task)
+        self.costs.split(split.rows, time.perf_counter() - start)
+        return split
+
+    def _transform(self, task: SplitTask) -> TransformedSplit:
+        """The split without the cache: read, select the epoch's rows, transform them."""
+        columns = self._read(task, self.bound.read_columns)
         # The epoch's rows of this split, as indices into the stored rows: sampling first,
         # then the shuffle's order within what sampling kept, composed into one gather.
         selection = self._row_selection(task)
         weights = None
         if self.sampling is not None:
             keep, row_weights = self._keep(columns, task.position, task.raw_rows)
-            kept = np.flatnonzero(keep)
-            if kept.shape[0] != task.base_rows:
-                raise SplitError(f"{task.describe()}: sampling kept {kept.shape[0]} rows, the plan expects {task.base_rows}")
-            index = kept[selection]
+            index = self._kept(task, keep)[selection]
             columns = {k: c.take(index) for k, c in columns.items()}
             weights = row_weights[index] if self.sampling["weight"] else None
-        elif isinstance(selection, slice):
-            if (selection.start, selection.stop) != (0, task.raw_rows):
-                columns = {k: c.slice(selection.start, selection.stop) for k, c in columns.items()}  # views
         else:
-            columns = {k: c.take(selection) for k, c in columns.items()}
+            columns = {k: _select(c, selection, task.raw_rows) for k, c in columns.items()}
+        n = task.row_hi - task.row_lo
+        done = self._run(task, columns, {})
+        return self._build(self.bound.pipeline.assemble(done, n), columns, weights, n)
+
+    def _transform_cached(self, task: SplitTask, directive: CacheDirective) -> TransformedSplit:
+        """The split through the block cache: cached features and raw columns are looked
+        up, only the columns that uncached features still need are read, the rest is
+        computed with the cached blocks filled in. A whole split is computed in stored row
+        order (what blocks hold, so what it computes can be put) and the epoch's shuffle is
+        one gather at the end; a part of a split is gathered first and puts nothing."""
+        assert self.cache is not None
+        spec, pipeline = self.spec, self.bound.pipeline
+        weighted = self.sampling is not None and self.sampling["weight"]
+        raw_names = list(dict.fromkeys(([spec.label] if spec.label else []) + list(spec.passthrough)
+                                       + list(directive.sources) + ([SAMPLING_WEIGHTS] if weighted else [])))
+        blocks = self.cache.lookup(task, directive.features, raw_names)
+        weights = blocks.raw.pop(SAMPLING_WEIGHTS, None)
+        missing = [f for f in pipeline.feature_names if f not in blocks.features]
+        need = pipeline.columns_for(missing, blocks.features)
+        need.update(c for c in raw_names if c != SAMPLING_WEIGHTS and c not in directive.sources)
+        need -= blocks.raw.keys()
+        sample = self.sampling is not None and bool(need or (weighted and weights is None))
+        if sample and self.sampling["label_value"] is not None:
+            need.add(spec.label)  # the sampling mask compares the stored labels
+        columns = self._read(task, sorted(need)) if need else {}
+        if sample:
+            keep, row_weights = self._keep(columns, task.position, task.raw_rows)
+            kept = self._kept(task, keep)
+            columns = {k: c.take(kept) for k, c in columns.items()}
+            if weighted and weights is None:
+                weights = DenseColumn(row_weights[kept])
+        base = {**blocks.raw, **columns}  # the base split's rows (after sampling), stored order
+
+        # The whole split is computed in stored order (what blocks hold) when it is the
+        # task, or when the task is its first part and blocks are to be written, so that a
+        # split cut between ranks is cached too; another part gathers its rows first.
+        writing = bool(directive.write_features or directive.write_sources)
+        in_order = (task.row_lo, task.row_hi) == (0, task.base_rows) or (writing and task.row_lo == 0)
+        selection = self._row_selection(task)
+        given = blocks.features
+        if not in_order:
+            base = {k: _select(c, selection, task.base_rows) for k, c in base.items()}
+            given = {k: _select(c, selection, task.base_rows) for k, c in given.items()}
+            weights = None if weights is None else _select(weights, selection, task.base_rows)
+        done = self._run(task, base, given)
+        if in_order and writing:
+            computed = {f: done[f] for f in directive.write_features if f in done and f not in given}
+            stored = set(directive.write_sources) | {c for c in raw_names if c not in directive.sources}
+            raw = {c: base[c] for c in stored if c in columns}
+            if weighted and SAMPLING_WEIGHTS not in blocks.raw and weights is not None:
+                raw[SAMPLING_WEIGHTS] = weights
+            self.cache.put(blocks.split_key, computed, raw)
+        rows = task.row_hi - task.row_lo
+        features = pipeline.assemble(done, task.base_rows if in_order else rows)
+        if in_order and not _is_all(selection, task.base_rows):
+            features = FeatureOutput(features.dense[selection],
+                                     [_select(c, selection, task.base_rows) for c in features.sparse])
+            base = {k: _select(base[k], selection, task.base_rows) for k in raw_names if k in base}
+            weights = None if weights is None else _select(weights, selection, task.base_rows)
+        return self._build(features, base, None if weights is None else weights.values, rows)
+
+    def _run(self, task: SplitTask, columns: dict[str, Column], given: dict[str, Column]) -> dict[str, Column]:
+        seconds: dict[str, float] = {}
         try:
-            features = self.bound.pipeline.run(columns)
+            done = self.bound.pipeline.run_nodes(columns, given, seconds)
         except (ValueError, ArithmeticError) as e:
             raise SplitError(f"{task.describe()}: transform failed: {e}") from None
-        n = task.row_hi - task.row_lo
-        labels = _float_rows(columns[self.spec.label]) if self.spec.label else np.zeros(n, np.float32)
+        self.costs.transformed(seconds, done)
+        return done
+
+    def _build(self, features: FeatureOutput, columns: dict[str, Column], weights: Optional[np.ndarray],
+               rows: int) -> TransformedSplit:
+        labels = _float_rows(columns[self.spec.label]) if self.spec.label else np.zeros(rows, np.float32)
         passthrough = {name: columns[name].values for name in self.spec.passthrough}
         return TransformedSplit.build(features.dense, labels, features.sparse, passthrough, weights, self.spec.batch_size)
 
@@ -107,8 +187,18 @@ class SplitProcessor:
         except (ValueError, ArithmeticError):
             pass  # synthetic values may not suit every parameter; real splits report real errors
 
-    def _read(self, file: DataFile, first: int, stop: int, names: Sequence[str], rows: int, where: str) -> dict[str, Column]:
-        return read_checked(file, first, stop, names, rows, where, self.coalesce_gap, self.io)
+    def _read(self, task: SplitTask, names: Sequence[str]) -> dict[str, Column]:
+        start = time.perf_counter()
+        columns = read_checked(task.file, task.first_unit, task.stop_unit, names, task.raw_rows, task.describe(),
+                               self.coalesce_gap, self.io)
+        self.costs.read(columns, time.perf_counter() - start)
+        return columns
+
+    def _kept(self, task: SplitTask, keep: np.ndarray) -> np.ndarray:
+        kept = np.flatnonzero(keep)
+        if kept.shape[0] != task.base_rows:
+            raise SplitError(f"{task.describe()}: sampling kept {kept.shape[0]} rows, the plan expects {task.base_rows}")
+        return kept
 
     def _keep(self, columns: dict[str, Column], position: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         return sampling_mask(self.sampling, self.spec.label, columns, position, rows)
@@ -120,6 +210,17 @@ class SplitProcessor:
             order = epoch_rng(self.spec.seed, task.epoch, task.base + 1).permutation(task.base_rows)
             return order[task.row_lo : task.row_hi]
         return slice(task.row_lo, task.row_hi)
+
+
+def _select(column: Column, selection: "slice | np.ndarray", rows: int) -> Column:
+    """The rows ``selection`` picks: views for a range, no copy at all for every row."""
+    if isinstance(selection, slice):
+        return column if (selection.start, selection.stop) == (0, rows) else column.slice(selection.start, selection.stop)
+    return column.take(selection)
+
+
+def _is_all(selection: "slice | np.ndarray", rows: int) -> bool:
+    return isinstance(selection, slice) and (selection.start, selection.stop) == (0, rows)
 
 
 def read_checked(file: DataFile, first: int, stop: int, names: Sequence[str], rows: int, where: str,

@@ -8,8 +8,9 @@ so a feature used by several others is an intermediate computed a single time.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -36,6 +37,7 @@ class _Step:
     op: Op
     state: Any
     extra: tuple[str, ...] = ()
+    params: Any = None  # as validated (normalized): what the step's cache key names
 
 
 @dataclass
@@ -201,7 +203,7 @@ def _compile_node(node: _Node, spec: Any, nodes: dict[str, _Node], schema: Mappi
             raise _err(name, str(e), step=i, op=op_name) from None
         if not isinstance(out, Kind):
             raise _err(name, f"output_kind() returned {out!r}, not a Kind", step=i, op=op_name)
-        node.steps.append(_Step(i, op_name, op, state, tuple(extra)))
+        node.steps.append(_Step(i, op_name, op, state, tuple(extra), norm))
         current = (out,)
 
     node.out = current[0]
@@ -229,6 +231,7 @@ class FeaturePipeline:
     def __init__(self, order: list[_Node], dense: list[_Node], sparse: list[_Node],
                  schema: Mapping[str, str]) -> None:
         self._order = order
+        self._nodes = {node.name: node for node in order}
         self._dense = dense
         self._sparse = sparse
         cols: set[str] = set()
@@ -252,8 +255,18 @@ class FeaturePipeline:
 
     def run(self, columns: Mapping[str, Column]) -> FeatureOutput:
         rows = self._rows(columns)
-        done: dict[str, Column] = {}
+        return self.assemble(self.run_nodes(columns), rows)
+
+    def run_nodes(self, columns: Mapping[str, Column], given: Optional[Mapping[str, Column]] = None,
+                  seconds: Optional[dict[str, float]] = None) -> dict[str, Column]:
+        """Every feature's column, computing only those not ``given`` (cached blocks) and the
+        features they need; ``columns`` must hold ``columns_for`` of the rest. With
+        ``seconds``, each computed feature's transform time is added to it."""
+        done: dict[str, Column] = dict(given or {})
         for node in self._order:
+            if node.name in done:
+                continue
+            start = time.perf_counter()
             inputs = [done[src] if kind == "feature" else self._read(node, src, columns)
                       for kind, src in node.sources]
             col = inputs[0]
@@ -261,7 +274,12 @@ class FeaturePipeline:
                 extra = {c: columns[c] for c in step.extra}
                 col = step.op.apply(step.state, inputs if step.op.arity != 1 else [col], extra)
             done[node.name] = col
+            if seconds is not None:
+                seconds[node.name] = seconds.get(node.name, 0.0) + time.perf_counter() - start
+        return done
 
+    def assemble(self, done: Mapping[str, Column], rows: int) -> FeatureOutput:
+        """The batch's arrays from every feature's column: the dense matrix and the sparse lists."""
         dense = np.empty((rows, self.dense_width), dtype=np.float32)
         at = 0
         for node in self._dense:
@@ -280,6 +298,57 @@ class FeaturePipeline:
                 np.ascontiguousarray(col.values, dtype=np.int64), np.ascontiguousarray(col.offsets, dtype=np.int64),
                 None if col.weights is None or not node.out.scored else np.ascontiguousarray(col.weights, np.float32)))
         return FeatureOutput(dense, sparse)
+
+    # -- what the block cache needs to know of the graph -------------------------------
+    @property
+    def feature_names(self) -> list[str]:
+        """Every feature, dependencies first."""
+        return [node.name for node in self._order]
+
+    def columns_for(self, features: Iterable[str], given: Iterable[str] = ()) -> set[str]:
+        """The table columns that computing ``features`` reads, when the features in
+        ``given`` are at hand (cached): a column only cached features read is not needed."""
+        have, need, todo = set(given), set(), [f for f in features if f not in set(given)]
+        seen: set[str] = set()
+        while todo:
+            node = self._nodes[todo.pop()]
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            for kind, src in node.sources:
+                if kind == "column":
+                    need.add(src)
+                elif src not in have:
+                    todo.append(src)
+            if node.scores is not None:
+                need.add(node.scores)
+            for step in node.steps:
+                need.update(step.extra)
+        return need
+
+    def row_local(self, feature: str) -> bool:
+        """Whether every step of ``feature`` and of the features it reads is row-local
+        (each output row a function of its input row alone): only those may be cached."""
+        node = self._nodes[feature]
+        return (all(getattr(step.op, "row_local", True) for step in node.steps)
+                and all(self.row_local(src) for kind, src in node.sources if kind == "feature"))
+
+    def closure(self, feature: str) -> dict:
+        """Everything ``feature``'s values depend on, in canonical form: its sources (table
+        columns with their types, or other features' closures, recursively), scores, null
+        default and each step's op and normalized parameters. The block cache's feature key."""
+        node = self._nodes[feature]
+        sources = [["column", src, self._schema[src]] if kind == "column" else ["feature", self.closure(src)]
+                   for kind, src in node.sources]
+        return {
+            "declared": node.declared,
+            "sources": sources,
+            "scores": None if node.scores is None else [node.scores, self._schema[node.scores]],
+            "null_value": node.null_value,
+            "steps": [{"op": step.op_name, "version": getattr(step.op, "version", 1), "params": step.params,
+                       "extra": [[c, self._schema[c]] for c in step.extra]} for step in node.steps],
+            "out": [node.out.kind, node.out.dtype, node.out.width, node.out.scored],
+        }
 
     def _rows(self, columns: Mapping[str, Column]) -> int:
         rows = None

@@ -370,6 +370,13 @@ class BlockStore:
             out.append(SplitEntry(split_key, len(split.segments), blocks, split.nbytes, split.last_used))
         return out
 
+    def remove(self, split_key: str) -> None:
+        """Deletes every segment of ``split_key`` (the master's rate probe cleans up after itself)."""
+        try:
+            self._fs.delete_dir(self.split_directory(split_key))
+        except FileNotFoundError:
+            pass
+
     def gc(self, max_bytes: int) -> GcResult:
         """Deletes whole splits, least recently used first, until the cache holds at most
         ``max_bytes``; first the temp files of writers killed over an hour ago, and

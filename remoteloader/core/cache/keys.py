@@ -1,0 +1,66 @@
+"""Content-addressed names of cache blocks: no stale block can ever be served.
+
+A block is (split key, block key). The **split key** names the stored rows: the file's
+identity (path, size and the digest of its tail, so a file rewritten with the same size
+misses), the unit range, and table-level sampling (rate, seed, label filter, and the
+canonical position its hashes use). The **block key** names what was computed from those
+rows: for a feature, its whole transform closure (``FeaturePipeline.closure``: sources
+with their types, scores, null default, every step's op, op version and normalized
+parameters, input features recursively); for a raw block, the column and its type.
+
+``KERNEL_VERSION`` is bumped whenever any op's semantics change (a fixed bug included),
+which retires every feature block at once; an op's own ``version`` retires only its
+features. ``FORMAT_VERSION`` is bumped when what a block holds changes (its layout is the
+segment format's business, versioned there).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional
+
+import numpy as np
+
+from ...formats import DataFile
+from ...transforms import FeaturePipeline
+
+KERNEL_VERSION = 1
+FORMAT_VERSION = 1
+SAMPLING_WEIGHTS = "weights"  # the raw block of per-row sampling weights (sampling.weight: true)
+
+
+def _canonical(value: Any) -> Any:
+    """JSON for what ``json`` cannot encode itself: numpy scalars and arrays (dtype kept)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return {"ndarray": str(value.dtype), "shape": list(value.shape), "data": value.tolist()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"cannot name a {type(value).__name__} in a cache key")
+
+
+def digest(*parts: Any) -> str:
+    """32 hex digits naming ``parts`` (JSON, keys sorted: 1 and 1.0 and True stay distinct)."""
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=_canonical, allow_nan=True)
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def split_key(file: DataFile, first_unit: int, stop_unit: int, position: int, sampling: Optional[dict]) -> str:
+    """The stored rows of units ``[first_unit, stop_unit)`` of ``file``, after ``sampling``."""
+    if not file.tail_digest:
+        raise ValueError(f"{file.path}: no tail digest (the file was not listed by this version)")
+    rows = ["rows", FORMAT_VERSION, file.path, file.nbytes, file.tail_digest, file.format, first_unit, stop_unit]
+    if sampling is None:
+        return digest(*rows)
+    # The position only matters to sampling, whose hashes it seeds.
+    return digest(*rows, "sampled", position, sampling)
+
+
+def feature_key(pipeline: FeaturePipeline, feature: str) -> str:
+    return digest("feature", KERNEL_VERSION, FORMAT_VERSION, pipeline.closure(feature))
+
+
+def raw_key(column: str, kind: str) -> str:
+    """A table column as read (label, passthrough, a cached source), or the sampling weights."""
+    return digest("raw", FORMAT_VERSION, column, kind)

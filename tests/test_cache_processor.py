@@ -1,0 +1,163 @@
+"""The split processor through the block cache, in process: every piece byte-identical to
+the uncached path, whatever was cached, corrupted, changed or taken away."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from remoteloader.core.binding import bind
+from remoteloader.core.cache.job import JobCache
+from remoteloader.core.cache.segments import BlockSigner
+from remoteloader.core.cache.store import BlockStore
+from remoteloader.core.cache.writer import BlockWriter
+from remoteloader.core.plan import make_task, plan_epoch
+from remoteloader.core.processor import SplitProcessor
+from remoteloader.core.sampling import plan_job_splits
+from remoteloader.protocol.messages import CacheDirective
+from remoteloader.spec import DatasetSpec
+from tests.conftest import spec_dict
+
+WORLD = 2
+
+
+def job(table: Path, **overrides):
+    spec = DatasetSpec.from_dict(spec_dict(table, shuffle=True, seed=3, **overrides))
+    bound = bind(spec)
+    return bound, plan_job_splits(bound)
+
+
+def everything(bound, write: bool = True) -> CacheDirective:
+    features = bound.pipeline.feature_names
+    return CacheDirective(features=features, sources=[], write_features=features if write else [], write_sources=[])
+
+
+def tasks(bound, base, epoch: int, directive=None, rank=None):
+    spec = bound.spec
+    for s in plan_epoch(base, epoch, spec.seed, spec.shuffle, WORLD, spec.batch_size, spec.drop_last, spec.even_batches):
+        if rank is None or s.rank == rank:
+            yield make_task(bound.files, base[s.base], s, epoch, cache=directive)
+
+
+def produce(processor: SplitProcessor, all_tasks) -> list[tuple[int, int, dict]]:
+    """Every piece as (split, index, {tensor name: bytes with dtype and shape})."""
+    return [(p.split_id, p.index, {k: (a.dtype.str, a.shape, a.tobytes()) for k, a in p.arrays.items()})
+            for task in all_tasks for p in processor.pieces(task)]
+
+
+class Cache:
+    """A store on disk with its writer; ``processor`` makes a job's processor through it."""
+
+    def __init__(self, root: Path, signer: BlockSigner = BlockSigner.plain()) -> None:
+        self.store = BlockStore(str(root), signer)
+        self.writer = BlockWriter(self.store)
+
+    def processor(self, bound) -> SplitProcessor:
+        return SplitProcessor(bound, cache=JobCache(self.store, self.writer, bound))
+
+    def flush(self) -> None:
+        assert self.writer.flush(30.0)
+
+    def close(self) -> None:
+        self.writer.close(5.0)
+        self.store.close()
+
+
+@pytest.fixture
+def cache(tmp_path):
+    c = Cache(tmp_path / "cache")
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("sampling", [None, {"rate": 0.5, "seed": 1, "weight": True}])
+def test_cached_pieces_equal_computed_ones_in_later_epochs_and_read_no_table(tables, cache, sampling):
+    bound, base = job(tables["orc"], **({"sampling": sampling} if sampling else {}))
+    expected = {e: produce(SplitProcessor(bound), tasks(bound, base, e)) for e in (0, 1)}
+    writing = cache.processor(bound)
+    assert produce(writing, tasks(bound, base, 0, everything(bound))) == expected[0]
+    cache.flush()
+    assert cache.store.counters.puts > 0
+    reading = cache.processor(bound)
+    assert produce(reading, tasks(bound, base, 1, everything(bound, write=False))) == expected[1]
+    assert reading.io.bytes_requested == 0  # every feature, the label and passthrough came from the cache
+    assert cache.store.counters.hits > 0
+
+
+def test_a_changed_parameter_misses_for_that_feature_only(tables, cache):
+    bound, base = job(tables["orc"])
+    produce(cache.processor(bound), tasks(bound, base, 0, everything(bound)))
+    cache.flush()
+    changed = spec_dict(tables["orc"], shuffle=True, seed=3)
+    changed["features"]["sparse"][1]["transforms"][0]["salt"] = 6  # s1's sigrid_hash salt
+    bound2, base2 = job(tables["orc"], features=changed["features"])
+    misses = cache.store.counters.misses
+    second = cache.processor(bound2)
+    assert produce(second, tasks(bound2, base2, 0, everything(bound2, write=False))) == \
+        produce(SplitProcessor(bound2), tasks(bound2, base2, 0))
+    assert cache.store.counters.misses - misses == len(base2)  # one block a split: s1's
+    # Only the column of the missing feature was read from the table.
+    assert set(second.costs.to_record("").columns[i].name for i in range(len(second.costs.to_record("").columns))) \
+        == {"idlist_1"}
+
+
+def test_a_flipped_byte_changes_no_piece_and_is_counted(tables, cache, tmp_path):
+    bound, base = job(tables["orc"])
+    produce(cache.processor(bound), tasks(bound, base, 0, everything(bound)))
+    cache.flush()
+    segments = sorted((tmp_path / "cache").rglob("*.seg"))
+    assert segments
+    rng = np.random.default_rng(0)
+    for seg in segments:
+        data = bytearray(seg.read_bytes())
+        data[int(rng.integers(0, len(data) // 2))] ^= 0x40  # inside the blocks' data
+        seg.write_bytes(bytes(data))
+    reading = cache.processor(bound)
+    assert produce(reading, tasks(bound, base, 1, everything(bound, write=False))) == \
+        produce(SplitProcessor(bound), tasks(bound, base, 1))
+    assert cache.store.counters.corrupt >= len(segments)
+
+
+def test_parts_of_a_split_are_exact_and_the_first_part_caches_the_whole_split(tables, cache):
+    """A split cut between ranks: a later part computes its rows alone (nothing to put), the
+    first part computes the whole split in stored order and puts it, later parts gather from it."""
+    bound, base = job(tables["orc"])
+    directive = everything(bound)
+    whole = [t for t in tasks(bound, base, 0)]
+    firsts = [_part(t, 0, t.base_rows // 3, directive) for t in whole]
+    lasts = [_part(t, t.base_rows // 3, t.base_rows, directive) for t in whole]
+    uncached = SplitProcessor(bound)
+    expected_lasts = produce(uncached, lasts)
+    cached = cache.processor(bound)
+    assert produce(cached, lasts) == expected_lasts
+    cache.flush()
+    assert cache.store.counters.puts == 0
+    assert produce(cached, firsts) == produce(uncached, firsts)
+    cache.flush()
+    assert cache.store.counters.puts == len(whole)
+    reading = cache.processor(bound)
+    assert produce(reading, lasts) == expected_lasts
+    assert reading.io.bytes_requested == 0
+
+
+def test_a_keyed_cache_refuses_blocks_written_without_the_key(tables, tmp_path):
+    bound, base = job(tables["orc"])
+    plain = Cache(tmp_path / "shared")
+    produce(plain.processor(bound), tasks(bound, base, 0, everything(bound)))
+    plain.flush()
+    plain.close()
+    keyed = Cache(tmp_path / "shared", BlockSigner.keyed(b"cluster secret"))
+    try:
+        reading = keyed.processor(bound)
+        assert produce(reading, tasks(bound, base, 1, everything(bound, write=False))) == \
+            produce(SplitProcessor(bound), tasks(bound, base, 1))
+        assert keyed.store.counters.hits == 0 and keyed.store.counters.corrupt > 0
+    finally:
+        keyed.close()
+
+
+def _part(task, lo: int, hi: int, directive):
+    """Rows [lo, hi) of the task's epoch split (of its base split's shuffled order)."""
+    return replace(task, row_lo=task.row_lo + lo, row_hi=task.row_lo + hi, cache=directive)
