@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from ..core.cache.location import ENV_CACHE
 from ..core.procs import stop as stop_process
 from ..core.redact import allowlist_env
 from ..protocol.address import new_ipc_directory
@@ -43,15 +44,19 @@ ENV_MASTER = "REMOTELOADER_MASTER"
 
 class EmbeddedCluster:
     def __init__(self, num_workers: int, start_timeout: float = 60.0, extra_args: tuple = (),
-                 auth_dir: Optional[str] = None, allowed_tables: Sequence[str] = ()) -> None:
+                 auth_dir: Optional[str] = None, allowed_tables: Sequence[str] = (), cache: Optional[str] = None) -> None:
         """``auth_dir``: the user's key directory (CURVE on the ipc sockets too); without it, no keys.
-        ``allowed_tables``: the prefixes the master may serve (none: no client spec)."""
+        ``allowed_tables``: the prefixes the master may serve (none: no client spec). ``cache``:
+        the block cache of the master and its workers (told in the environment, like the table)."""
         self.auth_dir = os.path.abspath(auth_dir) if auth_dir is not None else None
         # Not made here: the master makes it (0700) and so removes it when it exits.
         self.ipc_dir = new_ipc_directory()
         self.proc = None
         env = {k: v for k, v in os.environ.items() if k != ENV_AUTH}  # no stray keys: the argument decides
         env.update(allowlist_env(allowed_tables), **({ENV_AUTH: self.auth_dir} if self.auth_dir else {}))
+        env.pop(ENV_CACHE, None)
+        if cache is not None:
+            env[ENV_CACHE] = cache
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "remoteloader.master", "--bind", f"ipc://{self.ipc_dir}/master",

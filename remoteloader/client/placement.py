@@ -14,6 +14,7 @@ import sys
 import weakref
 from typing import Any, Optional
 
+from ..core.cache.location import ENV_CACHE, user_cache_dir
 from ..core.redact import redact
 from ..spec import DatasetSpec
 from .embedded import ENV_MASTER, EmbeddedCluster
@@ -77,4 +78,15 @@ def _start_embedded(spec: DatasetSpec, num_workers: Optional[int], auth_dir: Opt
               f"{redact(spec.table.path)} (a first start on this machine compiles the transform kernels; "
               "later ones load them from the cache)", file=sys.stderr, flush=True)
     # The embedded master serves this table only (told in its environment, off the command line).
-    return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir, allowed_tables=[spec.table.path])
+    return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir, allowed_tables=[spec.table.path],
+                           cache=_embedded_cache(spec))
+
+
+def _embedded_cache(spec: DatasetSpec) -> Optional[str]:
+    """The block cache of an embedded cluster: ``$REMOTELOADER_CACHE`` if set, else this
+    user's cache directory for a spec that asks for a cache (a ``cache`` section, mode not off)."""
+    if os.environ.get(ENV_CACHE):
+        return os.environ[ENV_CACHE]
+    if spec.cache is not None and spec.cache.get("mode") != "off":
+        return user_cache_dir()
+    return None

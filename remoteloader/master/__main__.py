@@ -22,6 +22,9 @@ from typing import Optional, Sequence
 import zmq
 
 from .. import __version__
+from ..core.cache.janitor import CacheJanitor
+from ..core.cache.location import (ENV_ALLOW_CACHE, ENV_CACHE, ENV_CACHE_MAX_BYTES, CacheRefused, allowed_caches,
+                                   open_cache)
 from ..core.procs import die_with_parent
 from ..core.redact import ENV_ALLOW_TABLE, allowlist_env, allowlist_from_env, log_to_stderr, redact_text
 from ..core.sizing import parse_size, warm_up
@@ -29,6 +32,7 @@ from ..protocol import auth as cluster_auth
 from ..protocol.address import (AddressError, DefaultsHelpFormatter, address_type, check_ipc_free, ipc_directory,
                                 is_ipc, prepare_ipc_directory, restrict_ipc_socket)
 from ..protocol.capability import MasterKeys
+from ..formats import TableError
 from ..spec import DatasetSpec, SpecError
 from .autoscale import AutoscaleConfig, Autoscaler, CpuTargetConfig, CpuTargetPolicy
 from .journal import Journal
@@ -91,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what each worker may hold of transformed splits (the workers' --buffer-bytes; bytes, or "
                         "with a suffix K, M, G or T, powers of 1024: 512M, 2G): splits are planned so that one stays "
                         "within half of it, fewer rows than the spec's split_rows if need be")
+    p.add_argument("--cache", metavar="URI", default=os.environ.get(ENV_CACHE),
+                   help="the block cache (a directory or a pyarrow filesystem URI such as s3://bucket/prefix), for "
+                        "this master's plan and the workers it starts (docs/cache.md; also $REMOTELOADER_CACHE); "
+                        "without it no split uses a cache")
+    p.add_argument("--allow-cache", action="append", default=None, metavar="PREFIX",
+                   help="--cache must be under one of these prefixes (repeatable; also $REMOTELOADER_ALLOW_CACHE)")
+    p.add_argument("--cache-max-bytes", type=_size, default=None, metavar="BYTES",
+                   help="keep the cache under this size (least recently used splits go first); the auto policy "
+                        "plans within it")
     p.add_argument("--worker-args", default="", help="extra arguments for launched local workers (one string)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without heartbeat before a worker is dead")
@@ -108,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level")
     return p
+
+
+def _cache_env(uri: Optional[str], allowed: Optional[Sequence[str]], max_bytes: Optional[int]) -> dict[str, str]:
+    """The cache settings of the workers this master starts, in their environment (a cache
+    URI may hold a credential, and command lines are public): the same location, checked
+    against the same prefixes (the location itself when none were given)."""
+    if uri is None:
+        return {}
+    env = {ENV_CACHE: uri, ENV_ALLOW_CACHE: os.pathsep.join(allowed if allowed is not None else [uri])}
+    if max_bytes is not None:
+        env[ENV_CACHE_MAX_BYTES] = str(max_bytes)
+    return env
 
 
 def _size(value: str) -> int:
@@ -141,9 +166,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"remoteloader-master: {e}", file=sys.stderr)
         return 2
 
+    try:
+        allowed_cache = allowed_caches(args.allow_cache)
+        cache = None if args.cache is None else open_cache(args.cache, allowed_cache, creds)
+    except (CacheRefused, TableError, OSError) as e:
+        print(f"remoteloader-master: --cache: {redact_text(str(e))}", file=sys.stderr)
+        return 2
+
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
                           split_timeout=args.split_timeout, prefetch_next_epoch=not args.no_prefetch,
-                          allowed_tables=tuple(allowed), buffer_bytes=args.buffer_bytes,
+                          allowed_tables=tuple(allowed), buffer_bytes=args.buffer_bytes, cache_max_bytes=args.cache_max_bytes,
                           ipc_dir=ipc_directory(args.bind) if is_ipc(args.bind) else None,
                           popularity_log=args.popularity_log or (os.path.join(args.journal, "popularity.jsonl")
                                                                  if args.journal else None))
@@ -153,7 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     journal = Journal(args.journal) if args.journal else None
     # The keys that sign sessions and workers live beside the journal: a restarted master
     # replays sessions and workers whose tokens must still verify.
-    service = MasterService(config, journal, keys=MasterKeys.stored(args.journal) if args.journal else None)
+    service = MasterService(config, journal, keys=MasterKeys.stored(args.journal) if args.journal else None,
+                            cache=cache)
     if args.spec and service.state.job is None:
         try:
             service.submit(DatasetSpec.from_file(args.spec))
@@ -189,7 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                ray_detached_prefix=args.ray_detached_workers,
                                worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer,
                                buffer_bytes=args.buffer_bytes,
-                               worker_env=allowlist_env(served) if served else {},
+                               worker_env={**(allowlist_env(served) if served else {}),
+                                           **_cache_env(args.cache, allowed_cache, args.cache_max_bytes)},
                                auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
     except (ValueError, ImportError, ConnectionError) as e:
         print(f"remoteloader-master: {e}", file=sys.stderr)
@@ -227,6 +261,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "remoteloader-worker --master %s%s%s", server.addr,
                     f" --bind ipc://{ipc_dir}/worker-NAME" if ipc_dir else "", " --auth DIR" if creds is not None else "")
 
+    janitor = None if cache is None or args.cache_max_bytes is None else CacheJanitor(cache, args.cache_max_bytes)
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     print(f"remoteloader-master listening on {server.addr}", flush=True)
@@ -238,6 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             autoscaler.stop()  # saves the policy's state (with --journal)
         if metrics is not None:
             metrics.close()
+        if janitor is not None:
+            janitor.close()
         if service.journal is not None:
             service.journal.close()
     return 0

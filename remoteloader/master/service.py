@@ -16,6 +16,7 @@ from typing import Callable, Optional, Union
 import msgspec
 
 from ..core.binding import BoundDataset, bind, bind_schema
+from ..core.cache.store import BlockStore
 from ..core.plan import make_task, plan_base_splits
 from ..core.popularity import record_projection
 from ..core.redact import redact, redact_text
@@ -28,6 +29,7 @@ from ..protocol.messages import MASTER_REQUESTS, ErrorCode
 from ..spec import DatasetSpec, SpecError
 from . import updates as U
 from ..core.allowlist import TableAllowlist
+from .cache_plan import CachePlanner
 from .journal import Journal
 from .metrics import RateWindow
 from .state import JobState
@@ -73,6 +75,8 @@ class MasterConfig:
     # The master's private ipc directory (``--bind ipc://DIR/NAME``): registered ipc
     # addresses must lie in it. None: the master listens on tcp, and takes no ipc worker.
     ipc_dir: Optional[str] = None
+    # The block cache's byte budget (--cache-max-bytes): the auto policy plans within it.
+    cache_max_bytes: Optional[int] = None
 
 
 BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
@@ -152,7 +156,9 @@ def _acks(acks: list[M.Ack]) -> list[tuple[int, int]]:
 
 class MasterService:
     def __init__(self, config: MasterConfig, journal: Optional[Journal] = None,
-                 clock: Callable[[], float] = time.time, keys: Optional[MasterKeys] = None) -> None:
+                 clock: Callable[[], float] = time.time, keys: Optional[MasterKeys] = None,
+                 cache: Optional[BlockStore] = None) -> None:
+        """``cache``: the block cache (``--cache``); without it no split touches a cache."""
         self.config = config
         # Signs client sessions and worker ids (protocol/capability.py); a journaled master
         # passes the keys kept beside its journal, so replayed sessions' tokens still verify.
@@ -161,6 +167,7 @@ class MasterService:
         self.clock = clock
         self.state = JobState()
         self.rates = RateWindow(config.rate_window_s)
+        self.cache = CachePlanner(cache, config.cache_max_bytes, config.popularity_log)
         self.decision_log: Callable[[], list[dict]] = list  # the autoscaler's recent decisions, for status (set by it)
         # Workers launched and not yet registered (a Ray actor waiting for room, a process
         # starting), for status: not counted among the workers (set by remoteloader-master).
@@ -273,6 +280,9 @@ class MasterService:
                 now, self.config.heartbeat_interval, self.config.split_timeout):
             log.warning("worker %s: split %d of epoch %d revoked: %s", worker_id, split_id, epoch, reason)
             self._commit(U.SplitRevoked(epoch, split_id, worker_id, reason))
+        plan = self.cache.decide(self.state, self.bound, lambda: self.rates.group_totals().get("w", {}), now)
+        if plan is not None:
+            self._commit(plan)
 
     def _require_job(self) -> None:
         if self.state.job is None:
@@ -351,6 +361,8 @@ class MasterService:
         stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
         self._commit(U.WorkerHeartbeat(m.worker_id, self.clock(), m.buffered, stats))
         self.rates.update("w:" + m.worker_id, self.clock(), stats)
+        if self.state.job is not None:
+            self.cache.observe(m.worker_id, self.state.job.fingerprint, stats)
         # The live sessions of the ranks it serves: pieces it holds for any other are stale.
         sessions = self.state.sessions_served(m.worker_id)
         if not w.draining:
@@ -404,7 +416,7 @@ class MasterService:
         self._commit(U.SplitAssigned(run.epoch, s.id, m.worker_id, self.clock()))
         job = self.state.job
         task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
-                         seq=run.seq, fingerprint=job.fingerprint)
+                         seq=run.seq, fingerprint=job.fingerprint, cache=self.cache.directive(self.state, self.bound))
         return M.Split(split=task.to_wire())
 
     def _on_split_produced(self, m: M.SplitProduced) -> Reply:
@@ -640,7 +652,8 @@ class MasterService:
             # (what it holds), and busy, its share of the rate window spent producing.
             "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, "buffered": w.buffered,
                          "assigned": len(w.assigned), "draining": w.draining,
-                         "last_seen_s": round(now - w.last_seen, 3), **w.stats,
+                         "last_seen_s": round(now - w.last_seen, 3),
+                         **{k: v for k, v in w.stats.items() if k != "costs"},  # costs: the cache policy's input
                          "rows_per_s": round(self.rates.rate("w:" + w.worker_id, "rows"), 1),
                          "busy": round(self.worker_busy(w.worker_id) or 0.0, 4)}
                         for w in sorted(st.workers.values(), key=lambda w: w.seq)],
@@ -651,6 +664,8 @@ class MasterService:
                         for cid, rank in st.clients.items()],
             "pending_workers": self.pending_workers(),
             "autoscaler": self.decision_log(),
+            # Where the block cache is, its counters, and the auto policy's decisions with their reasons.
+            "cache": self.cache.status(self.state, self.bound, self.rates.group_totals().get("w", {})),
             "ranks": ranks,
             "errors": [dict(e, message=redact_text(e["message"])) for e in st.errors[-20:]],  # they name files
         }

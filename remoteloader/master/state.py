@@ -130,6 +130,9 @@ class JobState:
         self.resumed: dict[int, dict[int, list[tuple[int, int]]]] = {}
         self._plans: dict[int, EpochPlan] = {}  # memo of the pure epoch plan
         self._plan_floor: Optional[int] = None  # while a snapshot is restored: keep plans from this epoch on
+        # The cache policy's decision (cache.mode auto): group -> (mode, reason); groups reverted for good.
+        self.cache_plan: dict[str, tuple[str, str]] = {}
+        self.cache_reverted: set[str] = set()
 
     # -- the one mutator --------------------------------------------------------------
     def apply(self, update: U.Update) -> None:
@@ -185,6 +188,8 @@ class JobState:
         self._plan_floor = None
         self.errors = [msgspec.structs.asdict(e) for e in u.errors]
         self.error_counts = dict(u.error_counts)
+        if self.job is not None:
+            self._on_CachePlanChanged(U.CachePlanChanged(self.job.fingerprint, u.cache_plan, u.cache_reverted))
 
     def snapshot(self) -> U.Snapshot:
         """The whole state but what heartbeats bring back (worker and client statistics);
@@ -217,10 +222,19 @@ class JobState:
             prefetched=runs(self.prefetched),
             errors=[U.SplitError(**e) for e in self.errors],
             error_counts=dict(self.error_counts),
+            cache_plan=[U.CacheChoiceRecord(group, mode, reason) for group, (mode, reason) in sorted(self.cache_plan.items())],
+            cache_reverted=sorted(self.cache_reverted),
         )
+
+    def _on_CachePlanChanged(self, u: U.CachePlanChanged) -> None:
+        if self.job is None or u.fingerprint != self.job.fingerprint:
+            raise ValueError(f"a cache plan for job {u.fingerprint!r}, not the current one")
+        self.cache_plan = {c.group: (c.mode, c.reason) for c in u.choices}
+        self.cache_reverted = set(u.reverted)
 
     def _on_JobSubmitted(self, u: U.JobSubmitted) -> None:
         splits = [s.base_split(i) for i, s in enumerate(u.splits)]
+        self.cache_plan, self.cache_reverted = {}, set()
         self.job = Job(u.spec, u.fingerprint, u.schema, [U.data_file(f) for f in u.files], splits,
                        sum(s.rows for s in splits))
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
@@ -618,6 +632,7 @@ _APPLY: dict[type, Callable[[JobState, Any], None]] = {
     U.SplitsConsumed: JobState._on_SplitsConsumed,
     U.SplitFailed: JobState._on_SplitFailed,
     U.EpochFinished: JobState._on_EpochFinished,
+    U.CachePlanChanged: JobState._on_CachePlanChanged,
 }
 _unhandled = set(U.UPDATE_TYPES.values()) - set(_APPLY)
 if _unhandled:

@@ -15,10 +15,12 @@ from typing import Optional, Sequence
 import zmq
 
 from .. import __version__
+from ..core.cache.janitor import CacheJanitor
+from ..core.cache.location import ENV_CACHE, ENV_CACHE_MAX_BYTES, CacheRefused, allowed_caches, open_cache
 from ..core.procs import die_with_parent
 from ..core.redact import ENV_ALLOW_TABLE, allowlist_from_env, log_to_stderr, redact_text
 from ..core.sizing import parse_size
-from ..formats import DEFAULT_COALESCE_GAP
+from ..formats import DEFAULT_COALESCE_GAP, TableError
 from ..protocol import auth as cluster_auth
 from ..protocol.address import (AddressError, DefaultsHelpFormatter, address_type, check_ipc_directory,
                                 check_ipc_free, ipc_directory, is_ipc, validate_address)
@@ -55,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"path or URI prefix of tables this worker may read (repeatable; also ${ENV_ALLOW_TABLE}, "
                         "a JSON list, which keeps prefixes off the command line); a job outside them is refused "
                         "(default: whatever the master names)")
+    p.add_argument("--cache", metavar="URI", default=os.environ.get(ENV_CACHE),
+                   help="the block cache (a directory or a pyarrow filesystem URI such as s3://bucket/prefix): "
+                        "splits read and write feature blocks there as the master's cache plan says (docs/cache.md)")
+    p.add_argument("--allow-cache", action="append", default=None, metavar="PREFIX",
+                   help="--cache must be under one of these prefixes (repeatable; also $REMOTELOADER_ALLOW_CACHE)")
+    p.add_argument("--cache-max-bytes", type=_size, default=os.environ.get(ENV_CACHE_MAX_BYTES), metavar="BYTES",
+                   help="keep the cache under this size, least recently used splits removed first (e.g. 500G)")
     p.add_argument("--client-timeout", type=float, default=30.0,
                    help="seconds a rank may send no request before the batches held for it are released "
                         "(re-produced if it returns); keep below the master's --split-timeout")
@@ -119,6 +128,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"remoteloader-worker: {e}", file=sys.stderr)
         return 2
+    try:
+        cache = None if args.cache is None else open_cache(args.cache, allowed_caches(args.allow_cache), creds)
+    except (CacheRefused, TableError, OSError) as e:
+        print(f"remoteloader-worker: --cache: {redact_text(str(e))}", file=sys.stderr)
+        return 2
     if args.bind:
         try:
             check_ipc_directory(ipc_directory(args.bind))  # made and removed by the master, never here
@@ -131,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
                         faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
                         client_timeout_s=args.client_timeout, buffer_bytes=args.buffer_bytes,
-                        allowed_tables=allowed, bind=args.bind)
+                        allowed_tables=allowed, bind=args.bind, cache=cache)
     except (zmq.ZMQError, OSError) as e:
         flag = f"--bind {args.bind}" if args.bind else f"--bind-host {args.bind_host}"
         print(f"remoteloader-worker: {flag}: {e}", file=sys.stderr)
@@ -139,6 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # SIGTERM (scale-down, orderly shutdown) drains; SIGINT (Ctrl-C) stops at once.
     signal.signal(signal.SIGTERM, lambda *_: worker.request("drain"))
     signal.signal(signal.SIGINT, lambda *_: worker.request("stop"))
+    janitor = None if cache is None or args.cache_max_bytes is None else CacheJanitor(cache, args.cache_max_bytes)
     try:
         worker.run()
     except TableRefused as e:
@@ -147,6 +162,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except WorkerFailed as e:  # logged with its traceback where it happened; the launcher replaces us
         print(f"remoteloader-worker: {redact_text(str(e))}", file=sys.stderr)
         return 1
+    finally:
+        if janitor is not None:
+            janitor.close()
     return 0
 
 

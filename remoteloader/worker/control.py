@@ -126,7 +126,8 @@ class Control:
     def _heartbeat(self, session: WorkerSession) -> bool:
         stats = dict(self.stats.to_dict(), cpu=self._proc.cpu_percent() / 100.0, capacity=self.buffer.capacity,
                      ahead=self.buffer.ahead_count(), mem=float(self._proc.memory_info().rss), time=time.time(),
-                     io=session.processor.io.to_dict(), discarded=self.buffer.discarded(), **self.buffer.byte_stats())
+                     io=session.processor.io.to_dict(), discarded=self.buffer.discarded(), **self.buffer.byte_stats(),
+                     costs=[msgspec.to_builtins(session.processor.costs.to_record(session.fingerprint))])
         mark = self.buffer.mark()
         try:
             reply = self.rpc.call(M.Heartbeat(worker_id=session.worker_id, token=session.token,

@@ -23,6 +23,8 @@ from typing import Optional
 import zmq
 
 from ..core.allowlist import TableAllowlist
+from ..core.cache.store import BlockStore
+from ..core.cache.writer import BlockWriter
 from ..core.sizing import DEFAULT_BUFFER_BYTES
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import messages as M
@@ -48,9 +50,11 @@ class Worker:
                  rpc_timeout_s: float = 10.0, drain_timeout_s: float = 60.0, faults: Optional[Faults] = None,
                  coalesce_gap: int = DEFAULT_COALESCE_GAP, auth: Optional[Credentials] = None,
                  client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None,
-                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, bind: Optional[str] = None) -> None:
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, bind: Optional[str] = None,
+                 cache: Optional[BlockStore] = None) -> None:
         """``bind``: the data endpoint (an ``ipc://`` path in the cluster's private directory);
-        without it, an any-port tcp endpoint on ``bind_host``."""
+        without it, an any-port tcp endpoint on ``bind_host``. ``cache``: the block cache
+        (``--cache``), which splits use as the master's cache plan says."""
         self.master = master
         # Cluster keys: the master calls are CURVE clients; the data socket is a plain socket
         # whose messages are sealed (protocol/seal.py) with keys of this process's key pair.
@@ -91,7 +95,9 @@ class Worker:
         tokens = SessionTokens()
         self.pusher = Pusher(self.data, self.ctx, self.buffer, CreditBook(client_timeout_s), self.lifecycle, tokens,
                              self.seals, self.current, self.faults)
-        registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex)
+        self.cache = None if cache is None else (cache, BlockWriter(cache))
+        registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex,
+                              cache=self.cache)
         self.control = Control(self.lifecycle, self.current, registrar, self.buffer, _StatsWithSeals(self),
                                self._connect(), drain_timeout_s, tokens)
 
@@ -116,6 +122,10 @@ class Worker:
             self._say_bye()
             self.control.rpc.close()
             self._close_data()
+            if self.cache is not None:
+                store, writer = self.cache
+                writer.close(timeout=5.0)  # what is queued is written, within reason: it only saves later work
+                store.close()
         self.lifecycle.raise_failure()
 
     def _say_bye(self) -> None:
@@ -143,12 +153,14 @@ class _StatsWithSeals:
     heartbeat's ``stats`` (the control thread asks ``to_dict``)."""
 
     def __init__(self, worker: Worker) -> None:
-        self._stats, self._seals = worker.producer.stats, worker.seals
+        self._stats, self._seals, self._cache = worker.producer.stats, worker.seals, worker.cache
 
     def to_dict(self) -> dict:
         out = self._stats.to_dict()
         if self._seals is not None:
             out["refused"] = self._seals.refused
+        if self._cache is not None:
+            out["cache"] = self._cache[0].counters.to_dict()
         return out
 
     def __getattr__(self, name: str):

@@ -15,6 +15,9 @@ from typing import Optional
 
 from ..core.allowlist import TableAllowlist
 from ..core.binding import bind_schema
+from ..core.cache.job import JobCache
+from ..core.cache.store import BlockStore
+from ..core.cache.writer import BlockWriter
 from ..core.processor import SplitProcessor
 from ..protocol import messages as M
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
@@ -88,8 +91,10 @@ class Registrar:
     is asked to leave, and a request to leave (drain, stop) ends the wait for an answer at once."""
 
     def __init__(self, addr: str, allowlist: TableAllowlist, coalesce_gap: int, lifecycle: Lifecycle,
-                 register_timeout_s: Optional[float] = None, key: str = "") -> None:
+                 register_timeout_s: Optional[float] = None, key: str = "",
+                 cache: Optional[tuple[BlockStore, BlockWriter]] = None) -> None:
         self.addr = addr
+        self.cache = cache  # the block cache (store, background writer), or None
         self.key = key  # this process's X25519 public key (hex), for clients' sealed frames
         self.allowlist = allowlist
         self.coalesce_gap = coalesce_gap
@@ -142,7 +147,9 @@ class Registrar:
         if not self.allowlist.allows(spec.table.path):
             raise TableRefused(f"the master's job reads table {spec.table.path!r}, outside this "
                                "worker's --allow-table prefixes; refusing to serve it")
-        processor = SplitProcessor(bind_schema(spec, reply.schema), self.coalesce_gap)
+        bound = bind_schema(spec, reply.schema)
+        cache = None if self.cache is None else JobCache(*self.cache, bound)
+        processor = SplitProcessor(bound, self.coalesce_gap, cache)
         processor.warm_up()
         return processor, reply.fingerprint
 
