@@ -161,3 +161,22 @@ def test_a_keyed_cache_refuses_blocks_written_without_the_key(tables, tmp_path):
 def _part(task, lo: int, hi: int, directive):
     """Rows [lo, hi) of the task's epoch split (of its base split's shuffled order)."""
     return replace(task, row_lo=task.row_lo + lo, row_hi=task.row_lo + hi, cache=directive)
+
+
+def test_local_dataset_uses_the_same_cache_path(tables, tmp_path):
+    from remoteloader import LocalDataset
+
+    spec = spec_dict(tables["orc"], shuffle=True, seed=3, cache={"mode": "auto", "expected_epochs": 2})
+    plain = LocalDataset(dict(spec, cache={"mode": "off"}))
+    cached = LocalDataset(spec, cache=str(tmp_path / "local-cache"))
+    for epoch in (0, 1):
+        plain.set_epoch(epoch)
+        cached.set_epoch(epoch)
+        assert [_batch_bytes(b) for b in cached] == [_batch_bytes(b) for b in plain]
+        assert list((tmp_path / "local-cache").rglob("*.seg"))  # auto with 2 expected epochs writes
+
+
+def _batch_bytes(batch) -> tuple:
+    return (batch.dense_features.numpy().tobytes(), batch.labels.numpy().tobytes(),
+            batch.sparse_features.values().numpy().tobytes(), batch.sparse_features.lengths().numpy().tobytes(),
+            {k: v.numpy().tobytes() for k, v in batch.passthrough.items()})

@@ -32,18 +32,31 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.plan import EpochSplit, make_task, plan_epoch, rank_shares
+from ..core.cache.job import JobCache
+from ..core.cache.location import ENV_CACHE, allowed_caches, open_cache, user_cache_dir
+from ..core.cache.writer import BlockWriter
 from ..core.processor import SplitProcessor
+from ..protocol import auth as cluster_auth
+from ..protocol.auth import ENV_AUTH
+from ..protocol.messages import CacheDirective
 from ..core.sampling import plan_job_splits
 from ..spec import DatasetSpec, load_spec
 from .assembly import EpochAssembler
 from .batch import Batch
 from .embedded import resolve_rank
 
+CLOSE_WRITER_S = 60.0
+
 
 class LocalDataset(IterableDataset):
     def __init__(self, spec: Union[DatasetSpec, dict, str, os.PathLike], *, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, epoch: int = 0) -> None:
+                 world_size: Optional[int] = None, epoch: int = 0, cache: Optional[str] = None) -> None:
+        """``cache``: the block cache's location (else ``$REMOTELOADER_CACHE``, else this
+        user's cache directory if the spec has a ``cache`` section); see ``_directive``."""
         self.spec = load_spec(spec)
+        mode = (self.spec.cache or {}).get("mode", "auto")
+        self.cache = None if mode == "off" else (
+            cache or os.environ.get(ENV_CACHE) or (user_cache_dir() if self.spec.cache is not None else None))
         self.rank, self.world_size = resolve_rank(rank, world_size)
         bound = bind(self.spec)
         self.schema = bound.schema
@@ -78,7 +91,9 @@ class LocalDataset(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         if self._bound is None:
             self._bound = bind_schema(self.spec, self.schema)
-        processor = SplitProcessor(self._bound)
+        cache = self._open_cache()
+        processor = SplitProcessor(self._bound, cache=cache)
+        directive = None if cache is None else _directive(self.spec, self._bound.pipeline.feature_names)
         info = get_worker_info()
         shard, shards = (info.id, info.num_workers) if info is not None else (0, 1)
         spec, epoch = self.spec, self.epoch
@@ -90,19 +105,41 @@ class LocalDataset(IterableDataset):
         plan = _rows_between(mine, first * spec.batch_size, min(stop * spec.batch_size, rows))
         assembler = EpochAssembler([(s.id, s.rows) for s in plan], spec.batch_size, spec.drop_last)
         keys = self._bound.sparse_keys
-        for split in plan:
-            task = make_task(self.files, self.base[split.base], split, epoch)
-            for piece in processor.pieces(task):
-                batch = Batch.from_numpy(piece.arrays, keys, self._bound.pipeline.sparse_scored)
-                assembler.add(piece.split_id, piece.index, batch.as_padding() if split.padding else batch)
-                yield from self._drain(assembler)
-        yield from self._drain(assembler)
+        try:
+            for split in plan:
+                task = make_task(self.files, self.base[split.base], split, epoch, cache=directive)
+                for piece in processor.pieces(task):
+                    batch = Batch.from_numpy(piece.arrays, keys, self._bound.pipeline.sparse_scored)
+                    assembler.add(piece.split_id, piece.index, batch.as_padding() if split.padding else batch)
+                    yield from self._drain(assembler)
+            yield from self._drain(assembler)
+        finally:
+            if cache is not None:
+                cache.writer.close(CLOSE_WRITER_S)  # this process may end with the epoch: finish the puts
+                cache.store.close()
+
+    def _open_cache(self) -> Optional[JobCache]:
+        if self.cache is None:
+            return None
+        auth_dir = os.environ.get(ENV_AUTH)
+        store = open_cache(self.cache, allowed_caches(None), cluster_auth.load(auth_dir) if auth_dir else None)
+        return JobCache(store, BlockWriter(store), self._bound)
 
     @staticmethod
     def _drain(assembler: EpochAssembler) -> Iterator[Batch]:
         while (ready := assembler.next_ready()) is not None:
             assembler.consume(ready)
             yield ready.batch
+
+
+def _directive(spec: DatasetSpec, features: Sequence[str]) -> Optional[CacheDirective]:
+    """Local mode has no master, so no measured policy: ``auto`` writes what it computes
+    when the spec expects more than one epoch and only reads otherwise; ``read`` reads;
+    ``write-all`` reads and writes."""
+    mode = (spec.cache or {}).get("mode", "auto")
+    write = mode == "write-all" or (mode == "auto" and (spec.cache or {}).get("expected_epochs", 1) > 1)
+    return CacheDirective(features=list(features), sources=[], write_features=list(features) if write else [],
+                          write_sources=[])
 
 
 def _rows_between(splits: Sequence[EpochSplit], lo: int, hi: int) -> list[EpochSplit]:

@@ -107,8 +107,7 @@ class CachePlanner:
         if mode == "write-all":
             return CacheDirective(features=cacheable, sources=[], write_features=cacheable, write_sources=[])
         if mode == "read":
-            return CacheDirective(features=cacheable, sources=list(pipeline.input_columns), write_features=[],
-                                  write_sources=[])
+            return CacheDirective(features=cacheable, sources=[], write_features=[], write_sources=[])
         if not state.cache_plan:  # auto, nothing decided yet: use what other jobs cached, write nothing
             return CacheDirective(features=cacheable, sources=[], write_features=[], write_sources=[])
         groups = {g.name: g for g in self.groups(state, bound)}
@@ -222,6 +221,8 @@ class CachePlanner:
         if bound is None or state.job is None:
             return out
         out["mode"] = cache_mode(bound)
+        if out["mode"] != "auto":
+            return out
         m = self.ledger.measured
         out["read_bytes_per_s"], out["write_bytes_per_s"] = m.read_bps, m.write_bps
         plan = state.cache_plan

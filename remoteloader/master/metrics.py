@@ -39,13 +39,14 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from ..protocol.messages import DISCARD_REASONS, MASTER_REQUESTS, Error, MasterReply, Message, tag
+from ..protocol.messages import DISCARD_REASONS, CacheStats, MASTER_REQUESTS, Error, MasterReply, Message, tag
 
 # Cumulative counters in worker and client heartbeat stats (nested dicts are flattened
 # with dots: ``io.requests``). ``wait_buckets.N``: per-bucket counts of per-batch waits,
 # if a client reports them (with the bucket bounds in ``wait_le``).
 CUMULATIVE = frozenset({"rows", "batches", "splits", "busy_s", "wait_s", "starved_s", "epoch_start_s",
-                        "io.requests", "io.bytes_requested", "io.bytes_needed", "io.splits"})
+                        "io.requests", "io.bytes_requested", "io.bytes_needed", "io.splits",
+                        *(f"cache.{name}" for name in CacheStats.__struct_fields__)})
 # ``discarded.<reason>``: pieces a worker threw away, by reason (the wire admits only
 # ``DISCARD_REASONS``), exported at zero from the start so that ``rate()`` sees the first one.
 _DISCARDED = frozenset(f"discarded.{reason}" for reason in DISCARD_REASONS)
