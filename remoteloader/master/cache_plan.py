@@ -37,6 +37,26 @@ def cache_mode(bound: BoundDataset) -> str:
     return (bound.spec.cache or {}).get("mode", "auto")
 
 
+def probe_rates(store: BlockStore, nbytes: int = PROBE_BYTES) -> Optional[tuple[float, float]]:
+    """(read, write) bytes/s of one write and one read of ``nbytes``, so the first decision
+    has rates before any worker has read or written a block; None if the probe failed."""
+    column = DenseColumn(np.random.default_rng().random(nbytes // 4, dtype=np.float32))
+    key = digest("probe", time.time_ns())
+    try:
+        start = time.perf_counter()
+        written = store.write(key, {"probe": column})
+        wrote = time.perf_counter()
+        found = store.lookup(key, ["probe"]).found
+        read = time.perf_counter()
+        store.remove(key)
+    except Exception as e:  # noqa: BLE001 - a probe failure leaves the rates to the workers
+        log.warning("cache probe of %s failed: %s", redact(store.uri), e)
+        return None
+    if "probe" not in found:
+        return None
+    return written / max(read - wrote, 1e-6), written / max(wrote - start, 1e-6)
+
+
 class CostLedger:
     """Workers' cumulative job costs turned into job totals that survive worker restarts."""
 
@@ -194,23 +214,8 @@ class CachePlanner:
                 for g in groups}
 
     def _probe(self) -> None:
-        """Time one write and one read of PROBE_BYTES, so the first decision has rates
-        before any worker has read or written a block."""
         assert self.store is not None
-        column = DenseColumn(np.random.default_rng().random(PROBE_BYTES // 4, dtype=np.float32))
-        key = digest("probe", time.time_ns())
-        try:
-            start = time.perf_counter()
-            written = self.store.write(key, {"probe": column})
-            wrote = time.perf_counter()
-            found = self.store.lookup(key, ["probe"]).found
-            read = time.perf_counter()
-            self.store.remove(key)
-        except Exception as e:  # noqa: BLE001 - a probe failure leaves the rates to the workers
-            log.warning("cache probe of %s failed: %s", redact(self.store.uri), e)
-            return
-        if "probe" in found:
-            self.probed = (written / max(read - wrote, 1e-6), written / max(wrote - start, 1e-6))
+        self.probed = probe_rates(self.store)
 
     # -- status -------------------------------------------------------------------------------
     def status(self, state: JobState, bound: Optional[BoundDataset], worker_totals: dict) -> Optional[dict]:
