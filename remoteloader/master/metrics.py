@@ -241,6 +241,24 @@ def families(reading: dict) -> list[Metric]:
          "(read_bytes / needed_bytes is the over-read).", "io.bytes_needed"),
     ]:
         counter(name, doc, samples=[(wt.get(field, 0.0),)])
+    for name, doc, field in [
+        ("remoteloader_cache_hits", "Cache blocks workers found (verified).", "hits"),
+        ("remoteloader_cache_misses", "Cache blocks workers looked up and did not find (computed instead).", "misses"),
+        ("remoteloader_cache_puts", "Cache segments workers wrote.", "puts"),
+        ("remoteloader_cache_put_bytes", "Bytes of the cache segments workers wrote.", "put_bytes"),
+        ("remoteloader_cache_corrupt_blocks", "Cache blocks refused for a bad checksum or MAC (also blocks "
+         "written without the cluster key), computed instead.", "corrupt"),
+        ("remoteloader_cache_unverifiable_blocks", "Keyed cache blocks a worker without the key could not check.",
+         "unverifiable"),
+        ("remoteloader_cache_faults", "Cache listings, reads or writes that failed or timed out.", "faults"),
+        ("remoteloader_cache_dropped_puts", "Cache writes dropped because the background writer was full.",
+         "dropped"),
+        ("remoteloader_cache_read_bytes", "Bytes workers read from the cache.", "bytes_read"),
+        ("remoteloader_cache_read_seconds", "Seconds workers spent reading the cache.", "read_seconds"),
+        ("remoteloader_cache_write_seconds", "Seconds workers' background writers spent writing the cache.",
+         "write_seconds"),
+    ]:
+        counter(name, doc, samples=[(wt.get("cache." + field, 0.0),)])
     counter("remoteloader_worker_pieces_discarded", "Batch pieces workers threw away instead of delivering "
             "(their splits are handed back and produced again if still needed), by reason.", ["reason"],
             [(reason, wt.get(f"discarded.{reason}", 0.0)) for reason in DISCARD_REASONS])
