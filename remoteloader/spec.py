@@ -83,6 +83,7 @@ class DatasetSpec:
     on_error: str = "fail"
     autoscale: Optional[dict] = None  # {min_workers, max_workers}: let the master size the worker pool
     cache: Optional[dict] = None  # {mode, expected_epochs}: the block cache (docs/cache.md); None: mode auto
+    order: Optional[dict] = None  # {deterministic, cycle}: a rank's batch order as a pure function (guarantees.md)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -140,7 +141,14 @@ class DatasetSpec:
             out["autoscale"] = dict(self.autoscale)
         if self.cache is not None:
             out["cache"] = dict(self.cache)
+        if self.order is not None:
+            out["order"] = dict(self.order)
         return out
+
+    @property
+    def cycle(self) -> Optional[int]:
+        """The interleave cycle of a deterministic order; None: batches come in arrival order."""
+        return self.order["cycle"] if self.order is not None and self.order["deterministic"] else None
 
     def fingerprint(self) -> str:
         """Identity of the job: two clients may share a master only with equal fingerprints."""
@@ -155,10 +163,13 @@ class DatasetSpec:
 
 # -- parsing ---------------------------------------------------------------------------
 _TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling", "on_error",
-             "autoscale", "cache"}
+             "autoscale", "cache", "order"}
 _AUTOSCALE_KEYS = {"min_workers", "max_workers"}
 _CACHE_KEYS = {"mode", "expected_epochs"}
 CACHE_MODES = ("auto", "off", "read", "write-all")
+_ORDER_KEYS = {"deterministic", "cycle"}
+DEFAULT_CYCLE = 4
+MAX_CYCLE = 1024
 _TABLE_KEYS = {"path", "format", "partitions"}
 _FEATURE_GROUP_KEYS = {"label", "dense", "sparse", "passthrough"}
 _FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
@@ -260,6 +271,7 @@ def _parse(data: Any, base_dir: Path) -> DatasetSpec:
         on_error=_typed(top.get("on_error", "fail"), (str,), "on_error", "'fail' or 'skip'"),
         autoscale=_parse_autoscale(top.get("autoscale")),
         cache=_parse_cache(top.get("cache")),
+        order=_parse_order(top.get("order")),
     )
     _check_batching(spec)
     return spec
@@ -316,6 +328,21 @@ def _parse_cache(value: Any) -> Optional[dict]:
             raise SpecError("cache.expected_epochs: must be at least 1")
         out["expected_epochs"] = epochs
     return out
+
+
+def _parse_order(value: Any) -> Optional[dict]:
+    """``order: {deterministic, cycle}``: with ``deterministic: true`` a rank's batches come in
+    an order that is a pure function of the table, spec, seed, epoch and world size, an
+    interleave of ``cycle`` splits at a time (a property of the job, never of the workers)."""
+    if value is None:
+        return None
+    o = _mapping(value, "order")
+    _no_unknown(o, _ORDER_KEYS, "order")
+    deterministic = _typed(o.get("deterministic", False), (bool,), "order.deterministic", "true or false")
+    cycle = _typed(o.get("cycle", DEFAULT_CYCLE), (int,), "order.cycle", "a positive integer")
+    if not 1 <= cycle <= MAX_CYCLE:
+        raise SpecError(f"order.cycle: {cycle} is not between 1 and {MAX_CYCLE}")
+    return {"deterministic": deterministic, "cycle": cycle}
 
 
 def _list(value: Any, key: str) -> Sequence:

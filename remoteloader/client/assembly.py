@@ -10,15 +10,23 @@ Workers send each split as full batches plus one short tail piece. ``EpochAssemb
 * records what the training loop has consumed: per split, whole pieces plus the rows
   already taken from a partly used tail. That is the checkpoint state and the source
   of the acks that let the master retire splits.
+
+With a ``cycle`` (spec ``order: {deterministic: true}``), pieces are routed in the rank's
+schedule order (``core/schedule.py``), not in arrival order: a piece that arrives ahead of
+the schedule waits (``waiting``) until every piece before it has been routed. What the
+training loop has consumed is then always a prefix of the schedule, so the per-split
+state above identifies the position exactly, and a resumed run (the schedule less the
+consumed pieces, a partly used tail re-added at its place) yields the same batches.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 from .batch import Batch, concat_rows
 from ..core.plan import pieces_of
+from ..core.schedule import rank_schedule
 
 
 @dataclass
@@ -55,7 +63,10 @@ class _Tail:
 
 class EpochAssembler:
     def __init__(self, splits: list[tuple[int, int]], batch_size: int, drop_last: bool,
-                 consumed: Optional[dict[int, tuple[int, int]]] = None) -> None:
+                 consumed: Optional[dict[int, tuple[int, int]]] = None, cycle: Optional[int] = None,
+                 padding: Collection[int] = ()) -> None:
+        """``splits``: (split id, rows) in plan order; ``padding``: the ids of padding splits;
+        ``cycle``: route in the deterministic schedule's order (None: in arrival order)."""
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.cursors = {sid: SplitCursor(rows, pieces_of(rows, batch_size)) for sid, rows in splits}
@@ -70,6 +81,13 @@ class EpochAssembler:
         self._ready: deque[Ready] = deque()
         self._final_emitted = False
         self.dirty: set[int] = set()  # splits whose consumed count changed since the last ack
+        # Deterministic order: the schedule's pieces not yet routed, and those that arrived early.
+        self._schedule: Optional[deque] = None
+        self._waiting: dict[tuple[int, int], Batch] = {}
+        if cycle is not None:
+            padded = set(padding)
+            order = rank_schedule([(sid, rows, sid in padded) for sid, rows in splits], batch_size, cycle)
+            self._schedule = deque((sid, p) for sid, p in order if p >= self.cursors[sid].consumed_pieces)
 
     # -- input ---------------------------------------------------------------------------
     def wants(self, split_id: int, piece: int) -> bool:
@@ -82,6 +100,30 @@ class EpochAssembler:
         c.next_piece += 1
         start = c.consumed_rows_in_piece if piece == c.consumed_pieces else 0  # after resume: rows already used
         self.received_rows += len(batch) - start
+        if self._schedule is None:
+            self._route(split_id, piece, batch, start)
+            return
+        self._waiting[split_id, piece] = batch
+        self._advance()
+
+    def _advance(self) -> None:
+        """Route the schedule's pieces that have arrived, in order, up to the first missing one."""
+        schedule = self._schedule
+        while schedule:
+            split_id, piece = schedule[0]
+            batch = self._waiting.pop((split_id, piece), None)
+            if batch is None:
+                c = self.cursors[split_id]
+                if c.skipped and piece >= c.next_piece:  # quarantined (on_error: skip): never coming
+                    schedule.popleft()
+                    continue
+                return
+            schedule.popleft()
+            c = self.cursors[split_id]
+            self._route(split_id, piece, batch, c.consumed_rows_in_piece if piece == c.consumed_pieces else 0)
+
+    def _route(self, split_id: int, piece: int, batch: Batch, start: int) -> None:
+        """A full piece is a batch of its own; a tail (or a partly consumed piece) waits to be merged."""
         if start == 0 and len(batch) == self.batch_size:
             self._ready.append(Ready(batch, [Contribution(split_id, piece, len(batch), True)]))
             return
@@ -89,6 +131,21 @@ class EpochAssembler:
         self._tail_rows += len(batch) - start
         while self._tail_rows >= self.batch_size:
             self._ready.append(self._cut(self.batch_size))
+
+    @property
+    def ordered(self) -> bool:
+        """Whether pieces are routed in a deterministic schedule's order."""
+        return self._schedule is not None
+
+    @property
+    def waiting(self) -> int:
+        """Pieces that arrived ahead of the schedule (deterministic order) and wait here."""
+        return len(self._waiting)
+
+    @property
+    def head(self) -> Optional[int]:
+        """The split of the schedule's next piece (deterministic order); None otherwise or at the end."""
+        return self._schedule[0][0] if self._schedule else None
 
     def skip_split(self, split_id: int) -> None:
         """A split quarantined by ``on_error: skip``: its missing rows are no longer expected."""
@@ -98,6 +155,8 @@ class EpochAssembler:
         c.skipped = True
         delivered = min(c.rows, c.next_piece * self.batch_size)
         self.expected_rows -= c.rows - delivered
+        if self._schedule is not None:
+            self._advance()
 
     # -- output ---------------------------------------------------------------------------
     @property
@@ -122,7 +181,7 @@ class EpochAssembler:
 
     @property
     def exhausted(self) -> bool:
-        return self.complete and not self._ready and not self._tail_rows
+        return self.complete and not self._ready and not self._tail_rows and not self._waiting
 
     def consume(self, ready: Ready) -> None:
         """The training loop has this batch: advance the consumed cursors."""

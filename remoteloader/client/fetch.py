@@ -59,6 +59,7 @@ class WorkerFetcher:
         self._keys: dict[str, str] = {}  # worker id -> its public key (membership)
         self.refused = 0  # sealed batches refused (counted in the client's stats)
         self.lost = False  # a refused batch claimed the current run: a genuine one may be lost
+        self.sender_of: dict[int, str] = {}  # split id -> the worker whose pieces of it came last
 
     def retarget(self, run: RunId) -> None:
         """Follow a rejoin: credit totals count anew for the new run (the worker knows nothing of it)."""
@@ -119,10 +120,13 @@ class WorkerFetcher:
         self.streams[wid] = Stream()
         self.poller.register(sock, zmq.POLLIN)
 
-    def top_up(self, queued: int) -> None:
+    def top_up(self, queued: int, urgent: Optional[str] = None) -> None:
         """Grant each worker credit up to its even share of the window, less what the loop
         has queued; in chunks, not piece by piece. Shares are independent: credit held by a
-        worker with nothing left to send must not starve the others."""
+        worker with nothing left to send must not starve the others. ``urgent``: a worker
+        that always keeps at least one piece of credit, however full the window (the one
+        producing the head of a deterministic schedule: the window may be full of pieces
+        that wait for it)."""
         self.window.queued(queued)  # a queue that never empties shrinks the window
         if not self.sockets:
             return
@@ -134,7 +138,10 @@ class WorkerFetcher:
             stream = self.streams[wid]
             pieces = max(0, min(share - stream.in_flight, free))
             low_bytes = stream.in_flight_bytes <= byte_share // 2
-            if pieces < max(1, share // 4) and not (low_bytes and stream.in_flight) \
+            must = wid == urgent and stream.in_flight == 0
+            if must:
+                pieces = max(pieces, 1)
+            elif pieces < max(1, share // 4) and not (low_bytes and stream.in_flight) \
                     and now - stream.last_grant < KEEPALIVE_S:
                 continue
             stream.granted += pieces
@@ -149,9 +156,13 @@ class WorkerFetcher:
                 make_header = lambda gen, nonce: wire.encode(_sealed(credit, gen, nonce))[0]  # noqa: E731
                 sock.send_multipart(peer.sealer.seal_frames(make_header, []))
 
-    def credit_limited(self) -> bool:
-        """Some worker held more pieces for us, when it sent its last one, than the credit
-        we still have out there covers: it has data and no credit to send it."""
+    def credit_limited(self, only: Optional[str] = None) -> bool:
+        """Some worker (``only`` that one, if given) held more pieces for us, when it sent its
+        last one, than the credit we still have out there covers: it has data and no credit
+        to send it."""
+        if only is not None:
+            stream = self.streams.get(only)
+            return stream is not None and stream.held > stream.in_flight
         return any(s.held > s.in_flight for s in self.streams.values())
 
     def holding(self) -> bool:
@@ -186,6 +197,8 @@ class WorkerFetcher:
                     log.warning("dropped a malformed batch message from worker %s: %s", wid, e)
                     continue
                 out.extend(batches)
+                for split_id, _, _ in batches:
+                    self.sender_of[split_id] = wid
         return out
 
     def _open(self, wid: str, raw: bytes, header: BatchHeader, frames: list) -> Optional[list]:

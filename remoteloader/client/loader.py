@@ -211,7 +211,8 @@ class RemoteDataLoader:
         reply = self.session.start_epoch(start)
         splits = {s.split_id: (s.rows, s.base_split, s.row_lo, s.padding) for s in reply.splits}
         assembler = EpochAssembler([(sid, s[0]) for sid, s in splits.items()], self.batch_size, self.drop_last,
-                                   consumed=consumed)
+                                   consumed=consumed, cycle=self.spec.cycle,
+                                   padding=[sid for sid, s in splits.items() if s[3]])
         run = EpochRun(epoch, start.done, splits, assembler)
         # The stream never pins: with pin_memory (or device) the staging thread does (staging.py).
         config = StreamConfig(self.rank, self.master, self.timeout, self._auth)

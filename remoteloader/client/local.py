@@ -103,7 +103,11 @@ class LocalDataset(IterableDataset):
         batches = rows // spec.batch_size if spec.drop_last else -(-rows // spec.batch_size)
         first, stop = batches * shard // shards, batches * (shard + 1) // shards
         plan = _rows_between(mine, first * spec.batch_size, min(stop * spec.batch_size, rows))
-        assembler = EpochAssembler([(s.id, s.rows) for s in plan], spec.batch_size, spec.drop_last)
+        # One reader of the rank's whole plan yields the deterministic schedule's sequence (the
+        # same as RemoteDataLoader's); several DataLoader workers each take a run of batches.
+        assembler = EpochAssembler([(s.id, s.rows) for s in plan], spec.batch_size, spec.drop_last,
+                                   cycle=spec.cycle if shards == 1 else None,
+                                   padding=[s.id for s in plan if s.padding])
         keys = self._bound.sparse_keys
         try:
             for split in plan:

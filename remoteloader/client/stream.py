@@ -75,6 +75,7 @@ class EpochStream:
         self.fetcher = WorkerFetcher(ctx, config.rank, session.run, credit, job.sparse_keys, job.sparse_scored,
                                      auth=config.auth)
         self.master_seen: Optional[str] = None  # the master process heard from last (membership.master)
+        self.holders: dict[int, str] = {}  # split id -> the worker producing it (membership.holders)
 
     def batches(self) -> Iterator[Batch]:
         run, assembler, fetcher = self.run, self.run.assembler, self.fetcher
@@ -96,13 +97,19 @@ class EpochStream:
                     control.wait_reply(HEARTBEAT_S)
                 self._take_control_reply(control)
                 ready = assembler.next_ready()
+                # Deterministic order: the worker producing the schedule's head must never be
+                # out of credit, and only its lack of credit is the window's fault (pieces of
+                # other splits arriving early would otherwise grow the window to its cap).
+                head = self._head_holder()
                 if ready is None and run.yielded and not window_checked:
                     window_checked = True  # once per wait, before granting more: was credit the limit?
-                    if fetcher.credit_limited():
+                    if (head is not None and fetcher.credit_limited(only=head)) if assembler.ordered \
+                            else fetcher.credit_limited():
                         self.credit.starved()
                 # Credit for what the loop will take next; also the keepalive that tells workers
-                # this rank is alive while it works through a deep queue.
-                fetcher.top_up(assembler.ready_count)
+                # this rank is alive while it works through a deep queue. Pieces waiting for
+                # their turn count against the window like queued batches.
+                fetcher.top_up(assembler.ready_count + assembler.waiting, urgent=head)
                 if ready is None:
                     starved = not fetcher.holding()
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
@@ -153,6 +160,14 @@ class EpochStream:
                 control.close()
             self.session.resume_point = None
             fetcher.close()
+
+    def _head_holder(self) -> Optional[str]:
+        """The worker producing the split at the head of the schedule (deterministic order):
+        as the master last said, else the one its pieces came from; None if unknown or unordered."""
+        head = self.run.assembler.head
+        if head is None:
+            return None
+        return self.holders.get(head) or self.fetcher.sender_of.get(head)
 
     def _wire_stats(self, queued: int):
         stats = self.stats.to_wire(queued)
@@ -218,6 +233,7 @@ class EpochStream:
             else:
                 reply = self.session.heartbeat(everything)
         self.master_seen = master
+        self.holders = {h.split_id: h.worker_id for h in reply.holders}
         self.fetcher.set_workers([(w.worker_id, w.addr, w.key) for w in reply.workers])
         for err in reply.errors:
             if not err.skipped:

@@ -75,6 +75,7 @@ class SplitTask:
     seq: int = 0
     fingerprint: str = ""
     cache: Optional[CacheDirective] = None  # what the split does with the block cache; None: nothing
+    order: Optional[list[int]] = None  # (cycle group, slot) in the rank's deterministic schedule; None: arrival order
 
     def to_wire(self) -> SplitTaskRecord:
         """The task as ``get_split`` answers it: its file lists only the split's units (a
@@ -210,12 +211,14 @@ def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, 
 
 
 def make_task(files: Sequence[DataFile], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0,
-              session: str = "", seq: int = 0, fingerprint: str = "", cache: Optional[CacheDirective] = None) -> SplitTask:
+              session: str = "", seq: int = 0, fingerprint: str = "", cache: Optional[CacheDirective] = None,
+              order: Optional[tuple[int, int]] = None) -> SplitTask:
     """What a worker needs to produce one epoch split (for the run ``seq`` of client ``session``)."""
     return SplitTask(epoch=epoch, split_id=split.id, rank=split.rank, base=base.id, file=files[base.file],
                      first_unit=base.first_unit, stop_unit=base.stop_unit, raw_rows=base.raw_rows,
                      position=base.position, base_rows=base.rows, row_lo=split.row_lo, row_hi=split.row_hi,
-                     skip=skip, session=session, seq=seq, fingerprint=fingerprint, cache=cache)
+                     skip=skip, session=session, seq=seq, fingerprint=fingerprint, cache=cache,
+                     order=None if order is None else list(order))
 
 
 def pieces_of(rows: int, batch_size: int) -> int:

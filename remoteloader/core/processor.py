@@ -24,6 +24,7 @@ from .binding import BoundDataset
 from .cache.costs import CostMeter
 from .cache.keys import SAMPLING_WEIGHTS
 from .plan import SplitTask, epoch_rng, pieces_of
+from .schedule import piece_key
 
 if TYPE_CHECKING:
     from .cache.job import JobCache
@@ -43,6 +44,7 @@ class Piece:
     source: "TransformedSplit"
     lo: int
     hi: int
+    order: Optional[tuple[int, int, int]] = None  # its key in the rank's deterministic schedule
 
     @property
     def arrays(self) -> dict[str, np.ndarray]:
@@ -74,7 +76,7 @@ class SplitProcessor:
         size = self.spec.batch_size
         for i in range(task.skip, pieces_of(task.row_hi - task.row_lo, size)):
             lo, hi = i * size, min((i + 1) * size, split.rows)
-            yield Piece(task.split_id, i, hi - lo, split, lo, hi)
+            yield Piece(task.split_id, i, hi - lo, split, lo, hi, None if task.order is None else piece_key(task.order, i))
 
     def transform(self, task: SplitTask) -> TransformedSplit:
         start = time.perf_counter()

@@ -18,6 +18,7 @@ import msgspec
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.cache.store import BlockStore
 from ..core.plan import make_task, plan_base_splits
+from ..core.schedule import split_order
 from ..core.popularity import record_projection
 from ..core.redact import redact, redact_text
 from ..core.sampling import sampled_splits
@@ -107,7 +108,9 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
                     redact_text(str(e))[:500], spec.split_rows)
         per_row = None
     base = plan_base_splits(files, spec.split_rows)
-    cap = split_rows_within(budget_bytes, per_row) if per_row is not None else None
+    # A deterministic order reads `cycle` splits of a rank at once: they must fit a worker together.
+    share = budget_bytes if spec.cycle is None else budget_bytes * 2 // (spec.cycle + 1)
+    cap = split_rows_within(share, per_row) if per_row is not None else None
     if cap is not None and base and max(s.raw_rows for s in base) > cap:
         planned = max(s.raw_rows for s in base)
         base = plan_base_splits(files, cap)
@@ -415,8 +418,10 @@ class MasterService:
         s = progress.split
         self._commit(U.SplitAssigned(run.epoch, s.id, m.worker_id, self.clock()))
         job = self.state.job
+        cycle = job.spec.cycle
         task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
-                         seq=run.seq, fingerprint=job.fingerprint, cache=self.cache.directive(self.state, self.bound))
+                         seq=run.seq, fingerprint=job.fingerprint, cache=self.cache.directive(self.state, self.bound),
+                         order=None if cycle is None else split_order(progress.position, cycle, s.padding))
         return M.Split(split=task.to_wire())
 
     def _on_split_produced(self, m: M.SplitProduced) -> Reply:
@@ -584,8 +589,12 @@ class MasterService:
                    for wid in self.state.partitions.get(rank, [])]
         run = self.state.ranks.get(rank)
         errors = self.state.errors_for(rank, run.epoch) if run is not None and run.seq == m.seq else []
+        holders = []
+        if run is not None and run.seq == m.seq and self.state.job.spec.cycle is not None:
+            holders = [M.SplitHolder(sid, worker) for sid in sorted(run.in_flight)
+                       if (worker := run.splits[sid].worker) is not None]
         return M.Membership(workers=workers, errors=[msgspec.convert(e, M.SplitError, from_attributes=True)
-                                                     for e in errors], master=self.incarnation)
+                                                     for e in errors], master=self.incarnation, holders=holders)
 
     def _on_finish_epoch(self, m: M.FinishEpoch) -> Reply:
         rank = self._require_client(m.session)

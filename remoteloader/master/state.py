@@ -53,6 +53,7 @@ class SplitProgress:
     assigned_at: float = 0.0
     produced: bool = False
     failed: Optional[str] = None
+    position: int = 0  # in its rank's plan: where it comes in a deterministic order
 
     @property
     def done(self) -> bool:
@@ -390,8 +391,8 @@ class JobState:
         assert self.job is not None and self.job.world_size is not None
         batch_size = self.job.spec.batch_size
         mine = self._plan(epoch).by_rank.get(rank, [])
-        return RankEpoch(epoch, session, seq, {s.id: SplitProgress(s, pieces_of(s.rows, batch_size)) for s in mine},
-                         deque(s.id for s in mine))
+        return RankEpoch(epoch, session, seq, {s.id: SplitProgress(s, pieces_of(s.rows, batch_size), position=i)
+                                               for i, s in enumerate(mine)}, deque(s.id for s in mine))
 
     def _on_SplitAssigned(self, u: U.SplitAssigned) -> None:
         rank_epoch, progress = self._owner(u.epoch, u.split_id)

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 11  # 11: block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 11  # 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -129,6 +129,13 @@ class EpochSplitInfo(Row):
     padding: bool  # repeats a row to even out batch counts
 
 
+class SplitHolder(Row):
+    """A split of the rank's run and the worker producing it."""
+
+    split_id: Count
+    worker_id: Id
+
+
 class WorkerAddr(Row):
     """A worker of the client's partition and its data endpoint."""
 
@@ -211,6 +218,9 @@ class SplitTaskRecord(Record):
     seq: Count
     fingerprint: Annotated[str, Meta(max_length=64)]
     cache: Optional[CacheDirective] = None  # None: the split does not touch the cache
+    # Deterministic order (spec order.deterministic): the split's (cycle group, slot) in its
+    # rank's schedule; the worker sends its pieces by key (group, piece, slot). None: arrival order.
+    order: Optional[Annotated[list[Count], Meta(min_length=2, max_length=2)]] = None
 
 
 class JobInfo(Record):
@@ -529,6 +539,9 @@ class Membership(MasterReply, tag="membership"):
     workers: Annotated[list[WorkerAddr], Meta(max_length=MAX_LIST)]
     errors: Annotated[list[SplitError], Meta(max_length=MAX_LIST)]
     master: Id = ""
+    # Deterministic order: which worker holds each of the run's splits in flight, [split id,
+    # worker id], so the client keeps credit at the worker holding the head of its schedule.
+    holders: Annotated[list[SplitHolder], Meta(max_length=MAX_LIST)] = []
 
 
 class Ok(MasterReply, tag="ok"):
@@ -586,7 +599,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     Credit, Batch)
 AnyMessage = Union[MESSAGE_TYPES]  # type: ignore[valid-type]
 RECORD_TYPES: tuple[type[Record], ...] = (
-    Ack, DoneRange, SplitRef, EpochSplitInfo, WorkerAddr, SplitError, JobInfo, SplitTaskRecord, FileRecord,
+    Ack, DoneRange, SplitRef, EpochSplitInfo, SplitHolder, WorkerAddr, SplitError, JobInfo, SplitTaskRecord, FileRecord,
     UnitRecord, TensorDesc, CacheDirective, CacheStats, Cost, JobCosts, WorkerStats, ProducingSplit, IOCounters,
     Discarded, ClientStats)
 MASTER_REQUESTS = frozenset(c.__struct_config__.tag for c in MESSAGE_TYPES

@@ -99,6 +99,9 @@ class PieceBuffer:
         self._unreleased: dict[str, set[tuple[int, int]]] = {}  # reason -> (epoch, split id)s to hand back
         self._splits: dict[int, _HeldSplit] = {}  # id of a TransformedSplit -> what is held of it
         self._largest = 0  # bytes of the largest split seen (of this job): the next one's estimate
+        # Deterministic order: a rank reads `cycle` splits at once, so its share holds at least
+        # that many splits' pieces (bytes still bound what is held: a piece is a view of its split).
+        self.min_share = 0
         self._warned_oversized = False
         self._cond = threading.Condition()
 
@@ -137,7 +140,7 @@ class PieceBuffer:
             if reason is not None:
                 self._discarded[reason] += 1
                 return Outcome("dropped", reason)
-            self._queues.setdefault(run.id, deque()).append(piece)
+            _enqueue(self._queues.setdefault(run.id, deque()), piece)
             self._runs[run.id] = run
             self._count += 1
             self._enter(run.id, piece)
@@ -227,7 +230,12 @@ class PieceBuffer:
             if run not in self._runs:  # its session went away meanwhile: nobody needs these pieces
                 self._discarded[SESSION_GONE] += len(pieces)
                 return
-            self._queues.setdefault(run, deque()).extendleft(reversed(pieces))
+            queue = self._queues.setdefault(run, deque())
+            if pieces and pieces[0].order is not None:
+                for piece in pieces:
+                    _enqueue(queue, piece)
+            else:
+                queue.extendleft(reversed(pieces))
             self._count += len(pieces)
             for piece in pieces:
                 self._enter(run, piece)
@@ -350,7 +358,7 @@ class PieceBuffer:
         cutoff = self._clock() - self.silent_after_s
         live = sum(1 for _, state in self._sessions.items()
                    if state.rank is not None and state.heard > cutoff and not state.silent)
-        return max(1, self.capacity // max(1, live))
+        return max(1, self.capacity // max(1, live), self.min_share)
 
     # Bytes: a handful of splits are held at a time, so these sums are short.
     def _hold(self, run: Run, piece: Piece) -> None:
@@ -393,9 +401,15 @@ class PieceBuffer:
     def _ahead_bytes(self) -> int:
         return sum(h.nbytes for h in self._splits.values() if self._sessions.is_ahead(h.run))
 
+    def _capacity(self) -> int:
+        """The capacity, raised to every live rank's minimum share in deterministic order."""
+        if not self.min_share:
+            return self.capacity
+        return max(self.capacity, self.min_share * max(1, len(self._held_sessions() | self._hungry)))
+
     def _room_for_pieces(self) -> bool:
-        count = self._current_count()
-        return count < HARD_LIMIT * self.capacity and (count < self.capacity or bool(self._hungry))
+        count, capacity = self._current_count(), self._capacity()
+        return count < HARD_LIMIT * capacity and (count < capacity or bool(self._hungry))
 
     def _room_for_bytes(self) -> bool:
         """Whether the producer may take another split, by bytes (module docstring)."""
@@ -413,4 +427,17 @@ class PieceBuffer:
         return bool(starving) and need <= HARD_LIMIT * self.budget_bytes
 
     def _full_for(self, session: str) -> bool:
-        return self._session_current(session) >= self._share() or self._current_count() >= HARD_LIMIT * self.capacity
+        return self._session_current(session) >= self._share() or self._current_count() >= HARD_LIMIT * self._capacity()
+
+
+def _enqueue(queue: deque, piece: Piece) -> None:
+    """Append ``piece``, or in deterministic order insert it by its schedule key, so the
+    pusher always sends the rank's earliest piece it holds (pieces mostly come in order:
+    the scan from the right is short)."""
+    if piece.order is None or not queue or queue[-1].order is None or queue[-1].order <= piece.order:
+        queue.append(piece)
+        return
+    i = len(queue)
+    while i > 0 and queue[i - 1].order > piece.order:
+        i -= 1
+    queue.insert(i, piece)

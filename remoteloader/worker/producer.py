@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import zmq
 
 from ..core.allowlist import TableAllowlist
+from ..core.plan import pieces_of
 from ..core.processor import SplitError, SplitTask
 from ..protocol import messages as M
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
@@ -114,6 +115,9 @@ class Producer:
             self._release(rpc, session, task, unwanted)
             return
         self.stats.producing = [task.epoch, task.split_id, 0]
+        spec = session.processor.spec
+        if spec.cycle is not None:  # a deterministic order reads `cycle` splits of a rank at once
+            self.buffer.min_share = spec.cycle * pieces_of(spec.split_rows, spec.batch_size)
         try:
             outcome, failure = self._produce(session, task, run, notify)
             if failure is not None:

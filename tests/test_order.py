@@ -1,0 +1,174 @@
+"""Deterministic order with real processes: a rank's per-batch digest sequence is the same
+with 1, 2 or 4 workers, through a worker SIGKILLed mid-epoch, a master SIGKILLed and
+restarted on its journal, workers added and drained mid-epoch (what the autoscaler does),
+and a state_dict() loaded into a new process; every row exactly once, per rank on 2 ranks."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from remoteloader import RemoteDataLoader
+from tests.conftest import ROWS, master_status, spec_dict
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def order_spec(tables, **overrides) -> dict:
+    return spec_dict(tables["orc"], shuffle=True, seed=5, order={"deterministic": True, "cycle": 3}, **overrides)
+
+
+def digest(batch) -> str:
+    kjt = batch.sparse_features
+    parts = (batch.dense_features, batch.labels, batch.passthrough["row_id"], kjt.values(), kjt.lengths())
+    return hashlib.sha1(b"".join(t.numpy().tobytes() for t in parts)).hexdigest()[:16]
+
+
+def consume(loaders, on_batch=None) -> list[list]:
+    """Every rank's batches, the ranks taking turns (as under DDP); ``on_batch(rank, i)`` after each."""
+    its, out, done = [iter(x) for x in loaders], [[] for _ in loaders], [False] * len(loaders)
+    while not all(done):
+        for r, it in enumerate(its):
+            if done[r]:
+                continue
+            try:
+                out[r].append(next(it))
+            except StopIteration:
+                done[r] = True
+                continue
+            if on_batch is not None:
+                on_batch(r, len(out[r]) - 1)
+    return out
+
+
+def sequences(per_rank) -> list[list[str]]:
+    rows = [r for batches in per_rank for b in batches for r in b.passthrough["row_id"].tolist()]
+    assert sorted(rows) == list(range(ROWS)), "every row exactly once"
+    return [[digest(b) for b in batches] for batches in per_rank]
+
+
+def run(addr: str, spec: dict, world: int = 1, on_batch=None) -> list[list[str]]:
+    loaders = [RemoteDataLoader(spec, master=addr, rank=r, world_size=world, timeout=90) for r in range(world)]
+    try:
+        return sequences(consume(loaders, on_batch))
+    finally:
+        for x in loaders:
+            x.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tables, tmp_path_factory):
+    """The sequences on 1 and on 2 ranks, with 2 workers and nothing going wrong."""
+    from tests.conftest import Cluster
+
+    cluster = Cluster()
+    try:
+        master = cluster.master(workers=2)
+        return {world: run(master.addr, order_spec(tables), world) for world in (1, 2)}
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_sequence_is_the_same_whatever_the_number_of_workers(tables, cluster, reference, workers, world):
+    master = cluster.master(workers=workers)
+    assert run(master.addr, order_spec(tables), world) == reference[world]
+
+
+def test_a_worker_sigkilled_mid_epoch_changes_nothing(tables, cluster, reference):
+    master = cluster.master(workers=2)
+    victim = master.worker_pids()[0]
+
+    def kill(rank, i):
+        if rank == 0 and i == 5:
+            os.kill(victim, signal.SIGKILL)
+
+    assert run(master.addr, order_spec(tables), 2, kill) == reference[2]
+
+
+def test_a_master_sigkilled_and_restarted_on_its_journal_changes_nothing(tables, cluster, reference, tmp_path):
+    args = ("--journal", str(tmp_path / "journal"), "--heartbeat-timeout", "3")
+    master = cluster.master(*args, workers=0)
+    cluster.workers(master.addr, 2)
+
+    def restart(rank, i):
+        if rank == 0 and i == 6:
+            master.kill()
+            time.sleep(0.5)
+            cluster.master(*args, workers=0, bind=master.addr)
+
+    assert run(master.addr, order_spec(tables), 2, restart) == reference[2]
+
+
+def test_workers_added_and_drained_mid_epoch_change_nothing(tables, cluster, reference):
+    """What the autoscaler does to a running epoch: new workers join the partition, others drain."""
+    master = cluster.master(workers=1)
+    added: list = []
+
+    def scale(rank, i):
+        if rank == 0 and i == 2:
+            added.extend(cluster.workers(master.addr, 2))
+        if rank == 0 and i == 8:
+            added[0].send_signal(signal.SIGTERM)  # scale-down: it drains and leaves
+
+    assert run(master.addr, order_spec(tables), 2, scale) == reference[2]
+
+
+def test_the_autoscaler_growing_the_fleet_mid_epoch_changes_nothing(tables, cluster, reference):
+    """Slowed workers and trainers flat out: the autoscaler adds workers during the epoch."""
+    master = cluster.master("--autoscale", "--min-workers", "1", "--max-workers", "3",
+                            "--worker-args", "--inject-batch-delay 0.8", workers=0)
+    assert run(master.addr, order_spec(tables), 2) == reference[2]
+    grew = [d for d in master_status(master.addr)["autoscaler"] if d.get("action") == "add"]
+    assert grew, master_status(master.addr)["autoscaler"]
+
+
+RESUME = """
+import json, sys, torch
+from remoteloader import RemoteDataLoader
+from tests.test_order import digest
+spec, addr, state_path, world = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+states = torch.load(state_path)
+out = []
+for rank in range(world):
+    loader = RemoteDataLoader(spec, master=addr, rank=rank, world_size=world, timeout=90)
+    loader.load_state_dict(states[rank])
+    out.append([digest(b) for b in loader])
+    loader.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_state_dict_loaded_in_a_new_process_continues_the_same_sequence(tables, cluster, reference, tmp_path,
+                                                                          world):
+    master = cluster.master(workers=2)
+    spec = order_spec(tables)
+    loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=world, timeout=90) for r in range(world)]
+    its = [iter(x) for x in loaders]
+    first = [[digest(next(it)) for _ in range(4 + r)] for r, it in enumerate(its)]  # ranks stop at other batches
+    state_path = tmp_path / "state.pt"
+    torch.save([x.state_dict() for x in loaders], state_path)
+    for x in loaders:
+        x.close()
+    child = subprocess.run([sys.executable, "-c", RESUME, json.dumps(spec), master.addr, str(state_path), str(world)],
+                           capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert child.returncode == 0, child.stderr[-3000:]
+    rest = json.loads(child.stdout.strip().splitlines()[-1])
+    assert [f + r for f, r in zip(first, rest)] == reference[world]
+
+
+def test_local_dataset_yields_the_same_sequence(tables, reference):
+    from remoteloader import LocalDataset
+
+    per_rank = [list(LocalDataset(order_spec(tables), rank=r, world_size=2)) for r in range(2)]
+    assert sequences(per_rank) == reference[2]
