@@ -172,3 +172,22 @@ def test_local_dataset_yields_the_same_sequence(tables, reference):
 
     per_rank = [list(LocalDataset(order_spec(tables), rank=r, world_size=2)) for r in range(2)]
     assert sequences(per_rank) == reference[2]
+
+
+def test_a_resume_onto_another_world_size_is_exactly_once_and_itself_deterministic(tables, cluster):
+    master = cluster.master(workers=2)
+    spec = order_spec(tables)
+    loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
+    its = [iter(x) for x in loaders]
+    before = [next(it) for it in its for _ in range(3)]
+    state = {k: v for x in loaders for k, v in x.state_dict().items()}  # every old rank's part
+    for x in loaders:
+        x.close()
+    rests = []
+    for _ in range(2):  # the same saved position, resumed twice on one rank
+        loader = RemoteDataLoader(spec, master=master.addr, rank=0, world_size=1, timeout=90)
+        loader.load_state_dict(state)
+        rests.append(list(loader))
+        loader.close()
+    assert [digest(b) for b in rests[0]] == [digest(b) for b in rests[1]]
+    sequences([before + rests[0]])  # every row exactly once
