@@ -115,9 +115,8 @@ class Producer:
             self._release(rpc, session, task, unwanted)
             return
         self.stats.producing = [task.epoch, task.split_id, 0]
-        spec = session.processor.spec
-        if spec.cycle is not None:  # a deterministic order reads `cycle` splits of a rank at once
-            self.buffer.min_share = spec.cycle * pieces_of(spec.split_rows, spec.batch_size)
+        spec = session.processor.spec  # a deterministic order reads `cycle` splits of a rank at once
+        self.buffer.min_share = 0 if spec.cycle is None else spec.cycle * pieces_of(spec.split_rows, spec.batch_size)
         try:
             outcome, failure = self._produce(session, task, run, notify)
             if failure is not None:
