@@ -110,6 +110,9 @@ def test_a_second_job_reads_the_first_jobs_blocks_and_faults_change_nothing(tabl
     assert read["puts"] == 0 and read["corrupt"] == 0
     # Every lookup wants 7 blocks (float_0, f1, s0, s1, s2, label, row_id) and misses exactly s1 and s2.
     assert read["hits"] > 0 and read["hits"] * 2 == read["misses"] * 5, read
+    text = subprocess.run([str(BIN / "remoteloader"), "status", "--master", master.addr], capture_output=True,
+                          text=True, timeout=30).stdout
+    assert f"cache: {cache}  mode read  hits {read['hits']:,.0f}" in text, text
     master.stop()
 
     # A flipped byte in every segment: the same rows, the bad blocks counted and computed again.

@@ -142,6 +142,14 @@ def _status(args: argparse.Namespace) -> int:
         print(f"rank {rank}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
     for d in status.get("autoscaler", [])[-5:]:
         print(f"autoscaler: {d['action']} {d['count']} -> {d['workers']} workers: {d['reason']}")
+    cache = status.get("cache")
+    if cache:
+        n = cache.get("counters", {})
+        print(f"cache: {cache['location']}  mode {cache.get('mode', '?')}  hits {n.get('hits', 0):,.0f}  "
+              f"misses {n.get('misses', 0):,.0f}  puts {n.get('puts', 0):,.0f}  corrupt {n.get('corrupt', 0):,.0f}  "
+              f"faults {n.get('faults', 0):,.0f}  read {_mib(n.get('bytes_read', 0))} MiB")
+        for g in cache.get("groups", []):
+            print(f"  group {g['group']} ({', '.join(g['features'])}): {g['mode']}: {g['reason']}")
     for e in status["errors"]:
         print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
     return 0
