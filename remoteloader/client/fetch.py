@@ -120,19 +120,20 @@ class WorkerFetcher:
         self.streams[wid] = Stream()
         self.poller.register(sock, zmq.POLLIN)
 
-    def top_up(self, queued: int, urgent: Optional[str] = None) -> None:
+    def top_up(self, queued: int, urgent: Optional[str] = None, waiting: int = 0) -> None:
         """Grant each worker credit up to its even share of the window, less what the loop
         has queued; in chunks, not piece by piece. Shares are independent: credit held by a
         worker with nothing left to send must not starve the others. ``urgent``: a worker
         that always keeps at least one piece of credit, however full the window (the one
         producing the head of a deterministic schedule: the window may be full of pieces
-        that wait for it)."""
+        that wait for it). ``waiting``: pieces held back for their turn in that order: they
+        take room in the window but are not a queue the loop could take from."""
         self.window.queued(queued)  # a queue that never empties shrinks the window
         if not self.sockets:
             return
         n = len(self.sockets)
         share, byte_share = max(1, self.window.pieces // n), max(1, self.window.max_bytes // n)
-        free = self.window.pieces - queued
+        free = self.window.pieces - queued - waiting
         now = time.monotonic()
         for wid, sock in self.sockets.items():
             stream = self.streams[wid]

@@ -109,7 +109,7 @@ class EpochStream:
                 # Credit for what the loop will take next; also the keepalive that tells workers
                 # this rank is alive while it works through a deep queue. Pieces waiting for
                 # their turn count against the window like queued batches.
-                fetcher.top_up(assembler.ready_count + assembler.waiting, urgent=head)
+                fetcher.top_up(assembler.ready_count, urgent=head, waiting=assembler.waiting)
                 if ready is None:
                     starved = not fetcher.holding()
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))
