@@ -370,20 +370,10 @@ def test_cli_verify_with_auth(tmp_path, capsys, monkeypatch):
 @pytest.fixture(scope="module")
 def s3() -> Iterator[tuple[object, str]]:
     pytest.importorskip("moto.moto_server.werkzeug_app")
-    from tests.test_storage_s3 import Server
+    from tests.test_storage_s3 import moto_s3
 
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
-            env.setenv(key, value)
-        server = Server()
-        try:
-            endpoint = f"127.0.0.1:{server.port}"
-            pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
-                              allow_bucket_creation=True).create_dir("cache")
-            yield server, f"s3://cache/blocks?endpoint_override={endpoint}&scheme=http&region=us-east-1"
-        finally:
-            server.stop()
+    with moto_s3("cache") as (server, query):
+        yield server, f"s3://cache/blocks?{query}"
 
 
 def test_s3_store(s3, monkeypatch):

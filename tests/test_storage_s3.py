@@ -2,6 +2,7 @@
 counting the range GETs the server receives."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Iterator
 
@@ -55,8 +56,9 @@ class Server:
         self._thread.join()
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[tuple[Server, str]]:
+@contextlib.contextmanager
+def moto_s3(bucket: str) -> Iterator[tuple[Server, str]]:
+    """A moto S3 server with ``bucket`` made, and the URI query that reaches it."""
     with pytest.MonkeyPatch.context() as env:
         for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
@@ -65,10 +67,16 @@ def s3() -> Iterator[tuple[Server, str]]:
         try:
             endpoint = f"127.0.0.1:{server.port}"
             pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
-                              allow_bucket_creation=True).create_dir("tables")
+                              allow_bucket_creation=True).create_dir(bucket)
             yield server, f"endpoint_override={endpoint}&scheme=http&region=us-east-1"
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[tuple[Server, str]]:
+    with moto_s3("tables") as served:
+        yield served
 
 
 @pytest.fixture(scope="module", params=["orc", "parquet"])

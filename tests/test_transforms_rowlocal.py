@@ -27,6 +27,7 @@ from remoteloader.transforms.base import DENSE_FLOAT, DENSE_INT, SCORED, SPARSE
 from remoteloader.transforms.registry import BUILTINS
 
 from tests.transforms_reference import spec
+from tests.test_transforms_properties import _no_triples
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 # ROWLOCAL_EXAMPLES=2000 for a long soak; the default keeps the file at a few seconds.
@@ -123,15 +124,6 @@ def indices(draw, n):
 
 
 # -- parameters of every op -------------------------------------------------------------------------
-def _no_triples(xs):
-    out = []
-    for x in sorted(xs):
-        if len(out) >= 2 and out[-1] == out[-2] == x:
-            continue
-        out.append(x)
-    return out
-
-
 border_values = st.one_of(i64, st.floats(allow_nan=False), st.integers(-(2**70), 2**70), st.integers(-5, 5),
                           st.sampled_from([0.0, -0.0, 0.5, float("inf"), float("-inf")]))
 borders = st.lists(border_values, min_size=1, max_size=6).map(_no_triples)
