@@ -12,9 +12,12 @@ The other parameters stay with the wrapped filesystem's URI.
 
 A request is one read call on an open file (``read``/``read_at``: one storage round
 trip) or one metadata call (file info, listing); it sleeps ``latency + bytes /
-bandwidth``. Opening a file is free, as for a client that knows the size from the
-listing. Requests do not queue behind each other (concurrent reads overlap, as on an
-object store). ``SLOW_IO`` counts every request of the process.
+bandwidth``. Opening a file for reading is free, as for a client that knows the size from
+the listing. Writing is one request per opened output stream (one PUT, or one file's
+create-and-close): opening it sleeps the latency once, and every write call sleeps its
+bytes over the bandwidth. Moves, deletes and directory creation are free. Requests do
+not queue behind each other (concurrent reads overlap, as on an object store).
+``SLOW_IO`` counts every request of the process (writes apart from reads).
 """
 from __future__ import annotations
 
@@ -46,7 +49,9 @@ class SlowIOCounter:
     requests: int = 0
     metadata_requests: int = 0
     bytes: int = 0
-    seconds: float = 0.0  # simulated time slept
+    write_requests: int = 0  # output streams opened
+    bytes_written: int = 0
+    seconds: float = 0.0  # simulated time slept, reads and writes
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -60,15 +65,23 @@ class SlowIOCounter:
             self.bytes += nbytes
             self.seconds += seconds
 
+    def record_write(self, nbytes: int, seconds: float, opened: bool = False) -> None:
+        with self._lock:
+            self.write_requests += int(opened)
+            self.bytes_written += nbytes
+            self.seconds += seconds
+
     def reset(self) -> None:
         with self._lock:
             self.requests = self.metadata_requests = self.bytes = 0
+            self.write_requests = self.bytes_written = 0
             self.seconds = 0.0
 
     def snapshot(self) -> dict[str, Union[int, float]]:
         with self._lock:
             return {"requests": self.requests, "metadata_requests": self.metadata_requests,
-                    "bytes": self.bytes, "seconds": self.seconds}
+                    "bytes": self.bytes, "write_requests": self.write_requests,
+                    "bytes_written": self.bytes_written, "seconds": self.seconds}
 
 
 SLOW_IO = SlowIOCounter()
@@ -83,6 +96,17 @@ class Slowness:
         seconds = self.latency + nbytes / self.bandwidth
         time.sleep(seconds)
         SLOW_IO.record(nbytes, seconds, metadata)
+
+    def open_for_write(self) -> None:
+        """An output stream opened: one request's latency."""
+        time.sleep(self.latency)
+        SLOW_IO.record_write(0, self.latency, opened=True)
+
+    def written(self, nbytes: int) -> None:
+        """``nbytes`` written to an open output stream: their time at the bandwidth."""
+        seconds = nbytes / self.bandwidth
+        time.sleep(seconds)
+        SLOW_IO.record_write(nbytes, seconds)
 
 
 def is_slow_uri(path: str) -> bool:
@@ -148,6 +172,37 @@ class _SlowFile(io.RawIOBase):
         super().close()
 
 
+class _SlowOutput(io.RawIOBase):
+    """A write-only stream: the latency was paid when it was opened, each write pays its
+    bytes over the bandwidth."""
+
+    def __init__(self, inner: pa.NativeFile, slowness: Slowness):
+        super().__init__()
+        self._inner = inner
+        self._slowness = slowness
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self._inner.write(data)
+        self._slowness.written(n)
+        return n
+
+    def flush(self) -> None:
+        if not self._inner.closed:
+            self._inner.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._inner.close()
+        super().close()
+
+
 class _SlowHandler(pafs.FileSystemHandler):
     def __init__(self, inner: pafs.FileSystem, slowness: Slowness):
         self._inner = inner
@@ -181,7 +236,7 @@ class _SlowHandler(pafs.FileSystemHandler):
     def open_input_stream(self, path: str) -> pa.NativeFile:
         return self.open_input_file(path)
 
-    # Writes pass through unslowed: the simulation is about reading.
+    # Moves, deletes and directories pass through unslowed; output streams are slow (_SlowOutput).
     def create_dir(self, path: str, recursive: bool) -> None:
         self._inner.create_dir(path, recursive=recursive)
 
@@ -204,7 +259,11 @@ class _SlowHandler(pafs.FileSystemHandler):
         self._inner.copy_file(src, dest)
 
     def open_output_stream(self, path: str, metadata: Optional[dict] = None) -> pa.NativeFile:
-        return self._inner.open_output_stream(path, metadata=metadata)
+        return self._slow_output(self._inner.open_output_stream(path, metadata=metadata))
 
     def open_append_stream(self, path: str, metadata: Optional[dict] = None) -> pa.NativeFile:
-        return self._inner.open_append_stream(path, metadata=metadata)
+        return self._slow_output(self._inner.open_append_stream(path, metadata=metadata))
+
+    def _slow_output(self, inner: pa.NativeFile) -> pa.NativeFile:
+        self._slowness.open_for_write()
+        return pa.PythonFile(_SlowOutput(inner, self._slowness), mode="w")
