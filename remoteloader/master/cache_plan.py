@@ -80,6 +80,7 @@ class CostLedger:
         self._last[worker_id] = report
         self.rows += report["rows"] - (last["rows"] if last else 0)
         self.split_s += report["split_s"] - (last["split_s"] if last else 0.0)
+        self.measured.rows, self.measured.split_s = self.rows, self.split_s
         for table, key in ((self.measured.columns, "columns"), (self.measured.features, "features")):
             before = {c[0]: c for c in (last or {}).get(key, ())}
             for name, rows, seconds, nbytes in report[key]:

@@ -5,9 +5,12 @@ Features that share a table column form one **group** (the connected parts of th
 feature/column graph): a column is read once for all its features, so skipping its read
 is a decision about all of them together. For a group, per row of the table:
 
-* compute: decoding its columns plus transforming its features (measured by workers);
-* transformed: reading its features' blocks (their bytes over the cache's read rate);
-* source: reading its columns' raw blocks, then transforming as usual.
+* compute: decoding its columns plus transforming its features (measured by workers),
+  plus its share of what no column or feature is charged with (mostly the shuffle's
+  gather of the columns read), shared out by decoded bytes;
+* transformed: reading its features' blocks (their bytes over the cache's read rate),
+  and gathering them (that share, scaled by the blocks' bytes over the columns');
+* source: reading its columns' raw blocks, then transforming and gathering as usual.
 
 A mode other than compute pays a write once (bytes over the write rate) and saves
 ``compute - read`` on every later read of the row: the job's remaining epochs (from
@@ -75,6 +78,15 @@ class Measured:
     features: dict[str, list[float]] = field(default_factory=dict)
     read_bps: Optional[float] = None
     write_bps: Optional[float] = None
+    rows: float = 0.0  # of whole splits, with their seconds: what no column or feature is charged
+    split_s: float = 0.0  # (the shuffle's gather of the columns read, cutting pieces) comes from these
+
+    def unattributed_per_row(self) -> float:
+        """Split seconds a row that no column or feature was charged with."""
+        if self.rows < MIN_ROWS:
+            return 0.0
+        charged = sum(e[1] / e[0] for table in (self.columns, self.features) for e in table.values() if e[0])
+        return max(0.0, self.split_s / self.rows - charged)
 
     def per_row(self, table: str, names: Sequence[str]) -> Optional[tuple[float, float]]:
         """(seconds, bytes) a row for ``names`` together; None until each has MIN_ROWS rows."""
@@ -102,6 +114,10 @@ def choose(groups: Sequence[FeatureGroup], measured: Measured, reads: Mapping[st
     be read after this pass (remaining epochs plus other jobs)."""
     candidates: list[tuple[float, Choice]] = []
     out: dict[str, Choice] = {}
+    # The rest of a split's time (mostly the shuffle's gather of what was read) is shared out
+    # by the groups' decoded bytes; a group read as transformed blocks gathers those instead.
+    source_bytes = {g.name: (measured.per_row("columns", g.columns) or (0.0, 0.0))[1] for g in groups}
+    rest = measured.unattributed_per_row() / max(sum(source_bytes.values()), 1e-12)
     for g in groups:
         decode = measured.per_row("columns", g.columns)
         transform = measured.per_row("features", g.features)
@@ -115,14 +131,16 @@ def choose(groups: Sequence[FeatureGroup], measured: Measured, reads: Mapping[st
             out[g.name] = Choice(g.name, "compute", "the cache's read and write rates are not measured yet",
                                  final=False)
             continue
-        compute_s = decode[0] + transform[0]
+        gather_s = rest * decode[1]
+        compute_s = decode[0] + transform[0] + gather_s
         r = reads.get(g.name, 0.0)
         if r <= 0:
             out[g.name] = Choice(g.name, "compute", "no later read expected (expected_epochs, popularity)",
                                  compute_s=compute_s)
             continue
-        options = {"transformed": (transform[1] / measured.read_bps, transform[1]),
-                   "source": (decode[1] / measured.read_bps + transform[0], decode[1])}
+        shrink = min(1.0, transform[1] / decode[1]) if decode[1] else 1.0
+        options = {"transformed": (transform[1] / measured.read_bps + gather_s * shrink, transform[1]),
+                   "source": (decode[1] / measured.read_bps + transform[0] + gather_s, decode[1])}
         best = None
         for mode, (read_s, nbytes) in options.items():
             gain = r * (compute_s - read_s) - nbytes / measured.write_bps

@@ -8,11 +8,13 @@ A reader fetches the tail once, then only the byte ranges of the blocks it wants
 Every block carries a MAC over the split key, the block key, its canonical descriptor
 (kind, rows, arrays' names, dtypes and shapes; not the file offsets, which may move
 between writers) and its data bytes, so an edit of the footer is caught as surely as an
-edit of the data. Without ``--auth`` it is a plain blake2b checksum (storage faults);
-with it, blake2b keyed by a key derived from the cluster secret (a block written
-without the key is rejected). Segments are read from a shared location others may
-write, so nothing in a footer is trusted before it is checked: sizes, dtypes, shapes,
-offsets and, after the MAC, the sparse offsets' structure.
+edit of the data. Without ``--auth`` it is a plain CRC-32 (storage faults and torn
+writes, as HDFS checks blocks: anyone can compute it, and at 2.6 GB/s it costs a cached
+read little); with it, HMAC-SHA256 (truncated to 128 bits) under a key derived from the
+cluster secret (a block written without the key is rejected). Both run at the speed of
+the CPU's own instructions (SHA-NI, CLMUL), about twice blake2b's here. Segments are
+read from a shared location others may write, so nothing in a footer is trusted before it
+is checked: sizes, dtypes, shapes, offsets and, after the MAC, the sparse offsets' structure.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import hmac
 import json
 import re
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional, Union
 
@@ -38,11 +41,10 @@ ALIGN = 64
 MAX_FOOTER = 16 << 20  # a footer longer than this is refused unread
 MAX_BLOCKS = 100_000
 MAX_DIMS = 2
-PLAIN, KEYED = "blake2b", "blake2b-keyed"
+PLAIN, KEYED = "crc32", "hmac-sha256"
 _HKDF_INFO = b"remoteloader block cache v1"
-_PERSON = b"rlseg-v1"
-_DIGEST = 16
-_HEX_MAC = re.compile(r"[0-9a-f]{%d}" % (2 * _DIGEST))
+_DIGEST = 16  # bytes of the keyed MAC kept
+_HEX_MAC = re.compile(r"[0-9a-f]{8}|[0-9a-f]{%d}" % (2 * _DIGEST))  # a CRC-32, or a truncated HMAC
 KEY_PATTERN = re.compile(r"[0-9a-z_-][0-9a-z._-]{0,127}")  # no leading '.': never '.', '..' or hidden
 # dtype.str of every dtype a block may hold: little endian on storage on any host.
 DTYPES = frozenset(np.dtype(t).newbyteorder("<").str for t in (
@@ -111,15 +113,19 @@ class BlockSigner:
                            f"({footer.key_id}), cannot be checked here")
 
     def mac(self, split_key: str, block: "BlockDesc", data: list[Buffer]) -> str:
-        h = hashlib.blake2b(digest_size=_DIGEST, key=self._key or b"", person=_PERSON)
         descriptor = json.dumps([split_key, block.key, block.kind, block.rows,
                                  [[a.name, a.dtype, list(a.shape)] for a in block.arrays]],
                                 separators=(",", ":")).encode()
-        h.update(struct.pack("<I", len(descriptor)))
-        h.update(descriptor)
+        head = struct.pack("<I", len(descriptor)) + descriptor
+        if self._key is None:
+            crc = zlib.crc32(head)
+            for buf in data:
+                crc = zlib.crc32(buf, crc)
+            return f"{crc:08x}"
+        h = hmac.new(self._key, head, hashlib.sha256)
         for buf in data:
             h.update(buf)
-        return h.hexdigest()
+        return h.hexdigest()[:2 * _DIGEST]
 
 
 @dataclass(frozen=True)
