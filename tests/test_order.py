@@ -191,3 +191,27 @@ def test_a_resume_onto_another_world_size_is_exactly_once_and_itself_determinist
         loader.close()
     assert [digest(b) for b in rests[0]] == [digest(b) for b in rests[1]]
     sequences([before + rests[0]])  # every row exactly once
+
+
+def test_splits_far_larger_than_split_rows_do_not_hang(tmp_path, cluster):
+    """A split is whole stripes: with stripes of 40 pieces and split_rows of 4, a cycle of
+    4 splits is 160 pieces a rank, which the workers and the client must hold between them."""
+    from remoteloader.tools.datagen import generate_table
+
+    table = tmp_path / "t"
+    generate_table(str(table), rows=12_800, partitions=1, dense=2, sparse=2, format="orc", seed=4,
+                   stripe_rows=2560, progress=False)
+    spec = spec_dict(table, batch_size=64, split_rows=256, shuffle=True, order={"deterministic": True, "cycle": 4})
+    results = []
+    for workers in (1, 2):
+        master = cluster.master(workers=workers)
+        loader = RemoteDataLoader(spec, master=master.addr, timeout=60)
+        try:
+            batches = list(loader)
+        finally:
+            loader.close()
+        rows = sorted(r for b in batches for r in b.passthrough["row_id"].tolist())
+        assert rows == list(range(12_800))
+        results.append([digest(b) for b in batches])
+        master.stop()
+    assert results[0] == results[1]

@@ -109,7 +109,12 @@ class EpochStream:
                 # Credit for what the loop will take next; also the keepalive that tells workers
                 # this rank is alive while it works through a deep queue. Pieces waiting for
                 # their turn count against the window like queued batches.
-                fetcher.top_up(assembler.ready_count, urgent=head, waiting=assembler.waiting)
+                # When no worker holds the head yet (its split is not produced), what others push
+                # must not be held against them: their buffers full of this rank's later splits
+                # could keep them from ever taking the head's split. Deterministic order holds up
+                # to a cycle of the rank's splits, at the workers or here.
+                waiting = assembler.waiting if head is not None or assembler.head is None else 0
+                fetcher.top_up(assembler.ready_count, urgent=head, waiting=waiting)
                 if ready is None:
                     starved = not fetcher.holding()
                     arrivals = fetcher.poll(int(HEARTBEAT_S * 1000))

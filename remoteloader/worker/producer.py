@@ -52,6 +52,7 @@ class Producer:
         self.lifecycle = lifecycle
         self.current = current
         self.buffer = buffer
+        self._largest_split = ("", 0)  # (job, pieces of its largest split seen): deterministic order's share
         self.ctx = ctx
         self.connect = connect
         self.allowlist = allowlist
@@ -115,8 +116,7 @@ class Producer:
             self._release(rpc, session, task, unwanted)
             return
         self.stats.producing = [task.epoch, task.split_id, 0]
-        spec = session.processor.spec  # a deterministic order reads `cycle` splits of a rank at once
-        self.buffer.min_share = 0 if spec.cycle is None else spec.cycle * pieces_of(spec.split_rows, spec.batch_size)
+        self._order_share(session, task)
         try:
             outcome, failure = self._produce(session, task, run, notify)
             if failure is not None:
@@ -131,6 +131,20 @@ class Producer:
                                                         epoch=task.epoch, split_id=task.split_id))
         finally:
             self.stats.producing = None
+
+    def _order_share(self, session: WorkerSession, task: SplitTask) -> None:
+        """A deterministic order reads `cycle` splits of a rank at once: the buffer holds that
+        many of the job's largest splits for a rank (a split is whole stripes, so it may be
+        far larger than split_rows), else the pieces a rank waits for could never be made."""
+        spec = session.processor.spec
+        if spec.cycle is None:
+            self.buffer.min_share = 0
+            return
+        pieces = max(pieces_of(spec.split_rows, spec.batch_size), pieces_of(task.row_hi - task.row_lo, spec.batch_size))
+        if self._largest_split[0] != session.fingerprint:
+            self._largest_split = (session.fingerprint, 0)
+        self._largest_split = (session.fingerprint, max(self._largest_split[1], pieces))
+        self.buffer.min_share = spec.cycle * self._largest_split[1]
 
     def _produce(self, session: WorkerSession, task: SplitTask, run: Run,
                  notify: zmq.Socket) -> tuple[Outcome, Optional[str]]:
