@@ -209,7 +209,7 @@ def test_the_job_position_merges_every_rank_and_no_key_names_a_rank():
     spec = spec_of(batch_size=100)
     position = resume.job_position(two_rank_parts(spec))
     assert position == {"version": resume.STATE_VERSION, "spec": resume.spec_keys(spec), "plan": "plan-a",
-                        "epoch": 0, "done": [[3, 0, 250], [3, 400, 650]]}
+                        "epoch": 0, "done": [[3, 0, 250], [3, 400, 650]], "world_size": 2, "batch_size": 100}
     assert save_load(position) == position
 
 
@@ -222,7 +222,7 @@ def test_the_job_position_resumes_any_rank_of_any_world_size():
             assert (r.epoch, r.plan, r.done, r.consumed) == (0, "plan-a", [[3, 0, 250], [3, 400, 650]], {})
             # state_dict() before the epoch starts: this rank's part, and the job's position again.
             assert (r.part["rank"], r.part["world_size"]) == (rank, world)
-            assert resume.job_position({0: r.part}) == position
+            assert resume.job_position({0: r.part}) == dict(position, world_size=world)
 
 
 def test_a_resume_may_change_batch_size():
@@ -256,12 +256,27 @@ def test_another_incompatible_spec_is_refused_naming_the_key(change, key):
 
 def test_states_this_version_cannot_read_are_refused():
     spec = spec_of()
-    with pytest.raises(ValueError, match="version 2, this remoteloader reads version 3"):
+    with pytest.raises(ValueError, match="version 2, this remoteloader reads versions 3, 4"):
         resume.resume_of({"version": 2, "fingerprint": "f", "plan": "p", "epoch": 0, "done": []}, spec, 0, 1)
     with pytest.raises(ValueError, match=r"missing \['done'\]"):
         resume.resume_of({"version": 3, "spec": resume.spec_keys(spec), "plan": "p", "epoch": 0}, spec, 0, 1)
     with pytest.raises(ValueError, match="disagree on 'epoch'"):
         resume.job_position({0: rank_part(spec, 0, 2, []), 1: rank_part(spec, 1, 2, [], epoch=1)})
+
+
+def test_a_job_position_in_deterministic_order_resumes_in_place_on_the_same_world_and_batch_size():
+    ordered = spec_of(batch_size=100, order={"deterministic": True, "cycle": 2})
+    position = resume.job_position(two_rank_parts(ordered))
+    same = resume.resume_of(position, ordered, 1, 2)
+    assert same.in_place and same.part["done"] == same.done == position["done"]
+    # Rank 1's splits of that plan: split 4 of base 3 from row 400 (250 rows consumed), split 9 padding.
+    assert resume.consumed_in(same.done, {4: (300, 3, 400, False), 9: (1, 3, 0, True), 5: (300, 4, 0, False)},
+                              100) == {4: (2, 50)}
+    assert not resume.resume_of(position, ordered, 0, 3).in_place                 # another world size
+    assert not resume.resume_of(position, ordered.replace(batch_size=50), 0, 2).in_place
+    assert not resume.resume_of(position, spec_of(batch_size=100), 0, 2).in_place  # arrival order
+    with pytest.raises(ValueError, match="not a prefix"):
+        resume.consumed_in([[3, 10, 20]], {4: (300, 3, 0, False)}, 100)
 
 
 def test_dcp_keeps_one_job_position_that_a_template_of_any_progress_loads(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -84,15 +85,16 @@ def test_the_sequence_is_the_same_whatever_the_number_of_workers(tables, cluster
     assert run(master.addr, order_spec(tables), world) == reference[world]
 
 
-def test_a_worker_sigkilled_mid_epoch_changes_nothing(tables, cluster, reference):
+def test_a_worker_sigkilled_at_a_random_batch_changes_nothing(tables, cluster, reference):
     master = cluster.master(workers=2)
     victim = master.worker_pids()[0]
+    at = random.randrange(1, len(reference[2][0]) - 1)
 
     def kill(rank, i):
-        if rank == 0 and i == 5:
+        if rank == 0 and i == at:
             os.kill(victim, signal.SIGKILL)
 
-    assert run(master.addr, order_spec(tables), 2, kill) == reference[2]
+    assert run(master.addr, order_spec(tables), 2, kill) == reference[2], f"killed at batch {at}"
 
 
 def test_a_master_sigkilled_and_restarted_on_its_journal_changes_nothing(tables, cluster, reference, tmp_path):
@@ -215,3 +217,50 @@ def test_splits_far_larger_than_split_rows_do_not_hang(tmp_path, cluster):
         results.append([digest(b) for b in batches])
         master.stop()
     assert results[0] == results[1]
+
+
+DCP_SCRIPT = """
+import hashlib, json, os, sys
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from remoteloader import RemoteDataLoader
+
+table, store, ckpt, out, stop_at, resume = sys.argv[1:7]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+spec = {"table": {"path": table}, "batch_size": 100, "shuffle": True, "seed": 2, "split_rows": 500,
+        "order": {"deterministic": True, "cycle": 3},
+        "features": {"label": "label", "dense": ["float_0"], "sparse": ["idlist_0"], "passthrough": ["row_id"]}}
+loader = RemoteDataLoader(spec, num_workers=2, timeout=120)
+if resume == "1":
+    dcp.load({"loader": loader}, checkpoint_id=ckpt)
+digests = []
+for batch in loader:
+    kjt = batch.sparse_features
+    parts = (batch.dense_features, batch.labels, batch.passthrough["row_id"], kjt.values(), kjt.lengths())
+    digests.append(hashlib.sha1(b"".join(t.numpy().tobytes() for t in parts)).hexdigest()[:16])
+    if len(digests) == int(stop_at):
+        dcp.save({"loader": loader}, checkpoint_id=ckpt)
+        break
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"digests": digests}, f)
+dist.barrier()
+loader.close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_dcp_checkpoint_on_the_same_world_size_continues_the_same_sequence(tmp_path):
+    """Under torch.distributed the state is the job's position (row ranges); on the same
+    world size and batch size it resumes in place: each rank's sequence goes on unchanged."""
+    from remoteloader.tools.datagen import generate_table
+    from tests.test_ddp import run_script_job
+
+    table = tmp_path / "table"
+    generate_table(str(table), rows=4_000, partitions=1, dense=1, sparse=1, format="orc", seed=5,
+                   stripe_rows=500, progress=False)
+    whole = run_script_job(tmp_path, DCP_SCRIPT, table, 2, "whole", 0, False)
+    saved = run_script_job(tmp_path, DCP_SCRIPT, table, 2, "saved", 5, False)
+    rest = run_script_job(tmp_path, DCP_SCRIPT, table, 2, "rest", 0, True)
+    for r in range(2):
+        assert saved[r]["digests"] + rest[r]["digests"] == whole[r]["digests"], f"rank {r}"

@@ -60,7 +60,7 @@ def load_state_dict(loader: "RemoteDataLoader", state: Any) -> None:
     loaded = resume.resume_of(state, loader.spec, loader.rank, loader.world_size)
     check_plan(loader, loader._hello(), loaded.plan)
     loader._pending = {"epoch": loaded.epoch, "done": loaded.done, "consumed": loaded.consumed,
-                       "state": loaded.part}
+                       "state": loaded.part, "in_place": loaded.in_place}
     loader._next_epoch = loaded.epoch
 
 

@@ -20,7 +20,7 @@ from typing import Any, Generator, Iterator, Optional, Union
 import torch
 import zmq
 
-from . import checkpoint, staging
+from . import checkpoint, resume, staging
 from .assembly import EpochAssembler
 from .batch import Batch
 from .credit import CreditWindow
@@ -203,16 +203,20 @@ class RemoteDataLoader:
     def _epoch(self, epoch: int) -> Iterator[Batch]:
         self._hello()
         pending, self._pending = self._pending, None
-        if pending is not None and pending["epoch"] == epoch:
+        in_place = pending is not None and pending["epoch"] == epoch and pending["in_place"]
+        if pending is not None and pending["epoch"] == epoch and not in_place:
             start = RunStart(epoch, pending["done"], acks_of(pending["consumed"]))
             consumed = pending["consumed"]
-        else:
+        else:  # a new epoch, or one resumed in place: its plan as it was
             start, consumed = RunStart(epoch, [], []), {}
         reply = self.session.start_epoch(start)
         splits = {s.split_id: (s.rows, s.base_split, s.row_lo, s.padding) for s in reply.splits}
+        if in_place:  # the job's consumed rows, named in this rank's splits: told to the master at the first beat
+            consumed = resume.consumed_in(pending["done"], splits, self.batch_size)
         assembler = EpochAssembler([(sid, s[0]) for sid, s in splits.items()], self.batch_size, self.drop_last,
                                    consumed=consumed, cycle=self.spec.cycle,
                                    padding=[sid for sid, s in splits.items() if s[3]])
+        assembler.dirty.update(consumed)
         run = EpochRun(epoch, start.done, splits, assembler)
         # The stream never pins: with pin_memory (or device) the staging thread does (staging.py).
         config = StreamConfig(self.rank, self.master, self.timeout, self._auth)

@@ -5,9 +5,11 @@ Two forms, both small plain data (``torch.save``, ``torch.load(weights_only=True
 
 * **The job's position** (under ``torch.distributed``): every rank gathers every rank's
   part at ``state_dict()`` and returns the same dict, ``{"version", "spec", "plan",
-  "epoch", "done"}``, whatever the world size. Its keys do not depend on the world
+  "epoch", "done", "world_size", "batch_size"}``. Its keys do not depend on the world
   size, so DCP saves it once and a job of any world size loads it
-  (``dcp.load({"model": m, "loader": loader})``).
+  (``dcp.load({"model": m, "loader": loader})``). In deterministic order, on the same
+  world size and batch size, it resumes in place (``consumed_in``): same plan, same
+  sequence; otherwise the master replans the rest of the epoch.
 * **A rank's part** (without a process group: ``{"rank_<r>": part}``, one per process):
   the same fields plus ``rank``, ``world_size``, ``batch_size``, what this rank's
   training loop consumed since the epoch (re)started, per split (``consumed``:
@@ -30,7 +32,9 @@ from typing import Any, Mapping, Optional, Union
 
 from ..spec import DatasetSpec
 
-STATE_VERSION = 3  # 3: the job's position; parts name the spec by key (2 had one fingerprint)
+STATE_VERSION = 4  # 4: the job's position names the world size and batch size it was saved at; 3: the job's
+# position; parts name the spec by key (2 had one fingerprint)
+READ_VERSIONS = (3, 4)  # a version-3 job position resumes as any position of another world size
 # Every spec key but batch_size (positions are row ranges) and autoscale (how many
 # workers, not which rows). Always all of them, so the state's keys are fixed (DCP).
 SPEC_KEYS = ("table", "features", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling",
@@ -81,10 +85,11 @@ def _gather(mine: dict) -> Optional[dict[int, dict]]:
 def job_position(parts: Mapping[int, Mapping]) -> dict:
     """The position of the whole job from every rank's part: what all ranks consumed."""
     first = next(iter(parts.values()))
-    for key in ("spec", "plan", "epoch"):
+    for key in ("spec", "plan", "epoch", "world_size", "batch_size"):
         common(parts, key)
     return {"version": STATE_VERSION, "spec": dict(first["spec"]), "plan": first["plan"],
-            "epoch": first["epoch"], "done": merged_done(parts)}
+            "epoch": first["epoch"], "done": merged_done(parts), "world_size": first["world_size"],
+            "batch_size": first["batch_size"]}
 
 
 def common(parts: Mapping[int, Mapping], key: str) -> Any:
@@ -122,6 +127,10 @@ class Resume:
     done: list  # rows consumed before, [[base, lo, hi], ...]: the master plans the epoch without them
     consumed: dict[int, tuple[int, int]]  # split id -> (pieces, tail rows): this rank's own splits, same plan
     part: dict  # this rank's position until the epoch starts (``state_dict()`` right after loading)
+    # A job's position on the same world size and batch size, in deterministic order: the
+    # epoch keeps its plan and `done` becomes this rank's consumed splits (``consumed_in``),
+    # so the rank's sequence continues exactly where it stopped.
+    in_place: bool = False
 
 
 def resume_of(state: Any, spec: DatasetSpec, rank: int, world_size: int) -> Resume:
@@ -153,10 +162,37 @@ def resume_of(state: Any, spec: DatasetSpec, rank: int, world_size: int) -> Resu
 
 
 def _elastic(position: Mapping, spec: DatasetSpec, rank: int, world_size: int) -> Resume:
-    """Resume by leaving out every row the old job consumed (any world size, any batch size)."""
+    """Resume by leaving out every row the old job consumed (any world size, any batch size);
+    in deterministic order on the same world size and batch size, in place instead."""
     done = [[int(b), int(lo), int(hi)] for b, lo, hi in position["done"]]
+    in_place = (spec.cycle is not None and position.get("world_size") == world_size
+                and position.get("batch_size") == spec.batch_size)
     mine = part(spec, position["plan"], rank, world_size, int(position["epoch"]), done, [], 0)
-    return Resume(mine["epoch"], mine["plan"], done, {}, mine)
+    # In place, the plan is the epoch's own: its rows consumed are named in this rank's
+    # splits when the epoch starts (consumed_in).
+    return Resume(mine["epoch"], mine["plan"], done, {}, mine, in_place=in_place)
+
+
+def consumed_in(done: list, splits: Mapping[int, tuple], batch_size: int) -> dict[int, tuple[int, int]]:
+    """This rank's consumed state, ``(pieces, rows of a partly used tail)`` per split, from
+    the job's ``done`` row ranges, for ``splits`` (``(rows, base, row_lo, padding)`` by id)
+    of the plan the position was saved in: each split's consumed rows are a prefix of it."""
+    by_base: dict[int, list[tuple[int, int]]] = {}
+    for base, lo, hi in done:
+        by_base.setdefault(int(base), []).append((int(lo), int(hi)))
+    out = {}
+    for sid, (rows, base, row_lo, padding) in splits.items():
+        if padding:
+            continue  # a repeated row is in `done` where it was first read
+        overlap = sorted((max(lo, row_lo), min(hi, row_lo + rows)) for lo, hi in by_base.get(base, ())
+                         if lo < row_lo + rows and hi > row_lo)
+        if not overlap:
+            continue
+        if overlap[0][0] != row_lo or len(overlap) != 1:
+            raise ValueError(f"split {sid}: the rows consumed of it are not a prefix ({overlap}): "
+                             "the position is not of this plan")
+        out[sid] = divmod(overlap[0][1] - row_lo, batch_size)
+    return out
 
 
 def rank_parts(state: Any) -> dict[int, dict]:
@@ -178,9 +214,9 @@ def rank_parts(state: Any) -> dict[int, dict]:
 
 def _checked(position: Mapping, keys: tuple, what: str, spec: DatasetSpec) -> Mapping:
     """``position`` if this remoteloader reads it and it is of a compatible spec."""
-    if position.get("version") != STATE_VERSION:
-        raise ValueError(f"{what}: version {position.get('version')!r}, this remoteloader reads version "
-                         f"{STATE_VERSION}")
+    if position.get("version") not in READ_VERSIONS:
+        raise ValueError(f"{what}: version {position.get('version')!r}, this remoteloader reads versions "
+                         f"{', '.join(map(str, READ_VERSIONS))}")
     missing = [k for k in keys if k not in position]
     if missing:
         raise ValueError(f"{what}: missing {missing}")

@@ -84,8 +84,9 @@ class EpochStream:
         batch_wait = 0.0  # the training loop's wait for the batch it is waiting for now
         window_checked = False
         try:
-            # One synchronous beat first, for the partition's workers.
-            self._apply(self.session.heartbeat([], self._wire_stats(0)))
+            # One synchronous beat first, for the partition's workers (with what a resume in
+            # place consumed before: the master retires those pieces).
+            self._apply(self.session.heartbeat(assembler.take_acks(), self._wire_stats(0)))
             control = ControlChannel(self.ctx, self.config.master, lambda: self.session.run,
                                      lambda: self._wire_stats(assembler.ready_count), HEARTBEAT_S,
                                      auth=self.config.auth)
