@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -19,7 +20,7 @@ import psutil
 import pytest
 import zmq
 
-from remoteloader import RemoteDataLoader
+from remoteloader import LocalDataset, RemoteDataLoader
 from remoteloader.master.launcher import RayLauncher
 from remoteloader.master.server import MasterServer
 from remoteloader.protocol import auth as cluster_auth
@@ -60,7 +61,9 @@ class StatusPoller:
 def test_local_autoscaler_grows_while_the_trainer_starves_and_shrinks_when_it_slows(tmp_path, cluster):
     """Workers slowed to ~640 rows/s each. A trainer flat out at ~1600 rows/s starves one
     worker: the fleet grows. Then it sleeps 0.5 s per batch (128 rows/s, a fifth of one
-    worker): within 60 s the fleet is back to one worker, and the trainer never stalls."""
+    worker): within 60 s the fleet is back to one worker, and the trainer never stalls. The
+    job runs in deterministic order, so the batches the trainer saw while workers came and
+    went are the schedule's, the same as one process reading alone (issue 28)."""
     master = cluster.master("--autoscale", "--min-workers", "1", "--max-workers", "3",
                             "--worker-args", "--inject-batch-delay 0.1 --buffer-batches 8", workers=0)
     # An epoch outlasts the test: epoch boundaries are a stall of their own, which no
@@ -69,15 +72,17 @@ def test_local_autoscaler_grows_while_the_trainer_starves_and_shrinks_when_it_sl
     generate_table(str(table), rows=150_000, partitions=1, dense=2, sparse=2, format="orc", seed=3,
                    stripe_size=64 << 10, progress=False)
     spec = {"table": {"path": str(table)}, "features": {"dense": ["float_0"], "sparse": ["idlist_0"]},
-            "batch_size": 64, "split_rows": 640}
+            "batch_size": 64, "split_rows": 640, "shuffle": True, "seed": 7,
+            "order": {"deterministic": True, "cycle": 4}}
     poller = StatusPoller(master.addr)
+    seen: list[str] = []
     grown_at = slowed_at = shrunk_at = None
     try:
         with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
             batches = iter(loader)
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:  # flat out, until grown and 15 s past it
-                next(batches)
+                seen.append(batch_digest(next(batches)))
                 time.sleep(0.04)  # the training step: 25 batches/s = 1600 rows/s
                 if grown_at is None and poller.live() >= 2:
                     grown_at = time.monotonic()
@@ -86,7 +91,7 @@ def test_local_autoscaler_grows_while_the_trainer_starves_and_shrinks_when_it_sl
             assert grown_at is not None, poller.trace
             slowed_at = time.monotonic()
             while time.monotonic() < slowed_at + 75 and shrunk_at is None:
-                next(batches)
+                seen.append(batch_digest(next(batches)))
                 time.sleep(0.5)  # 2 batches/s = 128 rows/s
                 if poller.live() == 1:
                     shrunk_at = time.monotonic()
@@ -109,6 +114,14 @@ def test_local_autoscaler_grows_while_the_trainer_starves_and_shrinks_when_it_sl
     # the master's 10 s rate window, the trainer never waits.
     slow_phase = [stall for t, _, stall in poller.trace if t > slowed_at + 12]
     assert slow_phase and max(slow_phase) < 0.01, f"{trace}\n{told}"
+    alone = LocalDataset(spec)
+    assert [batch_digest(b) for b, _ in zip(alone, seen)] == seen, "the schedule's batches, whatever the fleet did"
+
+
+def batch_digest(batch) -> str:
+    kjt = batch.sparse_features
+    parts = (batch.dense_features, kjt.values(), kjt.lengths())
+    return hashlib.sha1(b"".join(t.numpy().tobytes() for t in parts)).hexdigest()[:16]
 
 
 @contextlib.contextmanager
