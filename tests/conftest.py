@@ -146,6 +146,18 @@ def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if config.getoption("markexpr", "").replace(" ", "") == "notslow":
+        os.environ.setdefault(FAST_TIER_ENV, "1")
+
+
+FAST_TIER_ENV = "REMOTELOADER_FAST_TIER"
+
+
+def examples(n: int) -> int:
+    """Hypothesis examples for a property test: ``n`` in ``make test``, a third of it (at
+    least 5) in the fast tier (``pytest -m "not slow"``, set by ``pytest_configure`` before
+    test modules are imported), which is for quick feedback while developing."""
+    return max(5, n // 3) if os.environ.get(FAST_TIER_ENV) else n
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -26,6 +26,7 @@ from remoteloader.master.autoscale import (AutoscaleConfig, AutoscalePolicy, Cpu
                                            Decision, Observation, OraclePolicy, Policy)
 from benchmarks.autoscale import SLOWDOWN
 from benchmarks.simulator import Scenario, SimResult, oracle_workers, simulate
+from tests.conftest import examples
 
 W = 10_000.0
 SLOW_AT = SLOWDOWN.demand[1][0]     # when the trainer slows down (90 s)
@@ -99,7 +100,7 @@ def disagreement(a: list[Decision], b: list[Decision], time_tol: float = TIME_TO
 
 # ----------------------------------------------------------------------------- exact vs jittered ticks
 
-@settings(max_examples=8, deadline=None, derandomize=True)
+@settings(max_examples=examples(8), deadline=None, derandomize=True)
 @given(name=st.sampled_from(sorted(SCENARIOS)), jitter=st.floats(0.0, 0.02), drift=st.floats(0.0, 0.005),
        seed=st.integers(0, 3))
 @example(name="slow-down", seed=0, **ISSUE)
@@ -139,7 +140,7 @@ def check_slowdown(r: SimResult, policy: Policy, what: str) -> None:
         f"{starved.max():.2%} at t={r.trace['t'][slow][int(np.argmax(starved))]:.0f})\n{dump}")
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=examples(6), deadline=None, derandomize=True)
 @given(jitter=st.floats(0.0, 0.02), drift=st.floats(0.0, 0.005), seed=st.integers(0, 3))
 @example(jitter=0.0, drift=0.0, seed=0)     # exact ticks
 @example(seed=0, **ISSUE)

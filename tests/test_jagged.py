@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remoteloader import jagged
+from tests.conftest import examples
 
 Rows = list[list[list[int]]]  # [key][row] -> the row's ids
 
@@ -31,7 +32,7 @@ def _tensors(piece: jagged.Jagged, first_row: int) -> dict[str, np.ndarray]:
     return out
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6), keys=st.integers(0, 4), weighted=st.booleans(),
        seed=st.integers(0, 2**31))
 def test_a_run_cuts_back_into_its_pieces_and_any_range_of_them(sizes, keys, weighted, seed):
@@ -53,7 +54,7 @@ def test_a_run_cuts_back_into_its_pieces_and_any_range_of_them(sizes, keys, weig
         assert np.array_equal(a, np.concatenate(want) if want else run[name][:0])
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=5), keys=st.integers(0, 4), weighted=st.booleans(),
        seed=st.integers(0, 2**31))
 def test_merging_row_ranges_of_pieces_is_key_major_over_their_rows(sizes, keys, weighted, seed):
@@ -72,7 +73,7 @@ def test_merging_row_ranges_of_pieces_is_key_major_over_their_rows(sizes, keys, 
     assert have.weights is None or np.array_equal(have.weights, want.weights)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(0, 9), keys=st.integers(1, 4), seed=st.integers(0, 2**31))
 def test_one_key_of_a_piece(n, keys, seed):
     rows = _rows(np.random.default_rng(seed), keys, n)

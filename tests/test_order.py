@@ -1,7 +1,9 @@
 """Deterministic order with real processes: a rank's per-batch digest sequence is the same
 with 1, 2 or 4 workers, through a worker SIGKILLed mid-epoch, a master SIGKILLed and
 restarted on its journal, workers added and drained mid-epoch (what the autoscaler does),
-and a state_dict() loaded into a new process; every row exactly once, per rank on 2 ranks."""
+and a state_dict() loaded into a new process; every row exactly once, per rank on 2 ranks.
+The real autoscaler growing and shrinking a fleet under a deterministic job is
+tests/test_scaling.py's autoscaler test, whose batches are checked against LocalDataset's."""
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from remoteloader import RemoteDataLoader
-from tests.conftest import ROWS, master_status, spec_dict
+from tests.conftest import ROWS, spec_dict
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,15 +125,6 @@ def test_workers_added_and_drained_mid_epoch_change_nothing(tables, cluster, ref
             added[0].send_signal(signal.SIGTERM)  # scale-down: it drains and leaves
 
     assert run(master.addr, order_spec(tables), 2, scale) == reference[2]
-
-
-def test_the_autoscaler_growing_the_fleet_mid_epoch_changes_nothing(tables, cluster, reference):
-    """Slowed workers and trainers flat out: the autoscaler adds workers during the epoch."""
-    master = cluster.master("--autoscale", "--min-workers", "1", "--max-workers", "3",
-                            "--worker-args", "--inject-batch-delay 0.8", workers=0)
-    assert run(master.addr, order_spec(tables), 2) == reference[2]
-    grew = [d for d in master_status(master.addr)["autoscaler"] if d.get("action") == "add"]
-    assert grew, master_status(master.addr)["autoscaler"]
 
 
 RESUME = """

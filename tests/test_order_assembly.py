@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from remoteloader.client.assembly import EpochAssembler
 from remoteloader.core.schedule import rank_schedule, split_order, piece_key
 from tests.test_assembly import pieces_for
+from tests.conftest import examples
 
 BATCH = 4
 
@@ -50,7 +51,7 @@ def arrival_orders(pieces, rng, workers):
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(1, 11), min_size=1, max_size=9), st.integers(1, 5), st.integers(0, 1 << 30))
 def test_the_sequence_is_the_schedules_whatever_the_arrival_order(split_rows, cycle, seed):
     rng = random.Random(seed)
@@ -64,7 +65,7 @@ def test_the_sequence_is_the_schedules_whatever_the_arrival_order(split_rows, cy
     assert sorted(rows) == list(range(sum(split_rows)))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(1, 11), min_size=1, max_size=9), st.integers(1, 5), st.integers(0, 1 << 30))
 def test_a_resumed_run_continues_the_same_sequence(split_rows, cycle, seed):
     rng = random.Random(seed)

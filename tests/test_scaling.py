@@ -192,7 +192,9 @@ def stop_processes_of(temp_dir: str) -> None:
     for proc in ours:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
-    _, alive = psutil.wait_procs(ours, timeout=10)
+    # A few seconds for a clean exit, then SIGKILL: some of Ray's processes take their full
+    # shutdown grace (~10 s each head) over SIGTERM, and this head's state is thrown away.
+    _, alive = psutil.wait_procs(ours, timeout=2)
     for proc in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from remoteloader.columns import SparseColumn
 from remoteloader.core.processor import TransformedSplit
+from tests.conftest import examples
 
 
 def _column(rng: np.random.Generator, rows: int, weighted: bool, skew: int) -> SparseColumn:
@@ -28,7 +29,7 @@ def _piece_reference(sparse: list[SparseColumn], lo: int, hi: int) -> tuple[np.n
     return cat(values, np.int64), cat(lengths, np.int32), cat(weights, np.float32)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(rows=st.integers(1, 300), batch=st.integers(1, 70), keys=st.integers(0, 4),
        weighted=st.lists(st.booleans(), min_size=4, max_size=4), seed=st.integers(0, 2**31))
 def test_consecutive_pieces_are_views_of_their_own_layout(rows, batch, keys, weighted, seed):

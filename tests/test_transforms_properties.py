@@ -17,10 +17,11 @@ from remoteloader.transforms import compile_features
 
 from tests import transforms_reference as ref
 from tests.transforms_reference import dense_col, sparse_col, sparse_rows, spec
+from tests.conftest import examples
 
 I64_MIN, I64_MAX = ref.INT64_MIN, ref.INT64_MAX
 # TRANSFORMS_EXAMPLES=2000 for a long soak; the default keeps the suite fast.
-SETTINGS = settings(max_examples=int(os.environ.get("TRANSFORMS_EXAMPLES", 60)), deadline=None, database=None,
+SETTINGS = settings(max_examples=int(os.environ.get("TRANSFORMS_EXAMPLES", examples(60))), deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 
 i64 = st.one_of(st.integers(I64_MIN, I64_MAX), st.integers(-8, 8),

@@ -28,10 +28,11 @@ from remoteloader.transforms.registry import BUILTINS
 
 from tests.transforms_reference import spec
 from tests.test_transforms_properties import _no_triples
+from tests.conftest import examples
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 # ROWLOCAL_EXAMPLES=2000 for a long soak; the default keeps the file at a few seconds.
-EXAMPLES = int(os.environ.get("ROWLOCAL_EXAMPLES", 25))
+EXAMPLES = int(os.environ.get("ROWLOCAL_EXAMPLES", examples(25)))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 # Built-in ops that deliberately declare row_local = False (none today). Adding one here
