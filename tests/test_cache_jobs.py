@@ -14,9 +14,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import zmq
 
 from remoteloader import LocalDataset, RemoteDataLoader
 from remoteloader.protocol import auth
+from remoteloader.protocol import messages as M
+from remoteloader.protocol.rpc import RpcClient
 from remoteloader.tools.datagen import generate_table
 from tests.conftest import BIN, master_status, spec_dict
 
@@ -80,14 +83,25 @@ def run_ranks(addr: str, spec: dict, keys: str | None = None) -> dict[int, tuple
 
 
 def settled_counters(addr: str, keys: str | None = None, timeout: float = 15.0) -> dict:
-    """The cache counters once two status readings a heartbeat apart agree (every worker reported)."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        counters = (master_status(addr, keys).get("cache") or {}).get("counters", {})
-        if counters and counters == last:
-            return counters
-        last = counters
-        time.sleep(1.2)
+    """The cache counters once two status readings agree and every worker heartbeated between
+    them (every worker reported what it did since the first reading)."""
+    rpc = RpcClient(zmq.Context.instance(), addr, 10, auth=auth.load(keys) if keys else None)
+    try:
+        deadline, last, last_at = time.monotonic() + timeout, None, 0.0
+        while time.monotonic() < deadline:
+            asked = time.monotonic()
+            status = rpc.call(M.Status()).status
+            counters = (status.get("cache") or {}).get("counters", {})
+            # The master heard each worker last_seen_s before it answered, so no earlier than
+            # ``asked - last_seen_s``: after the reading that first saw these counters if past ``last_at``.
+            heard_since = status["workers"] and all(asked - w["last_seen_s"] > last_at for w in status["workers"])
+            if counters and counters == last and heard_since:
+                return counters
+            if counters != last:
+                last, last_at = counters, time.monotonic()
+            time.sleep(0.1)
+    finally:
+        rpc.close()
     raise AssertionError(f"cache counters never settled: {last}")
 
 
