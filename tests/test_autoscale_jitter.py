@@ -150,6 +150,22 @@ def test_slowdown_shrinks_to_min_workers_within_a_minute(jitter: float, drift: f
     check_slowdown(r, policy, f"slow-down, seed {seed}, jitter {jitter * 1e3:.1f} ms, drift {drift * 1e3:.1f} ms")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_fall_inside_an_idle_window_is_trimmed_once_to_the_end(seed: int) -> None:
+    """Three workers outran the trainer before it slowed, so no trainer starved and the idle
+    window began before the fall (the real-process test's case). The window's early
+    samples carry the old rate, which widens its bound: trimming then would stop at 2
+    workers and wait a whole down window for the next trim (back to 1 only ~52 s after the
+    fall). The policy holds while the fall is in the window and then trims 3 -> 1 at once."""
+    sc = ticks(replace(SLOWDOWN, name="outrun", demand=((0, 2.5 * SLOWDOWN.worker_rate), (SLOW_AT, 128.0)),
+                       initial_workers=3, duration_s=SLOW_AT + 120), ISSUE["jitter"], ISSUE["drift"], seed)
+    r, policy = run(sc)
+    ds = moves(r)
+    assert [(d.action, d.workers) for d in ds] == [("remove", 1)], log("outrun", policy)
+    assert SLOW_AT < ds[0].time <= SLOW_AT + 40, log("outrun", policy)
+    assert any("still falling" in d.reason for d in policy.decisions if d.action == "hold"), log("outrun", policy)
+
+
 # ----------------------------------------------------------------------------- baselines: the property is attainable
 
 @pytest.mark.parametrize("name", ["slow-down", "step-down"])

@@ -90,7 +90,7 @@ def test_local_autoscaler_grows_while_the_trainer_starves_and_shrinks_when_it_sl
                     break
             assert grown_at is not None, poller.trace
             slowed_at = time.monotonic()
-            while time.monotonic() < slowed_at + 75 and shrunk_at is None:
+            while time.monotonic() < slowed_at + 60 and shrunk_at is None:
                 seen.append(batch_digest(next(batches)))
                 time.sleep(0.5)  # 2 batches/s = 128 rows/s
                 if poller.live() == 1:
@@ -104,11 +104,11 @@ def test_local_autoscaler_grows_while_the_trainer_starves_and_shrinks_when_it_sl
     trace = [(round(t - slowed_at), n, stall) for t, n, stall in poller.trace]
     # The slow workers hold nothing for the trainer when it waits, and its client says so.
     assert any(d["action"] == "add" and "nothing held" in d["reason"] for d in decisions), told
-    # The issue asks for 60 s. Here the idle window starts before the slow-down (3 workers
-    # already outran the flat-out trainer), so the first trim sees lagging rates and removes
-    # one; the second follows a whole down window later: 59-61 s in CI runs. Issue 25 stays
-    # open on this; the bound below catches a fleet that does not shrink at all.
-    assert shrunk_at is not None and shrunk_at - slowed_at <= 75, f"{trace}\n{told}"
+    # Here the idle window starts before the slow-down (3 workers already outran the
+    # flat-out trainer); the policy holds while the fall is in its window, then trims to 1
+    # at once (tests/test_autoscale_jitter.py's fall-inside-a-window test is the same case
+    # simulated). The issue's bound: back to one worker within 60 s.
+    assert shrunk_at is not None and shrunk_at - slowed_at <= 60, f"{trace}\n{told}"
     assert any(d["action"] == "remove" and "busy" in d["reason"] for d in decisions), told
     # No stall in the slow phase: once the stall measured while it was flat out has left
     # the master's 10 s rate window, the trainer never waits.

@@ -412,6 +412,10 @@ class AutoscalePolicy:
         if not math.isfinite(upper):
             return _Hold(*why)
         target = self._estimator.needed(upper + self._headroom(level, w.mean_cap), caps)
+        if target < n and self._falling(down, level, target, caps, w.mean_cap,
+                                        max(c.min_workers, n - math.ceil(n * c.max_down_fraction))):
+            return _Hold("falling", f"{why[1]}; demand still falling ({level:,.0f} rows/s over the window): "
+                                 "trimming once it settles")
         if self._floor is not None:
             if level > self._floor.level * (1 - c.hysteresis):
                 if target <= self._floor.count:
@@ -440,6 +444,21 @@ class AutoscalePolicy:
             starved = [s.starved if s.starved is not None else s.stall * (s.fill < c.low_fill) for s in down]
             return float(np.mean(starved)) < c.stall_threshold
         return float(np.mean([s.fill for s in down])) >= c.high_fill and min(s.fill for s in down) >= c.low_fill
+
+    def _falling(self, down: list[_Sample], level: float, target: int, caps: np.ndarray, mean_cap: float,
+                 lowest: int) -> bool:
+        """Demand fell inside the window, so far that the latest rate window alone would
+        trim deeper than ``target`` (within one step's limit ``lowest``), which the whole
+        window's bound sets: that bound is widened by the fall itself, and the next trim
+        would wait a whole window more. Holding until the fall has left the window trims
+        once, to the end. (Noise that trips this only delays a trim, never deepens one.)"""
+        c = self.config
+        now_level, now_upper = _bound([s.wanted for s in down if s.t > down[-1].t - c.window_s - 1e-9],
+                                      c.confidence_z)
+        if not now_upper < level:
+            return False
+        deeper = self._estimator.needed(now_upper + self._headroom(now_level, mean_cap), caps)
+        return max(deeper, lowest) < max(target, lowest)
 
     def _demand_bounds(self, down: list[_Sample]) -> tuple[float, float]:
         """Demand (rows/s) and its upper confidence bound: from the long demand tracker once it
