@@ -7,6 +7,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
@@ -171,13 +172,19 @@ def test_authenticated_cluster_serves_only_key_holders(tables, cluster, keys, tm
         assert len(workers) == 2
 
         # No key, or another cluster's key: no status, no spec, no batches, not even an error.
+        # The probes are independent peers, each on its own context: they listen at the same
+        # time (a worker's plain handshake succeeds, so each of those listens all SILENCE_S).
         other = auth.load(auth.keygen(tmp_path / "other"))
+        probes = []
         for creds_tried in (None, other):
             for t in ("status", "get_spec"):
-                assert not _replies(master.addr, encode(t), creds_tried, server_public=creds.public_key)
+                probes.append((f"{t} to the master, key {creds_tried is not None}", master.addr, encode(t), creds_tried))
             for w in workers:
-                assert not _replies(w["addr"], encode("credit", session="s-0", token="", seq=1, pieces=1, bytes=1 << 20), creds_tried,
-                                    server_public=creds.public_key)
+                probes.append((f"credit to {w['addr']}, key {creds_tried is not None}", w["addr"],
+                               encode("credit", session="s-0", token="", seq=1, pieces=1, bytes=1 << 20), creds_tried))
+        with ThreadPoolExecutor(len(probes)) as pool:
+            answered = list(pool.map(lambda p: _replies(p[1], p[2], p[3], server_public=creds.public_key), probes))
+        assert [name for (name, *_), got in zip(probes, answered) if got] == []
         # ... while a key holder still gets batches of the next epoch from the same processes.
         seen = _one_epoch(loader)
         assert len(seen) == ROWS and set(seen.values()) == {1}
