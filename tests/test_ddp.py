@@ -79,7 +79,7 @@ def run_script_job(tmp_path: Path, script_text: str, table: Path, world: int, na
                    resume: bool, *extra: str) -> list[dict]:
     """A job of ``world`` ranks running ``script_text`` (argv: table, store, checkpoint, out dir,
     stop_at, resume, then ``extra``); each rank's ``rank<r>.json``."""
-    script, out = tmp_path / "rank.py", tmp_path / name
+    script, out = tmp_path / f"{name}.py", tmp_path / name  # one per job: jobs may run side by side
     script.write_text(script_text)
     out.mkdir()
     run_ranks(script, world, [str(table), str(tmp_path / f"{name}.store"), str(tmp_path / "ckpt"), str(out),
