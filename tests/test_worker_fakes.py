@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -61,6 +62,8 @@ class FakeMaster:
         self.heartbeat_state = "run"
         self.sessions: Optional[list[str]] = None
         self.hold_register = threading.Event()  # set: register gets no answer
+        self.hold_get_split = threading.Event()  # set: get_split gets no answer (lost in a master crash)
+        self.held: "queue.Queue[dict]" = queue.Queue()  # requests left unanswered
         self._ids = itertools.count()
         self._stop = threading.Event()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -89,6 +92,9 @@ class FakeMaster:
                 fields["sessions"] = list(self.sessions)
             return "heartbeat_ok", fields
         if t == "get_split":
+            if self.hold_get_split.is_set():
+                self.held.put(m)
+                return None
             try:
                 return "split", {"split": self.splits.get_nowait()}
             except queue.Empty:
@@ -96,9 +102,11 @@ class FakeMaster:
         return "ok", {}
 
     def wait_for(self, pred: Callable[[dict], bool], timeout: float = 60.0) -> dict:
-        """The next request (recorded since the last wait) for which ``pred`` holds."""
+        """The next request (recorded since the last wait) for which ``pred`` holds; queue.Empty
+        if none comes within ``timeout`` (heartbeats keep arriving meanwhile)."""
+        deadline = time.monotonic() + timeout
         while True:
-            m = self.requests.get(timeout=timeout)
+            m = self.requests.get(timeout=max(0.0, deadline - time.monotonic()))
             if pred(m):
                 return m
 

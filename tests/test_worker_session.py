@@ -19,6 +19,27 @@ def asks_register_every(worker: RunningWorker, seconds: float) -> RunningWorker:
     return worker
 
 
+def test_a_get_split_the_old_master_never_answered_is_given_up_when_the_worker_registers_again(master, job):
+    """A get_split sent just before the master died gets no answer. Once the worker learns
+    its session ended (the restarted master does not know it) and registers again, the
+    producer gives that request up and asks the new master, instead of waiting out its
+    whole RPC timeout (an hour here, so only giving up lets the split below be produced)."""
+    worker = RunningWorker(master.addr, rpc_timeout_s=3600.0)
+    try:
+        first = master.wait_for(lambda m: m["t"] == "get_split")["worker_id"]
+        master.hold_get_split.set()
+        master.held.get(timeout=60)  # a get_split is now in flight, never to be answered
+        master.heartbeat_state = "unknown"  # the master restarted without a journal
+        master.wait_for(lambda m: m["t"] == "register")
+        master.heartbeat_state = "run"
+        master.hold_get_split.clear()
+        master.splits.put(job.task(0, session="s-a"))
+        produced = master.wait_for(lambda m: m["t"] == "split_produced")
+        assert produced["worker_id"] != first and produced["split_id"] == 0
+    finally:
+        worker.stop()
+
+
 def test_no_split_is_asked_for_while_the_worker_registers_again_and_it_produces_after(master, job):
     """Defect 4: a get_split between 'unknown' and the new registration had no worker id;
     the producer died on it and the worker heartbeated on without ever taking a split."""

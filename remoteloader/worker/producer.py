@@ -18,7 +18,7 @@ from .buffer import STORED, WRONG_JOB, Outcome, PieceBuffer
 from .faults import Faults
 from .lifecycle import Lifecycle
 from .runs import Run
-from .session import CurrentSession, WorkerSession
+from .session import CurrentSession, SessionEnded, WorkerSession
 
 log = logging.getLogger(__name__)
 NOTIFY = "inproc://worker-notify"  # the producer wakes the pusher here
@@ -94,13 +94,17 @@ class Producer:
 
     def _next_task(self, rpc: RpcClient, session: WorkerSession) -> Optional[SplitTask]:
         stop = self.lifecycle.stop
+        ended = SessionEnded(stop, self.current, session)
         try:
             reply = rpc.call(M.GetSplit(worker_id=session.worker_id, token=session.token,
                                         avoid_ranks=list(self.buffer.blocked_ranks()),
-                                        read_ahead=self.buffer.room_to_read_ahead()), stop=stop)
+                                        read_ahead=self.buffer.room_to_read_ahead()), stop=ended)
         except (MasterUnavailable, RemoteError) as e:  # an unknown worker: the control thread registers again
-            log.warning("get_split: %s", e)
-            stop.wait(0.5)
+            if ended.is_set() and not stop.is_set():
+                log.info("get_split given up: its session ended (the master restarted or forgot this worker)")
+            else:
+                log.warning("get_split: %s", e)
+                stop.wait(0.5)
             return None
         if isinstance(reply, M.Split):
             return SplitTask.from_wire(reply.split)

@@ -75,6 +75,19 @@ class CurrentSession:
         return self._wrong_job is not None and self._wrong_job is self._session
 
 
+class SessionEnded:
+    """The ``stop`` of an RPC made under ``session``: set once the worker stops, or once
+    that session is no longer the one in force (the master restarted or forgot this
+    worker, and the control thread retracted it). A request the old master never answered
+    is then given up at once instead of after the whole RPC timeout."""
+
+    def __init__(self, stop: threading.Event, current: CurrentSession, session: WorkerSession) -> None:
+        self._stop, self._current, self._session = stop, current, session
+
+    def is_set(self) -> bool:
+        return self._stop.is_set() or self._current.get() is not self._session
+
+
 class _Leaving:
     """``Lifecycle.leaving`` as the ``stop`` of an RPC call (which asks ``is_set``): a drain
     or stop requested by a signal handler is a plain assignment, not an event's set."""
