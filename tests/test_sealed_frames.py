@@ -244,12 +244,17 @@ def test_tampered_copies_are_refused_counted_and_the_epoch_stays_exactly_once(ta
     cluster = keyed(faults=Faults(seal_tamper=tamper, tamper_every=2))
     with RemoteDataLoader(spec_dict(tables["orc"], batch_size=64), master=cluster.addr,
                           auth=cluster.creds.directory, timeout=60) as loader:
-        for _ in range(2):
+        epochs = 2
+        for _ in range(epochs):
             seen = _epoch(loader)
             assert len(seen) == ROWS and set(seen.values()) == {1}
         refused = loader.session.seals.refusals.total
-    assert cluster.worker.worker.faults.tampered > 0
-    assert refused >= cluster.worker.worker.faults.tampered - 1  # each copy (the last reorder may not have gone)
+    tampered = cluster.worker.worker.faults.tampered
+    assert tampered > 0 and refused > 0
+    # Every copy the client opened was refused. Up to two per epoch are never opened: copies
+    # of an epoch's last messages that arrive once the client reads the next run (dropped
+    # unopened as another run's) or has closed (CI saw 25 refused of 27 with reorder).
+    assert refused >= tampered - 2 * epochs, (refused, tampered)
 
 
 def test_a_replayed_credit_from_another_connection_is_refused(tables, keyed):
