@@ -63,6 +63,7 @@ class FakeMaster:
         self.sessions: Optional[list[str]] = None
         self.hold_register = threading.Event()  # set: register gets no answer
         self.hold_get_split = threading.Event()  # set: get_split gets no answer (lost in a master crash)
+        self.incarnation = "m-first"  # the master process heartbeats name (a restart changes it)
         self.held: "queue.Queue[dict]" = queue.Queue()  # requests left unanswered
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -87,7 +88,7 @@ class FakeMaster:
                                   "fingerprint": self.job.fingerprint, "token": MASTER_KEYS.worker_token(worker_id),
                                   "verify_key": MASTER_KEYS.verify_key}
         if t == "heartbeat":
-            fields = {"state": self.heartbeat_state}
+            fields = {"state": self.heartbeat_state, "master": self.incarnation}
             if self.sessions is not None:
                 fields["sessions"] = list(self.sessions)
             return "heartbeat_ok", fields

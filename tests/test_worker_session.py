@@ -40,6 +40,25 @@ def test_a_get_split_the_old_master_never_answered_is_given_up_when_the_worker_r
         worker.stop()
 
 
+def test_a_get_split_the_old_master_never_answered_is_given_up_after_a_restart_on_its_journal(master, job):
+    """The same after a restart on the journal: the new master process knows the worker, so
+    its session goes on, but heartbeats name another process; the request the old process
+    never answered is given up and asked again under the same worker id."""
+    worker = RunningWorker(master.addr, rpc_timeout_s=3600.0)
+    try:
+        first = master.wait_for(lambda m: m["t"] == "get_split")["worker_id"]
+        master.hold_get_split.set()
+        master.held.get(timeout=60)
+        master.hold_get_split.clear()
+        master.splits.put(job.task(0, session="s-a"))
+        master.incarnation = "m-restarted"
+        produced = master.wait_for(lambda m: m["t"] == "split_produced")
+        assert produced["worker_id"] == first and produced["split_id"] == 0
+        assert sum(m["t"] == "register" for m in master.seen) == 1  # the session went on
+    finally:
+        worker.stop()
+
+
 def test_no_split_is_asked_for_while_the_worker_registers_again_and_it_produces_after(master, job):
     """Defect 4: a get_split between 'unknown' and the new registration had no worker id;
     the producer died on it and the worker heartbeated on without ever taking a split."""

@@ -502,6 +502,9 @@ class HeartbeatOk(MasterReply, tag="heartbeat_ok"):
     state: WorkerState
     # Live sessions of the ranks it serves; left out: the worker keeps what it knows.
     sessions: Optional[Annotated[list[Id], Meta(max_length=MAX_LIST)]] = None
+    # The master process (as membership.master): when it changes, the worker gives up any
+    # request the previous process never answered.
+    master: Id = ""
 
 
 class Split(MasterReply, tag="split"):

@@ -141,6 +141,7 @@ class Control:
         if not isinstance(reply, M.HeartbeatOk):
             log.warning("heartbeat answered with %r", M.tag(reply))
             return False
+        self.current.saw_master(reply.master)
         if reply.sessions is not None:
             self.buffer.keep_sessions(reply.sessions, mark)
         state = reply.state

@@ -101,7 +101,7 @@ class Producer:
                                         read_ahead=self.buffer.room_to_read_ahead()), stop=ended)
         except (MasterUnavailable, RemoteError) as e:  # an unknown worker: the control thread registers again
             if ended.is_set() and not stop.is_set():
-                log.info("get_split given up: its session ended (the master restarted or forgot this worker)")
+                log.info("get_split given up: the master that was asked restarted or forgot this worker")
             else:
                 log.warning("get_split: %s", e)
                 stop.wait(0.5)

@@ -45,6 +45,16 @@ class CurrentSession:
         self._session: Optional[WorkerSession] = None
         self._wrong_job: Optional[WorkerSession] = None
         self._cond = threading.Condition()
+        self._master = ""  # the master process heartbeats last named (control thread only)
+        self.master_changes = 0  # how often it changed: requests made before were to another process
+
+    def saw_master(self, master: str) -> None:
+        """The master process a heartbeat named (the control thread's): a new one (a restart,
+        with or without journal) never answers what its predecessor was asked."""
+        if master and master != self._master:
+            if self._master:
+                self.master_changes += 1
+            self._master = master
 
     def get(self) -> Optional[WorkerSession]:
         return self._session
@@ -76,16 +86,19 @@ class CurrentSession:
 
 
 class SessionEnded:
-    """The ``stop`` of an RPC made under ``session``: set once the worker stops, or once
-    that session is no longer the one in force (the master restarted or forgot this
-    worker, and the control thread retracted it). A request the old master never answered
-    is then given up at once instead of after the whole RPC timeout."""
+    """The ``stop`` of an RPC made under ``session``: set once the worker stops, once that
+    session is no longer the one in force (the master forgot this worker, and the control
+    thread retracted it), or once heartbeats name another master process (a restart on
+    its journal keeps the session). A request the old process never answered is then
+    given up at once instead of after the whole RPC timeout."""
 
     def __init__(self, stop: threading.Event, current: CurrentSession, session: WorkerSession) -> None:
         self._stop, self._current, self._session = stop, current, session
+        self._changes = current.master_changes
 
     def is_set(self) -> bool:
-        return self._stop.is_set() or self._current.get() is not self._session
+        return (self._stop.is_set() or self._current.get() is not self._session
+                or self._current.master_changes != self._changes)
 
 
 class _Leaving:
