@@ -79,6 +79,15 @@ class MasterProcess:
     def worker_pids(self) -> list[int]:
         return [c.pid for c in psutil.Process(self.proc.pid).children()]
 
+    def started_worker_pids(self, n: int, timeout: float = 60.0) -> list[int]:
+        """The pids of its launched workers once ``n`` are started (the master prints its
+        address before it launches them)."""
+        deadline = time.monotonic() + timeout
+        while len(pids := self.worker_pids()) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids) >= n, f"{len(pids)} of {n} workers started"
+        return pids
+
     def kill(self) -> None:
         """SIGKILL, as a crash: its launched workers notice (parent-death signal) and exit."""
         self.proc.kill()

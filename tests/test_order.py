@@ -90,7 +90,7 @@ def test_the_sequence_is_the_same_whatever_the_number_of_workers(tables, cluster
 
 def test_a_worker_sigkilled_at_a_random_batch_changes_nothing(tables, cluster, reference):
     master = cluster.master(workers=2)
-    victim = master.worker_pids()[0]
+    victim = master.started_worker_pids(2)[0]
     at = random.randrange(1, len(reference[2][0]) - 1)
 
     def kill(rank, i):
