@@ -146,6 +146,16 @@ class DatasetSpec:
         return out
 
     @property
+    def cache_mode(self) -> str:
+        """The block cache's mode for this job (``auto`` without a ``cache`` section)."""
+        return self.cache["mode"] if self.cache is not None else "auto"
+
+    @property
+    def expected_epochs(self) -> int:
+        """How many epochs the job expects to read its rows (the cache policy's hint; 1 if unsaid)."""
+        return (self.cache or {}).get("expected_epochs", 1)
+
+    @property
     def cycle(self) -> Optional[int]:
         """The interleave cycle of a deterministic order; None: batches come in arrival order."""
         return self.order["cycle"] if self.order is not None and self.order["deterministic"] else None

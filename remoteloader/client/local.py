@@ -54,8 +54,7 @@ class LocalDataset(IterableDataset):
         """``cache``: the block cache's location (else ``$REMOTELOADER_CACHE``, else this
         user's cache directory if the spec has a ``cache`` section); see ``_directive``."""
         self.spec = load_spec(spec)
-        mode = (self.spec.cache or {}).get("mode", "auto")
-        self.cache = None if mode == "off" else (
+        self.cache = None if self.spec.cache_mode == "off" else (
             cache or os.environ.get(ENV_CACHE) or (user_cache_dir() if self.spec.cache is not None else None))
         self.rank, self.world_size = resolve_rank(rank, world_size)
         bound = bind(self.spec)
@@ -140,8 +139,8 @@ def _directive(spec: DatasetSpec, features: Sequence[str]) -> Optional[CacheDire
     """Local mode has no master, so no measured policy: ``auto`` writes what it computes
     when the spec expects more than one epoch and only reads otherwise; ``read`` reads;
     ``write-all`` reads and writes."""
-    mode = (spec.cache or {}).get("mode", "auto")
-    write = mode == "write-all" or (mode == "auto" and (spec.cache or {}).get("expected_epochs", 1) > 1)
+    mode = spec.cache_mode
+    write = mode == "write-all" or (mode == "auto" and spec.expected_epochs > 1)
     return CacheDirective(features=list(features), sources=[], write_features=list(features) if write else [],
                           write_sources=[])
 

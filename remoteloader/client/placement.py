@@ -87,6 +87,6 @@ def _embedded_cache(spec: DatasetSpec) -> Optional[str]:
     user's cache directory for a spec that asks for a cache (a ``cache`` section, mode not off)."""
     if os.environ.get(ENV_CACHE):
         return os.environ[ENV_CACHE]
-    if spec.cache is not None and spec.cache.get("mode") != "off":
+    if spec.cache is not None and spec.cache_mode != "off":
         return user_cache_dir()
     return None

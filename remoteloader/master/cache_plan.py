@@ -33,10 +33,6 @@ POPULARITY_WINDOW_S = 7 * 86400.0  # other jobs that read a group's columns this
 PROBE_BYTES = 8 << 20
 
 
-def cache_mode(bound: BoundDataset) -> str:
-    return (bound.spec.cache or {}).get("mode", "auto")
-
-
 def probe_rates(store: BlockStore, nbytes: int = PROBE_BYTES) -> Optional[tuple[float, float]]:
     """(read, write) bytes/s of one write and one read of ``nbytes``, so the first decision
     has rates before any worker has read or written a block; None if the probe failed."""
@@ -121,7 +117,7 @@ class CachePlanner:
         return self._directive[1]
 
     def _make_directive(self, state: JobState, bound: BoundDataset) -> Optional[CacheDirective]:
-        mode, pipeline = cache_mode(bound), bound.pipeline
+        mode, pipeline = bound.spec.cache_mode, bound.pipeline
         cacheable = [f for f in pipeline.feature_names if pipeline.row_local(f)]
         if mode == "off":
             return None
@@ -153,7 +149,7 @@ class CachePlanner:
     def decide(self, state: JobState, bound: Optional[BoundDataset], worker_totals: Callable[[], dict],
                now: float) -> Optional[U.CachePlanChanged]:
         """A new decision for the job (mode auto), or None when nothing changes."""
-        if self.store is None or bound is None or state.job is None or cache_mode(bound) != "auto":
+        if self.store is None or bound is None or state.job is None or bound.spec.cache_mode != "auto":
             return None
         if now < self._next_decision:
             return None
@@ -206,7 +202,7 @@ class CachePlanner:
     def _reads(self, state: JobState, bound: BoundDataset, groups: list[FeatureGroup], epoch: int) -> dict[str, float]:
         """Reads expected of each group's rows after this epoch: the job's remaining epochs,
         plus other jobs that read all of its columns lately."""
-        remaining = max(0, (bound.spec.cache or {}).get("expected_epochs", 1) - 1 - epoch)
+        remaining = max(0, bound.spec.expected_epochs - 1 - epoch)
         counts: dict[str, int] = {}
         if self.popularity_log:
             counts = load_popularity(self.popularity_log, POPULARITY_WINDOW_S, table=bound.spec.table.path)
@@ -226,7 +222,7 @@ class CachePlanner:
                      "counters": {k[6:]: v for k, v in sorted(worker_totals.items()) if k.startswith("cache.")}}
         if bound is None or state.job is None:
             return out
-        out["mode"] = cache_mode(bound)
+        out["mode"] = bound.spec.cache_mode
         if out["mode"] != "auto":
             return out
         m = self.ledger.measured
