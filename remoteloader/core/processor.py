@@ -216,8 +216,10 @@ class SplitProcessor:
 
 def _select(column: Column, selection: "slice | np.ndarray", rows: int) -> Column:
     """The rows ``selection`` picks: views for a range, no copy at all for every row."""
+    if _is_all(selection, rows):
+        return column
     if isinstance(selection, slice):
-        return column if (selection.start, selection.stop) == (0, rows) else column.slice(selection.start, selection.stop)
+        return column.slice(selection.start, selection.stop)
     return column.take(selection)
 
 

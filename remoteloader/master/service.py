@@ -358,9 +358,12 @@ class MasterService:
                       split_bytes=self.split_bytes)
 
     def _on_heartbeat(self, m: M.Heartbeat) -> Reply:
+        def beat(state: M.WorkerState, sessions: list[str]) -> M.HeartbeatOk:
+            return M.HeartbeatOk(state=state, sessions=sessions, master=self.incarnation)
+
         w = self.state.workers.get(m.worker_id)
         if w is None or not self._is_worker(m):
-            return M.HeartbeatOk(state=M.WorkerState.UNKNOWN, sessions=[], master=self.incarnation)
+            return beat(M.WorkerState.UNKNOWN, [])
         stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
         self._commit(U.WorkerHeartbeat(m.worker_id, self.clock(), m.buffered, stats))
         self.rates.update("w:" + m.worker_id, self.clock(), stats)
@@ -369,12 +372,12 @@ class MasterService:
         # The live sessions of the ranks it serves: pieces it holds for any other are stale.
         sessions = self.state.sessions_served(m.worker_id)
         if not w.draining:
-            return M.HeartbeatOk(state=M.WorkerState.RUN, sessions=sessions, master=self.incarnation)
+            return beat(M.WorkerState.RUN, sessions)
         if w.assigned:
-            return M.HeartbeatOk(state=M.WorkerState.DRAIN, sessions=sessions, master=self.incarnation)
+            return beat(M.WorkerState.DRAIN, sessions)
         # Drained: every split it held has been consumed; it may go.
         self._commit(U.WorkerLost(w.worker_id, "drained"))
-        return M.HeartbeatOk(state=M.WorkerState.STOP, sessions=sessions, master=self.incarnation)
+        return beat(M.WorkerState.STOP, sessions)
 
     def _on_drain(self, m: M.Drain) -> Reply:
         # Only the worker itself (SIGTERM) or the autoscaler (``drain``, in process) drains it.
