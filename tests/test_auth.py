@@ -54,9 +54,15 @@ def _replies(addr: str, parts: list, creds=None, timeout_s: float = SILENCE_S, s
         sock.setsockopt(zmq.LINGER, 0)
         if creds is not None:
             auth.secure_client(sock, creds, server_public)
+        # A DEALER's send waits for a peer, and a refused handshake can drop its only one:
+        # a send that cannot go out within the listening time got no reply either.
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         monitor = sock.get_monitor_socket()
         sock.connect(addr)
-        sock.send_multipart(parts)
+        try:
+            sock.send_multipart(parts)
+        except zmq.Again:
+            return False
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
