@@ -172,10 +172,28 @@ def examples(n: int) -> int:
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start real processes are ``slow`` (``pytest -m "not slow"`` skips them);
     every test using the ``cluster`` or ``ray_cluster`` fixture is one, others say so.
-    ``inprocess`` clusters start none: their tests are the fast tier's end to end."""
+    ``inprocess`` clusters start none: their tests are the fast tier's end to end.
+
+    Slow tests run first: under xdist the long ones then start early, and the many short
+    in-process tests fill the workers' last minutes instead of one long test alone. Tests
+    with a Ray head run on one xdist worker, one after another (``--dist loadgroup``): two
+    heads at once on two cores slowed each to minutes."""
     for item in items:
-        if {"cluster", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if {"cluster", "ray_cluster"} & fixtures:
             item.add_marker(pytest.mark.slow)
+        if {"ray_cluster", "ray_head"} & fixtures:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order within each
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's addopts): one xdist worker per CPU for the fast tier, whose
+    in-process tests keep a CPU busy; two per CPU (at most 8) for the whole suite, whose
+    tests spend about half their time waiting on sockets and the processes they start."""
+    cpus = len(os.sched_getaffinity(0))
+    fast_tier = config.getoption("markexpr", "").replace(" ", "") == "notslow"
+    return cpus if fast_tier else min(2 * cpus, 8)
 
 
 @pytest.fixture
