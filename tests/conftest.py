@@ -155,33 +155,8 @@ def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(1)
-    fast_tier = config.getoption("markexpr", "").replace(" ", "") == "notslow"
-    if fast_tier:
+    if config.getoption("markexpr", "").replace(" ", "") == "notslow":
         os.environ.setdefault(FAST_TIER_ENV, "1")
-    xdist_controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
-    if xdist_controller and not fast_tier and not config.getoption("collectonly"):
-        compile_kernels()
-
-
-def compile_kernels() -> None:
-    """One epoch of ``spec_dict``'s job in this process, before xdist starts its workers:
-    numba's cache (per user and per checkout) then holds the kernels most tests' masters,
-    workers and loaders run. On a fresh clone every process of the first tests would
-    otherwise compile them itself, at the same time (measured: a cold cluster test costs
-    12 s of its processes' CPU instead of 5)."""
-    from remoteloader import LocalDataset
-    from remoteloader.core.binding import bind
-    from remoteloader.core.processor import SplitProcessor
-    from remoteloader.core.sizing import warm_up
-    from remoteloader.spec import DatasetSpec
-
-    warm_up()  # the master's
-    with tempfile.TemporaryDirectory() as root:
-        generate_table(root + "/t", rows=300, partitions=1, dense=2, sparse=2, format="orc", seed=1, progress=False)
-        spec = spec_dict(Path(root) / "t", batch_size=64, split_rows=100)
-        SplitProcessor(bind(DatasetSpec.from_dict(spec))).warm_up()  # a worker's, on synthetic columns
-        for _ in LocalDataset(spec):  # reading, transforming and batching real ones
-            pass
 
 
 FAST_TIER_ENV = "REMOTELOADER_FAST_TIER"
