@@ -155,11 +155,16 @@ def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if config.getoption("markexpr", "").replace(" ", "") == "notslow":
+    if is_fast_tier(config):
         os.environ.setdefault(FAST_TIER_ENV, "1")
 
 
 FAST_TIER_ENV = "REMOTELOADER_FAST_TIER"
+
+
+def is_fast_tier(config) -> bool:
+    """This run is ``pytest -m "not slow"``."""
+    return config.getoption("markexpr", "").replace(" ", "") == "notslow"
 
 
 def examples(n: int) -> int:
@@ -192,8 +197,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     in-process tests keep a CPU busy; two per CPU (at most 8) for the whole suite, whose
     tests spend about half their time waiting on sockets and the processes they start."""
     cpus = len(os.sched_getaffinity(0))
-    fast_tier = config.getoption("markexpr", "").replace(" ", "") == "notslow"
-    return cpus if fast_tier else min(2 * cpus, 8)
+    return cpus if is_fast_tier(config) else min(2 * cpus, 8)
 
 
 @pytest.fixture
