@@ -64,8 +64,8 @@ def master_status(addr: str, auth: Optional[str] = None) -> dict:
 
 
 class MasterProcess:
-    """``remoteloader-master``, started through its console script; ``workers`` local workers
-    are its own children (``--workers``)."""
+    """``remoteloader-master``, started through its console script, with ``workers`` local
+    workers (``--workers``), forked by its worker fork server."""
 
     def __init__(self, *args: str, workers: int = 2, bind: str = "tcp://127.0.0.1:0") -> None:
         # Test tables live under the temp directory: the only tables these masters serve.
@@ -77,7 +77,11 @@ class MasterProcess:
         self.addr = line.rsplit(" ", 1)[1].strip()
 
     def worker_pids(self) -> list[int]:
-        return [c.pid for c in psutil.Process(self.proc.pid).children()]
+        """Its launched workers: the children of its worker fork server (its own child)."""
+        try:
+            return [c.pid for server in psutil.Process(self.proc.pid).children() for c in server.children()]
+        except psutil.NoSuchProcess:
+            return []
 
     def started_worker_pids(self, n: int, timeout: float = 60.0) -> list[int]:
         """The pids of its launched workers once ``n`` are started (the master prints its

@@ -164,11 +164,9 @@ def test_a_failing_request_is_logged_once_and_never_fatal(monkeypatch, caplog):
     assert calls == [2, 3] and ray.shut
 
 
-def test_buffer_bytes_reaches_the_worker_command_line(monkeypatch, fake_ray):
-    argv = []
-    monkeypatch.setattr(launcher_mod.subprocess, "Popen", lambda args, **_: argv.append(args))
-    LocalLauncher("tcp://127.0.0.1:1", ["--buffer-batches", "4"], buffer_bytes=64 << 20).start(1)
-    LocalLauncher("tcp://127.0.0.1:1", ["--buffer-batches", "4"]).start(1)
+def test_buffer_bytes_reaches_the_worker_command_line(fake_ray):
+    argv = [LocalLauncher("tcp://127.0.0.1:1", ["--buffer-batches", "4"], buffer_bytes=64 << 20).worker_argv(),
+            LocalLauncher("tcp://127.0.0.1:1", ["--buffer-batches", "4"]).worker_argv()]
     assert argv[0][-4:] == ["--buffer-bytes", str(64 << 20), "--buffer-batches", "4"]
     assert "--buffer-bytes" not in argv[1]
     ray, _ = fake_ray

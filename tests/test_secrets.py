@@ -136,7 +136,8 @@ def test_a_master_with_a_secret_table_uri_shows_it_nowhere(tables, tmp_path):
         addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
         port = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", stderr.read_text()).group(1)
         status = _until(lambda: (lambda s: s if s["workers"] else None)(master_status(addr)))
-        worker = _until(lambda: psutil.Process(master.pid).children())[0]
+        # The master's child is its worker fork server; the worker is the server's child.
+        worker = _until(lambda: [w for server in psutil.Process(master.pid).children() for w in server.children()])[0]
         pids += [worker.pid]
         # The worker was told the tables it may read in its environment (its owner's alone).
         assert json.loads(worker.environ()["REMOTELOADER_ALLOW_TABLE"]) == [secret_uri(tables["orc"])]
@@ -147,7 +148,7 @@ def test_a_master_with_a_secret_table_uri_shows_it_nowhere(tables, tmp_path):
         master.terminate()
         master.wait(30)
         wait_gone(pids)
-    assert len(cmdlines) == 2 and not [pid for pid, line in cmdlines.items() if MARKER in line], cmdlines
+    assert len(cmdlines) == 3 and not [pid for pid, line in cmdlines.items() if MARKER in line], cmdlines
     assert status["job"]["table"] == f"file://{tables['orc']}?secret={MASK}"
     assert "remoteloader_job_info{" in metrics and MARKER not in metrics and str(tables["orc"]) not in metrics
     assert MARKER not in stderr.read_text()  # the master's and its worker's logs

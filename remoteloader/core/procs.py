@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def kernel_cache_dir() -> str:
@@ -26,6 +27,14 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() == 1:  # the parent died before prctl took effect
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps -e``, ``top`` and psutil's ``name()`` show (Linux, at most 15 bytes):
+    a forked process keeps its parent's command line, but not its parent's name."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
 
 
 def stop(proc: subprocess.Popen, timeout: float = 5.0) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol, Sequence
 
 from ..core.redact import ENV_ALLOW_TABLE
+from .forkserver import ForkServerHandle
 
 log = logging.getLogger(__name__)
 RAY_NAMESPACE = "remoteloader"
@@ -168,6 +169,14 @@ class LauncherThread:
 class LocalLauncher:
     """Worker processes on this machine, tied to the master's lifetime.
 
+    Workers are forked by a worker fork server (``master/forkserver.py``), started with
+    the first worker and kept for the master's life: a forked worker skips the second or
+    so of imports and numba set-up a fresh process pays. Each worker runs
+    ``remoteloader-worker --master ADDR --die-with-parent ...`` as if started by that
+    command; ``ps`` shows it with the server's command line and the name ``rl-worker``.
+    A server that dies takes its workers with it (they drain on their parent-death
+    signal): they count as failed, and the next start brings up another server.
+
     A master on ``ipc://DIR/NAME`` (one host) has each worker bind its data socket in the
     same private directory, ``ipc://DIR/worker-<random>``; the launcher removes the socket
     file of a worker it saw end (one killed leaves its file behind)."""
@@ -176,7 +185,8 @@ class LocalLauncher:
                  worker_env: Mapping[str, str] = {}, buffer_bytes: Optional[int] = None) -> None:
         self.master_addr = master_addr
         self.worker_args = _worker_args(buffer_bytes, worker_args)
-        self.procs: list[subprocess.Popen] = []
+        self.pids: set[int] = set()
+        self._server: Optional[ForkServerHandle] = None
         self._ipc_dir = os.path.dirname(master_addr[len("ipc://"):]) if master_addr.startswith("ipc://") else None
         self._sockets: dict[int, str] = {}  # pid -> the ipc socket file it binds
         # The key directory's path and the allowlist (``worker_env``: table paths may hold
@@ -186,20 +196,26 @@ class LocalLauncher:
         self.env = {k: v for k, v in os.environ.items() if k not in handed_on}
         self.env.update(_worker_env(auth_dir), **worker_env)
 
+    def worker_argv(self, bind: Sequence[str] = ()) -> list[str]:
+        """``remoteloader-worker``'s arguments for one local worker."""
+        return ["--master", self.master_addr, "--die-with-parent", *bind, *self.worker_args]
+
     def start(self, n: int) -> None:
         for _ in range(n):
             bind: list[str] = []
             if self._ipc_dir is not None:
                 path = os.path.join(self._ipc_dir, "worker-" + secrets.token_hex(8))
                 bind = ["--bind", "ipc://" + path]
-            proc = subprocess.Popen([sys.executable, "-m", "remoteloader.worker", "--master", self.master_addr,
-                                     "--die-with-parent", *bind, *self.worker_args], env=self.env)
-            self.procs.append(proc)
+            if self._server is None:
+                self._server = ForkServerHandle(self.env)
+            pid = self._server.fork(self.worker_argv(bind))
+            self.pids.add(pid)
             if bind:
-                self._sockets[proc.pid] = path
+                self._sockets[pid] = path
 
-    def _forget(self, p: subprocess.Popen) -> None:
-        path = self._sockets.pop(p.pid, None)
+    def _forget(self, pid: int) -> None:
+        self.pids.discard(pid)
+        path = self._sockets.pop(pid, None)
         if path is not None:
             try:
                 os.unlink(path)
@@ -207,28 +223,38 @@ class LocalLauncher:
                 pass  # it closed its socket itself
 
     def running(self) -> int:
-        return len(self.procs)
+        return len(self.pids)
 
     def pending(self) -> int:
         return 0  # a local worker runs as soon as it is forked
 
     def reap(self) -> int:
-        exited = [p for p in self.procs if p.poll() is not None]
-        for p in exited:
-            self.procs.remove(p)
-            self._forget(p)
-            if p.returncode != 0:
-                log.warning("local worker pid %d exited with code %s", p.pid, p.returncode)
-        return sum(1 for p in exited if p.returncode != 0)
+        if self._server is None:
+            return 0
+        failed = 0
+        for pid, code in self._server.exits():
+            if pid not in self.pids:
+                continue
+            self._forget(pid)
+            if code != 0:
+                log.warning("local worker pid %d exited with code %s", pid, code)
+                failed += 1
+        if self._server.gone:
+            log.warning("the worker fork server ended (code %s); its %d workers end with it",
+                        self._server.proc.poll(), len(self.pids))
+            self._server.stop()
+            failed += len(self.pids)
+            for pid in list(self.pids):
+                self._forget(pid)
+            self._server = None
+        return failed
 
     def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait()
-            self._forget(p)
-        self.procs.clear()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        for pid in list(self.pids):
+            self._forget(pid)
 
 
 class WorkerProcessActor:
