@@ -63,6 +63,22 @@ def test_a_user_s_numba_cache_dir_is_kept(tmp_path):
     assert _numba_cache_dir(_clean_env(NUMBA_CACHE_DIR=str(tmp_path / "mine"))) == str(tmp_path / "mine")
 
 
+@pytest.mark.slow
+def test_a_trainer_and_the_cli_load_numba_only_to_copy_pieces():
+    """numba costs a process 0.3-0.5 s to import: a trainer reading from workers, and
+    ``remoteloader status``, load it only at their first merge of pieces."""
+    code = ("import sys\n"
+            "import remoteloader.client, remoteloader.tools.cli\n"
+            "from remoteloader import RemoteDataLoader\n"
+            "assert 'numba' not in sys.modules\n"
+            "import numpy as np\n"
+            "from remoteloader import jagged\n"
+            "piece = jagged.Jagged(1, 2, np.array([1, 2], np.int32), np.arange(3))\n"
+            "merged = jagged.concat_rows([(piece, 1, 2), (piece, 0, 1)])\n"
+            "assert merged.values.tolist() == [1, 2, 0] and 'numba' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+
+
 # ----------------------------------------------------------------------------- metrics
 
 def test_rate_window_knows_how_long_a_counter_has_not_moved():

@@ -13,7 +13,9 @@ Tensors go by their wire names: ``sparse.values`` and ``sparse.weights`` hold on
 per value, ``sparse.lengths`` one per row and key, every other tensor one per row.
 Slicing works on numpy arrays and torch tensors alike. Copies are compiled: Python calls
 one copy per source array (a split's feature columns on the worker, a merge's tails on the
-client), never one per block, row or value.
+client), never one per block, row or value. The compiled loops live in ``kernels``,
+loaded at the first copy: a process that never copies (``remoteloader status``, a client
+whose batches need no merge) never loads numba.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
-from numba import njit
 
 VALUES, WEIGHTS, LENGTHS = "sparse.values", "sparse.weights", "sparse.lengths"
 PER_VALUE = (VALUES, WEIGHTS)
@@ -124,7 +125,7 @@ def concat_rows(parts: Sequence[tuple[Jagged, int, int]]) -> Jagged:
     rows = np.array([stop - start for _, start, stop in parts], np.int64)
     length_at, value_at, value_sizes = (np.empty((len(parts), keys), np.int64) for _ in range(3))
     for p, (piece, start, stop) in enumerate(parts):
-        _key_ranges(piece.lengths, keys, piece.rows, start, stop, length_at[p], value_at[p], value_sizes[p])
+        _kernels().key_ranges(piece.lengths, keys, piece.rows, start, stop, length_at[p], value_at[p], value_sizes[p])
     total = int(rows.sum())
     lengths = np.empty(keys * total, first.lengths.dtype)
     _interleave([piece.lengths for piece, _, _ in parts], length_at, np.repeat(rows[:, None], keys, axis=1), lengths)
@@ -141,50 +142,14 @@ def _interleave(sources: Sequence[np.ndarray], starts: np.ndarray, sizes: np.nda
     """Copy block ``b`` of each source ``s`` (``sizes[s, b]`` entries from ``starts[s, b]``) into
     ``out`` in (block, source) order: the worker's sources are keys and its blocks pieces, the
     client's sources are pieces and its blocks keys. Returns where each block starts, then the end."""
-    at, block_starts = _places(sizes)
+    kernels = _kernels()
+    at, block_starts = kernels.places(sizes)
     for s, source in enumerate(sources):
-        _copy_blocks(source, starts[s], at[s], sizes[s], out)
+        kernels.copy_blocks(source, starts[s], at[s], sizes[s], out)
     return block_starts
 
 
-@njit(cache=True, nogil=True)
-def _places(sizes):  # pragma: no cover (compiled)
-    """Where block ``b`` of source ``s`` goes (``[sources, blocks]``, in (block, source) order),
-    and where each block starts, then the end. Compiled: numpy's reductions over a few dozen
-    entries cost more than this loop."""
-    sources, blocks = sizes.shape
-    at = np.empty((sources, blocks), np.int64)
-    block_starts = np.empty(blocks + 1, np.int64)
-    pos = 0
-    for b in range(blocks):
-        block_starts[b] = pos
-        for s in range(sources):
-            at[s, b] = pos
-            pos += sizes[s, b]
-    block_starts[blocks] = pos
-    return at, block_starts
+def _kernels():
+    from . import kernels  # numba: 0.3-0.5 s of a process's start, paid at the first copy
 
-
-@njit(cache=True, nogil=True)
-def _key_ranges(lengths, keys, rows, start, stop, length_at, value_at, value_sizes):  # pragma: no cover (compiled)
-    """Per key of a key-major piece: where its rows ``[start, stop)`` start in ``lengths`` and in
-    the values, and how many values they hold (one pass over the piece's lengths)."""
-    pos = 0
-    for k in range(keys):
-        row0 = k * rows
-        for i in range(row0, row0 + start):
-            pos += lengths[i]
-        length_at[k] = row0 + start
-        value_at[k] = pos
-        for i in range(row0 + start, row0 + stop):
-            pos += lengths[i]
-        value_sizes[k] = pos - value_at[k]
-        for i in range(row0 + stop, row0 + rows):
-            pos += lengths[i]
-
-
-@njit(cache=True, nogil=True)
-def _copy_blocks(src, src_starts, dest_starts, sizes, out):  # pragma: no cover (compiled)
-    for i in range(src_starts.shape[0]):
-        n, s, d = sizes[i], src_starts[i], dest_starts[i]
-        out[d:d + n] = src[s:s + n]
+    return kernels

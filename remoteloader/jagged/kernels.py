@@ -1,0 +1,49 @@
+"""The jagged layout's compiled loops (see the package's docstring), apart so that only
+processes that copy pieces import numba."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def places(sizes):  # pragma: no cover (compiled)
+    """Where block ``b`` of source ``s`` goes (``[sources, blocks]``, in (block, source) order),
+    and where each block starts, then the end. Compiled: numpy's reductions over a few dozen
+    entries cost more than this loop."""
+    sources, blocks = sizes.shape
+    at = np.empty((sources, blocks), np.int64)
+    block_starts = np.empty(blocks + 1, np.int64)
+    pos = 0
+    for b in range(blocks):
+        block_starts[b] = pos
+        for s in range(sources):
+            at[s, b] = pos
+            pos += sizes[s, b]
+    block_starts[blocks] = pos
+    return at, block_starts
+
+
+@njit(cache=True, nogil=True)
+def key_ranges(lengths, keys, rows, start, stop, length_at, value_at, value_sizes):  # pragma: no cover (compiled)
+    """Per key of a key-major piece: where its rows ``[start, stop)`` start in ``lengths`` and in
+    the values, and how many values they hold (one pass over the piece's lengths)."""
+    pos = 0
+    for k in range(keys):
+        row0 = k * rows
+        for i in range(row0, row0 + start):
+            pos += lengths[i]
+        length_at[k] = row0 + start
+        value_at[k] = pos
+        for i in range(row0 + start, row0 + stop):
+            pos += lengths[i]
+        value_sizes[k] = pos - value_at[k]
+        for i in range(row0 + stop, row0 + rows):
+            pos += lengths[i]
+
+
+@njit(cache=True, nogil=True)
+def copy_blocks(src, src_starts, dest_starts, sizes, out):  # pragma: no cover (compiled)
+    for i in range(src_starts.shape[0]):
+        n, s, d = sizes[i], src_starts[i], dest_starts[i]
+        out[d:d + n] = src[s:s + n]
