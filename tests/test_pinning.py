@@ -140,6 +140,24 @@ def test_rows_merged_from_staged_pieces_are_staged_once_merged(fake_pinning, sta
     assert stager.stats.staged == 1  # the merged batch only
 
 
+def test_empty_tensors_of_a_staged_batch_lie_in_its_slab(fake_pinning, stagers):
+    # The epoch's short last batch can be one row without sparse ids (over a quarter of the
+    # test tables' rows; which row comes last depends on arrival order): empty values and
+    # scores, whose data_ptr() is 0. They view the slab like the others.
+    pool = staging.SlabPool(8 << 20)
+    stager = stagers(pool)
+    source = make_batch(rows=1, seed=3)
+    kjt = source.sparse_features
+    source.sparse_features = KeyedJaggedTensor(kjt.keys(), kjt._values[:0], torch.zeros_like(kjt._lengths),
+                                               kjt._weights[:0], stride=1, scored=kjt._scored)
+    got = stager.take(stager.wrap(source))
+    assert_equal(got, source)
+    assert [t.numel() for t in tensors(got)].count(0) == 2  # the values and their scores
+    assert all(pool.owns(t) for t in tensors(got))
+    assert not pool.owns(torch.empty(0, dtype=torch.int64))  # an empty tensor of no slab is not
+    assert not pool.owns(source.dense_features)
+
+
 def test_padding_marked_after_arrival_is_staged_with_the_batch(fake_pinning, stagers):
     stager = stagers(staging.SlabPool(8 << 20))
     source = make_batch()

@@ -230,10 +230,14 @@ class SlabPool:
 
     # any thread
     def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s memory lies in a slab of this pool that is leased now."""
+        """Whether ``tensor``'s memory lies in a slab of this pool that is leased now (for a
+        0-element tensor: whether it views one)."""
         if tensor.device.type != "cpu":
             return False
-        lo = tensor.data_ptr()
+        # From the storage, not ``tensor.data_ptr()``: that is 0 for a 0-element tensor (a
+        # batch whose rows have no sparse ids has empty values), which would read as not in
+        # a slab although the tensor views one (and keeps its lease alive) like the others.
+        lo = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
         hi = lo + tensor.numel() * tensor.element_size()
         with self._cv:
             slabs = list(self.leased.values())
