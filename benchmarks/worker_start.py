@@ -1,11 +1,13 @@
-"""Worker start to first batch, with a cold and a warm kernel cache.
+"""Worker start to first batch: a cold and a warm kernel cache, by command and forked.
 
 A master with the loader benchmark's spec (clamp on dense, firstx + sigrid_hash on
-sparse) and no workers; a client says hello and waits. Then one ``remoteloader-worker``
-starts, and the time from its launch to the client's first batch is taken: first with
-an empty kernel cache (``NUMBA_CACHE_DIR`` a fresh directory: every kernel compiles),
-then ``--rounds`` times with that cache filled (a worker the autoscaler adds on a
-machine that has run one before).
+sparse) and no workers; a client says hello and waits. Then one worker starts, and the
+time from its launch to the client's first batch is taken, with the CPU the worker used
+until then: first ``remoteloader-worker`` by its command with an empty kernel cache
+(``NUMBA_CACHE_DIR`` a fresh directory: every kernel compiles), then ``--rounds`` times
+with that cache filled, alternately by command (a worker started by hand or by a Ray
+actor) and forked by a warm worker fork server (what the local launcher does for every
+worker after its first).
 
 Run: ``.venv/bin/python -m benchmarks.worker_start [--rounds 3]``.
 """
@@ -21,14 +23,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from benchmarks.loader import bench_spec
 from remoteloader import RemoteDataLoader
+from remoteloader.master.forkserver import ForkServerHandle
 from remoteloader.tools.datagen import generate_table
 
 os.environ.setdefault("REMOTELOADER_QUIET", "1")
 
 
-def first_batch_s(spec_path: Path, cache: Path) -> float:
+def first_batch(spec_path: Path, start_worker) -> tuple[float, float]:
+    """Seconds from ``start_worker(addr)`` (which returns the worker's pid) to the client's
+    first batch, and the worker's CPU seconds by then."""
     master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
                                "--spec", str(spec_path)], stdout=subprocess.PIPE, text=True)
     worker = None
@@ -38,15 +45,24 @@ def first_batch_s(spec_path: Path, cache: Path) -> float:
             len(loader)  # the job exists: only the worker is missing
             it = iter(loader)
             start = time.perf_counter()
-            worker = subprocess.Popen([sys.executable, "-m", "remoteloader.worker", "--master", addr],
-                                      env=dict(os.environ, NUMBA_CACHE_DIR=str(cache)), stderr=subprocess.DEVNULL)
+            worker = psutil.Process(start_worker(addr))
             next(it)
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            cpu = worker.cpu_times()
+            return seconds, cpu.user + cpu.system
     finally:
-        for proc in (worker, master):  # a worker would drain for its reader, gone by now
-            if proc is not None:
-                proc.kill()
-                proc.wait(30)
+        if worker is not None:  # it would drain for its reader, gone by now
+            worker.kill()
+            worker.wait(30)
+        master.kill()
+        master.wait(30)
+
+
+def by_command(cache: Path):
+    def start(addr: str) -> int:
+        return subprocess.Popen([sys.executable, "-m", "remoteloader.worker", "--master", addr],
+                                env=dict(os.environ, NUMBA_CACHE_DIR=str(cache)), stderr=subprocess.DEVNULL).pid
+    return start
 
 
 def main() -> int:
@@ -59,12 +75,29 @@ def main() -> int:
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(bench_spec(str(tmp / "t"), 13, 26, 1024)))
     cache = tmp / "numba-cache"
-    cold = first_batch_s(spec_path, cache)
-    warm = [first_batch_s(spec_path, cache) for _ in range(args.rounds)]
+    cold = first_batch(spec_path, by_command(cache))
+    server = ForkServerHandle(dict(os.environ, NUMBA_CACHE_DIR=str(cache)))
+    try:
+        server.fork(["--version"])  # waits for the server's warm-up: it is ready before the timing
+
+        def forked(addr: str) -> int:
+            return server.fork(["--master", addr])
+
+        rounds = {"command": [], "forked": []}
+        for _ in range(args.rounds):  # interleaved: the machine's noise hits both alike
+            rounds["command"].append(first_batch(spec_path, by_command(cache)))
+            rounds["forked"].append(first_batch(spec_path, forked))
+    finally:
+        server.stop()
     print("worker launch -> client's first batch (13 dense clamp, 26 sparse firstx + sigrid_hash, batch 1024)\n")
-    print(f"{'kernel cache':<14} {'seconds':>8}")
-    print(f"{'cold':<14} {cold:>8.2f}")
-    print(f"{'warm (median)':<14} {statistics.median(warm):>8.2f}   rounds: {', '.join(f'{w:.2f}' for w in warm)}")
+    print(f"{'start':<28} {'seconds':>8} {'worker CPU s':>13}   rounds (seconds)")
+    print(f"{'command, cold kernel cache':<28} {cold[0]:>8.2f} {cold[1]:>13.2f}")
+    for name, got in rounds.items():
+        label = f"{name}, warm cache (median)"
+        print(f"{label:<28} {statistics.median(s for s, _ in got):>8.2f} {statistics.median(c for _, c in got):>13.2f}"
+              f"   {', '.join(f'{s:.2f}' for s, _ in got)}")
+    command, forked_s = (statistics.median(s for s, _ in rounds[k]) for k in ("command", "forked"))
+    print(f"\nforked / command: {forked_s / command:.2f}x the time to the first batch")
     return 0
 
 
