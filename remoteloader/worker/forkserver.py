@@ -41,6 +41,7 @@ import signal
 import socket
 import sys
 import traceback
+import warnings
 from typing import Optional, Sequence
 
 from ..core.procs import die_with_parent, set_process_name
@@ -108,7 +109,12 @@ class WorkerForkServer:
     def _fork(self, argv: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns at a fork from a process with threads; this one's are the idle
+            # library threads the module docstring names, safe across a fork.
+            warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks",
+                                    category=DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             self._become_worker(argv)  # never returns
         self.children.add(pid)
