@@ -65,7 +65,9 @@ def main() -> int:
                         rows[rid] = dense[j].tobytes()
                     if kill_at and i == kill_at[0]:
                         kill_at.pop(0)
-                        victims = [c.pid for c in psutil.Process(master.pid).children()]
+                        # Its local workers: the children of its worker fork server, named rl-worker.
+                        victims = [c.pid for c in psutil.Process(master.pid).children(recursive=True)
+                                   if c.name() == "rl-worker"]
                         if victims:
                             os.kill(rng.choice(victims), signal.SIGKILL)
                             kills += 1

@@ -101,7 +101,8 @@ class Target:
             return None
 
     def pids(self) -> list[int]:
-        return sorted([self.master.pid, *(c.pid for c in psutil.Process(self.master.pid).children())])
+        # recursive: the local workers are children of the master's worker fork server
+        return sorted([self.master.pid, *(c.pid for c in psutil.Process(self.master.pid).children(recursive=True))])
 
     def socket(self, addr: str, creds: Optional[auth.Credentials]) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)

@@ -100,7 +100,7 @@ class MasterProcess:
     def stop(self) -> None:
         pids = [self.proc.pid]
         if self.proc.poll() is None:
-            pids += self.worker_pids()
+            pids += [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]  # fork server too
             self.proc.terminate()
             try:
                 self.proc.wait(15)

@@ -62,14 +62,18 @@ def test_a_killed_worker_is_reaped_as_failed_and_one_that_exits_0_is_not(caplog)
             assert reap_until(launcher, 1) == 1
         assert f"local worker pid {killed} exited with code -9" in caplog.text
         assert launcher.pids == {stopped}
-        psutil.Process(stopped).send_signal(signal.SIGINT)  # a worker's SIGINT stops it at once, status 0
-        deadline = time.monotonic() + 30
-        while launcher.running() and time.monotonic() < deadline:
-            assert launcher.reap() == 0
-            time.sleep(0.05)
-        assert launcher.running() == 0
     finally:
         launcher.stop_all()
+    done = LocalLauncher(NO_MASTER, ["--version"])  # prints its version and exits 0
+    try:
+        done.start(1)
+        deadline = time.monotonic() + 30
+        while done.running() and time.monotonic() < deadline:
+            assert done.reap() == 0
+            time.sleep(0.05)
+        assert done.running() == 0
+    finally:
+        done.stop_all()
 
 
 def test_a_worker_refusing_its_arguments_reports_its_status():
@@ -79,6 +83,27 @@ def test_a_worker_refusing_its_arguments_reports_its_status():
         assert reap_until(launcher, 1) == 1 and launcher.running() == 0
     finally:
         launcher.stop_all()
+
+
+def test_the_server_leaves_sigterm_and_sigint_to_the_master_and_its_workers():
+    """A stop that signals the whole process group (systemd, Ctrl-C) must not end the server
+    before the master has it stop the workers; the workers get their usual handlers."""
+    launcher = LocalLauncher(NO_MASTER)
+    try:
+        launcher.start(1)
+        server = psutil.Process(launcher._server.proc.pid)
+        (worker,) = launcher.pids
+        server.send_signal(signal.SIGTERM)
+        server.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+        assert launcher.reap() == 0 and launcher.running() == 1
+        process = launcher._server.proc
+        launcher.stop_all()  # the server still carries out the master's stop
+        assert process.returncode == 0
+    finally:
+        launcher.stop_all()
+    wait_gone([worker], timeout=1.0)
 
 
 def test_a_dead_server_fails_its_workers_and_the_next_start_brings_another(caplog):

@@ -20,13 +20,13 @@ def kernel_cache_dir() -> str:
     return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(base, "remoteloader", "numba")
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies, even by SIGKILL."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send this process ``sig`` when its parent dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
         if os.getppid() == 1:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), sig)
 
 
 def set_process_name(name: str) -> None:

@@ -52,10 +52,11 @@ class ForkServerHandle:
             if "error" in message:
                 raise ForkServerError(f"the worker fork server refused a start: {message['error']}")
 
-    def exits(self) -> list[tuple[int, int]]:
-        """(pid, exit code) of the workers that ended since the previous call; never blocks."""
+    def exits(self, read: bool = True) -> list[tuple[int, int]]:
+        """(pid, exit code) of the workers reported ended since the previous call; never
+        blocks. ``read=False``: only those already read (while waiting for a fork's answer)."""
         try:
-            while self._next(0.0, block=False):
+            while read and self._next(0.0, block=False):
                 pass
         except ForkServerError:
             pass  # gone: the caller sees self.gone

@@ -186,6 +186,7 @@ class LocalLauncher:
         self.master_addr = master_addr
         self.worker_args = _worker_args(buffer_bytes, worker_args)
         self.pids: set[int] = set()
+        self._failed = 0  # workers seen to fail since the last reap
         self._server: Optional[ForkServerHandle] = None
         self._ipc_dir = os.path.dirname(master_addr[len("ipc://"):]) if master_addr.startswith("ipc://") else None
         self._sockets: dict[int, str] = {}  # pid -> the ipc socket file it binds
@@ -209,6 +210,7 @@ class LocalLauncher:
             if self._server is None:
                 self._server = ForkServerHandle(self.env)
             pid = self._server.fork(self.worker_argv(bind))
+            self._apply_exits(read=False)  # those reported before it: its pid may be an ended worker's, reused
             self.pids.add(pid)
             if bind:
                 self._sockets[pid] = path
@@ -228,18 +230,21 @@ class LocalLauncher:
     def pending(self) -> int:
         return 0  # a local worker runs as soon as it is forked
 
-    def reap(self) -> int:
-        if self._server is None:
-            return 0
-        failed = 0
-        for pid, code in self._server.exits():
+    def _apply_exits(self, read: bool = True) -> None:
+        """Forget the workers the server reported ended; count those that failed. ``read``:
+        read what the server sent since, too (not between a fork and recording its pid)."""
+        for pid, code in self._server.exits(read) if self._server is not None else ():
             if pid not in self.pids:
                 continue
             self._forget(pid)
             if code != 0:
                 log.warning("local worker pid %d exited with code %s", pid, code)
-                failed += 1
-        if self._server.gone:
+                self._failed += 1
+
+    def reap(self) -> int:
+        self._apply_exits()
+        failed, self._failed = self._failed, 0
+        if self._server is not None and self._server.gone:
             log.warning("the worker fork server ended (code %s); its %d workers end with it",
                         self._server.proc.poll(), len(self.pids))
             self._server.stop()
@@ -260,8 +265,8 @@ class LocalLauncher:
 class WorkerProcessActor:
     """The body of a Ray actor: one ``remoteloader-worker`` process on the actor's node.
 
-    The worker runs as its own process, exactly as the local launcher starts it, rather
-    than inside the actor: the master never imports worker code, and the worker keeps
+    The worker runs as its own process, started by its command (as an operator would),
+    rather than inside the actor: the master never imports worker code, and the worker keeps
     its signal handling (SIGTERM drains) and its own main thread. The process dies with
     the actor (Linux parent-death signal), so ``ray.kill`` or a lost node ends it.
     """

@@ -5,7 +5,8 @@ split: importing pyarrow and numba, then numba setting up its compiler at the fi
 compiled call. A master's local launcher pays that once per master: it starts this
 server, which imports the worker and warms numba up, and then forks one child per worker
 it is asked for. A forked worker runs ``remoteloader-worker``'s ``main`` with the
-arguments it was given, and is ready in tens of milliseconds.
+arguments it was given: it is forked in milliseconds and serves its first batch in about
+a third of the time a worker started by its command takes (benchmarks/worker_start.py).
 
 The server starts no thread and creates no ZeroMQ context (each worker makes its own
 after the fork); the only other threads it has are the idle ones its libraries start as
@@ -26,15 +27,18 @@ server                 ``{"exit": N, "code": C}``    worker N ended; C as ``Pope
 launcher               ``{"stop": true}``            SIGKILL every worker, reap them, exit
 =====================  ============================  ==========================================
 
-The server dies with the master (parent-death signal), and each worker with the server
-(``--die-with-parent``, which the launcher passes): a master that crashes leaves its
-workers draining on SIGTERM, as when it launched them by command. An orderly master
-shutdown sends ``stop``.
+The server dies with the master (parent-death signal, SIGKILL), and each worker with the
+server (``--die-with-parent``, which the launcher passes): a master that crashes leaves
+its workers draining on SIGTERM, as when it launched them by command. An orderly master
+shutdown sends ``stop``. The server ignores SIGINT and SIGTERM, so that a Ctrl-C or a
+service manager's SIGTERM to the whole process group reaches the master and the workers
+but leaves the server to carry out the master's ``stop``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import selectors
 import signal
@@ -48,6 +52,7 @@ from ..core.procs import die_with_parent, set_process_name
 from ..core.sizing import warm_up
 from .__main__ import main as worker_main
 
+log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 1 << 20  # one request line: a worker's arguments
 WORKER_NAME = "rl-worker"     # what ps -e and top show for a forked worker
 
@@ -63,7 +68,7 @@ class WorkerForkServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        signal.set_wakeup_fd(self._wake_w.fileno())
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.control, selectors.EVENT_READ)
@@ -94,7 +99,7 @@ class WorkerForkServer:
         """One request; True for ``stop``."""
         try:
             request = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             request = None
         if isinstance(request, dict) and request.get("stop") is True:
             self._stop_all()
@@ -103,7 +108,12 @@ class WorkerForkServer:
         if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
             self._send({"error": "expected {\"argv\": [strings]} or {\"stop\": true}"})
             return False
-        self._send({"pid": self._fork(argv)})
+        try:
+            pid = self._fork(argv)
+        except OSError as e:  # no memory, or the process limit: this start fails, the others run on
+            self._send({"error": f"fork failed: {e}"})
+            return False
+        self._send({"pid": pid})
         return False
 
     def _fork(self, argv: list[str]) -> int:
@@ -127,7 +137,9 @@ class WorkerForkServer:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for sig, handler in ((signal.SIGCHLD, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
+                                 (signal.SIGINT, signal.default_int_handler)):
+                signal.signal(sig, handler)
             self._selector.close()
             for s in (self.control, self._wake_r, self._wake_w):
                 s.close()
@@ -185,10 +197,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--control", type=int, required=True, metavar="FD",
                    help="the inherited Unix socket the launcher sends requests on")
     args = p.parse_args(argv)
-    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
     control = socket.socket(fileno=args.control)
-    # numba's compiler set-up and one cached kernel: what every forked worker would pay again.
-    warm_up()
+    try:
+        # numba's compiler set-up and one cached kernel: what every forked worker would pay again.
+        warm_up()
+    except Exception:  # each worker then warms up on its own, and reports what fails
+        log.warning("the worker fork server's warm-up failed; forked workers warm up themselves", exc_info=True)
     try:
         return WorkerForkServer(control).serve()
     except (BrokenPipeError, ConnectionResetError):
