@@ -63,6 +63,14 @@ def master_status(addr: str, auth: Optional[str] = None) -> dict:
     return json.loads(out.stdout)
 
 
+def launched_workers(master_pid: int) -> list[psutil.Process]:
+    """A master's local workers: the children of its worker fork server (its own child)."""
+    try:
+        return [w for server in psutil.Process(master_pid).children() for w in server.children()]
+    except psutil.NoSuchProcess:
+        return []
+
+
 class MasterProcess:
     """``remoteloader-master``, started through its console script, with ``workers`` local
     workers (``--workers``), forked by its worker fork server."""
@@ -77,11 +85,7 @@ class MasterProcess:
         self.addr = line.rsplit(" ", 1)[1].strip()
 
     def worker_pids(self) -> list[int]:
-        """Its launched workers: the children of its worker fork server (its own child)."""
-        try:
-            return [c.pid for server in psutil.Process(self.proc.pid).children() for c in server.children()]
-        except psutil.NoSuchProcess:
-            return []
+        return [w.pid for w in launched_workers(self.proc.pid)]
 
     def started_worker_pids(self, n: int, timeout: float = 60.0) -> list[int]:
         """The pids of its launched workers once ``n`` are started (the master prints its

@@ -28,7 +28,7 @@ from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.master.updates import ClientLeft
 from remoteloader.protocol import auth
 from remoteloader.spec import DatasetSpec
-from tests.conftest import BIN, ROWS, master_status, spec_dict, wait_gone
+from tests.conftest import BIN, ROWS, launched_workers, master_status, spec_dict, wait_gone
 from tests.wire_helpers import ask
 
 MARKER = "S2-NOT-TO-BE-SEEN"
@@ -136,9 +136,8 @@ def test_a_master_with_a_secret_table_uri_shows_it_nowhere(tables, tmp_path):
         addr = master.stdout.readline().rsplit(" ", 1)[1].strip()
         port = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", stderr.read_text()).group(1)
         status = _until(lambda: (lambda s: s if s["workers"] else None)(master_status(addr)))
-        # The master's child is its worker fork server; the worker is the server's child.
-        worker = _until(lambda: [w for server in psutil.Process(master.pid).children() for w in server.children()])[0]
-        pids += [worker.pid]
+        worker = _until(lambda: launched_workers(master.pid))[0]
+        pids += [worker.pid, worker.ppid()]  # and its fork server
         # The worker was told the tables it may read in its environment (its owner's alone).
         assert json.loads(worker.environ()["REMOTELOADER_ALLOW_TABLE"]) == [secret_uri(tables["orc"])]
         cmdlines = _cmdlines(psutil.Process(master.pid))

@@ -124,8 +124,9 @@ def concat_rows(parts: Sequence[tuple[Jagged, int, int]]) -> Jagged:
     keys = first.keys
     rows = np.array([stop - start for _, start, stop in parts], np.int64)
     length_at, value_at, value_sizes = (np.empty((len(parts), keys), np.int64) for _ in range(3))
+    kernels = _kernels()
     for p, (piece, start, stop) in enumerate(parts):
-        _kernels().key_ranges(piece.lengths, keys, piece.rows, start, stop, length_at[p], value_at[p], value_sizes[p])
+        kernels.key_ranges(piece.lengths, keys, piece.rows, start, stop, length_at[p], value_at[p], value_sizes[p])
     total = int(rows.sum())
     lengths = np.empty(keys * total, first.lengths.dtype)
     _interleave([piece.lengths for piece, _, _ in parts], length_at, np.repeat(rows[:, None], keys, axis=1), lengths)

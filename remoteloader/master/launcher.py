@@ -247,19 +247,21 @@ class LocalLauncher:
         if self._server is not None and self._server.gone:
             log.warning("the worker fork server ended (code %s); its %d workers end with it",
                         self._server.proc.poll(), len(self.pids))
-            self._server.stop()
-            failed += len(self.pids)
-            for pid in list(self.pids):
-                self._forget(pid)
-            self._server = None
+            failed += self._drop_server()
         return failed
 
     def stop_all(self) -> None:
         if self._server is not None:
-            self._server.stop()
-            self._server = None
+            self._drop_server()
+
+    def _drop_server(self) -> int:
+        """Stop the server, which ends its workers, and forget them; how many there were."""
+        self._server.stop()
+        self._server = None
+        ended = len(self.pids)
         for pid in list(self.pids):
             self._forget(pid)
+        return ended
 
 
 class WorkerProcessActor:
