@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import pytest
 import zmq
 
+from remoteloader.client.control import ControlChannel
 from remoteloader.client.session import ClientSession, RunStart
 from remoteloader.protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from remoteloader.spec import load_spec
@@ -125,6 +126,36 @@ def test_a_heartbeat_that_finds_the_client_unknown_restarts_the_run_from_what_wa
     last = master.requests[-1]
     assert (last["session"], last["seq"]) == (session.run.session, session.run.seq)
     assert session.run.session != old_run.session and session.run.seq != old_run.seq
+
+
+def test_a_heartbeat_error_for_a_run_since_rejoined_is_dropped_not_rejoined_again(master):
+    """CI flake of test_master_restart_without_journal_still_exactly_once: the control
+    thread's beat named the old run while the training thread rejoined; raising its
+    ``unknown_client`` rejoined a second time, and that hello ended the first rejoin's
+    session (``replaced``) while its beats were in flight, which ended the loader."""
+    session = make_session(master.addr)
+    session.start_epoch(RunStart(0, [], []))
+    session.resume_point = lambda: RunStart(0, [], [])
+    control = ControlChannel(zmq.Context.instance(), master.addr, lambda: session.run,
+                             lambda: M.ClientStats(), interval_s=600.0)
+    try:
+        master.logic.forget()
+        control.report([], urgent=True)  # a beat of the old run: unknown_client
+        control.wait_reply(10.0)
+        session.rejoin_after(RemoteError("unknown client", "unknown_client"))  # the training thread's own rejoin
+        hellos = master.types().count("hello")
+        assert control.take_reply() is None  # the old run's error is not this run's
+        control.report([], urgent=True)  # a beat of the new run: answered
+        control.wait_reply(10.0)
+        assert isinstance(control.take_reply(), M.Membership)
+        master.logic.forget()
+        control.report([], urgent=True)
+        control.wait_reply(10.0)
+        with pytest.raises(RemoteError, match="unknown client"):  # the current run's error still raises
+            control.take_reply()
+        assert master.types().count("hello") == hellos
+    finally:
+        control.close()
 
 
 def test_the_end_of_a_delivered_epoch_never_raises_nor_rejoins(master):

@@ -36,6 +36,12 @@ class ControlChannel:
     ``take_reply`` returns the newest ``membership`` reply not yet taken, or an
     exception the master answered with (``RemoteError``, e.g. ``unknown_client``);
     ``unreachable_s`` says how long the master has not answered.
+
+    An error answers the run its beat named. A beat in flight while the training thread
+    rejoined names the old run, and its error (``unknown_client``, or ``replaced`` once the
+    rejoin's hello took the rank over) says nothing about the new one: ``take_reply`` drops
+    it. Raising it would rejoin again, and the second hello would end the first rejoin's
+    session while its heartbeats were in flight.
     """
 
     def __init__(self, ctx: zmq.Context, master: str, run: Callable[[], RunId],
@@ -47,7 +53,7 @@ class ControlChannel:
         self._lock = threading.Lock()
         self._acks: dict[int, int] = {}  # split id -> pieces consumed, not yet delivered
         self._reply: Optional[M.Membership] = None
-        self._error: Optional[RemoteError] = None
+        self._error: Optional[tuple[RunId, RemoteError]] = None  # the error and the run whose beat it answered
         self._last_answer = time.monotonic()
         self._wake = threading.Event()  # report() with urgent=True beats at once (at most every URGENT_GAP_S)
         self._replied = threading.Event()
@@ -78,7 +84,10 @@ class ControlChannel:
             reply, self._reply = self._reply, None
             self._replied.clear()
         if error is not None:
-            raise error
+            answered, e = error
+            if answered is self.run():  # the training thread owns the run: no race in this check
+                raise e
+            log.info("dropped the master's answer to a heartbeat of a run since rejoined: %s", e)
         return reply
 
     @property
@@ -123,7 +132,7 @@ class ControlChannel:
             return False
         except RemoteError as e:
             with self._lock:
-                self._error = e
+                self._error = (run, e)
             self._replied.set()
             self._last_answer = time.monotonic()
             return True
