@@ -24,13 +24,15 @@ BIN = Path(sys.executable).parent
 def tables(tmp_path_factory) -> dict[str, Path]:
     """One ORC and one Parquet table: 2 partitions, several stripes / row groups per file."""
     root = tmp_path_factory.mktemp("tables")
-    out = {}
-    for fmt in ("orc", "parquet"):
-        path = root / fmt
-        generate_table(str(path), rows=ROWS, partitions=2, dense=4, sparse=4, format=fmt, seed=7,
-                       stripe_size=64 << 10, row_group_rows=700, files_per_partition=2, progress=False)
-        out[fmt] = path
-    return out
+    return {fmt: table_of(root, fmt) for fmt in ("orc", "parquet")}
+
+
+def table_of(root: Path | str, fmt: str) -> Path:
+    """The tests' table in ``fmt`` under ``root``."""
+    path = Path(root) / fmt
+    generate_table(str(path), rows=ROWS, partitions=2, dense=4, sparse=4, format=fmt, seed=7,
+                   stripe_size=64 << 10, row_group_rows=700, files_per_partition=2, progress=False)
+    return path
 
 
 def spec_dict(table: Path, **overrides) -> dict:
@@ -165,6 +167,26 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(1)
     if is_fast_tier(config):
         os.environ.setdefault(FAST_TIER_ENV, "1")
+    elif config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        warm_caches(config)
+
+
+def warm_caches(config) -> None:
+    """The whole suite on xdist workers: fill the bytecode and kernel caches once first
+    (tests/warm_up.py), one process per part; each waited for by its pid. A part that
+    fails only warns: the tests that run the same code report it."""
+    parts = [subprocess.Popen([sys.executable, "-m", "tests.warm_up", part], cwd=config.rootpath,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for part in ("imports", "kernels")]
+    for part, proc in zip(("imports", "kernels"), parts):
+        try:
+            _, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode != 0:
+            tail = (err or "").strip().splitlines()[-1:] or ["no output"]
+            print(f"tests/warm_up.py {part} failed (exit {proc.returncode}): {tail[0]}", file=sys.stderr)
 
 
 FAST_TIER_ENV = "REMOTELOADER_FAST_TIER"
