@@ -1,5 +1,7 @@
 """Torch-native edges: equal batches per rank, the state's forms (rank parts, the job's position),
-elastic resume, resume with another batch size, set_epoch; real processes unless said otherwise."""
+elastic resume, resume with another batch size, set_epoch. Ranks are loaders of one process
+against in-process clusters (tests/cluster.py): what is asserted is the loaders' arithmetic,
+which real processes add nothing to (test_dcp.py and test_ddp.py run real ranks)."""
 from __future__ import annotations
 
 import io
@@ -54,8 +56,8 @@ def save_load(state: dict) -> dict:
     return torch.load(buf, weights_only=True)
 
 
-def test_even_batches_pad_marks_repeated_rows_and_len_is_exact(tables, cluster):
-    master = cluster.master(workers=2)
+def test_even_batches_pad_marks_repeated_rows_and_len_is_exact(tables, inprocess):
+    master = inprocess(2)
     ranks = loaders(spec_dict(tables["orc"], **UNEVEN), master.addr, 3)
     try:
         assert [len(x) for x in ranks] == [3, 3, 3]
@@ -70,8 +72,8 @@ def test_even_batches_pad_marks_repeated_rows_and_len_is_exact(tables, cluster):
             x.close()
 
 
-def test_even_batches_drop_reports_left_out_rows(tables, cluster):
-    master = cluster.master(workers=2)
+def test_even_batches_drop_reports_left_out_rows(tables, inprocess):
+    master = inprocess(2)
     ranks = loaders(spec_dict(tables["orc"], even_batches="drop", **UNEVEN), master.addr, 3)
     try:
         with pytest.warns(RuntimeWarning, match="2 rows of each epoch are left out"):
@@ -85,8 +87,8 @@ def test_even_batches_drop_reports_left_out_rows(tables, cluster):
             x.close()
 
 
-def test_state_is_rank_keyed_small_and_survives_a_save_right_after_resume(tables, cluster):
-    master = cluster.master(workers=2)
+def test_state_is_rank_keyed_small_and_survives_a_save_right_after_resume(tables, inprocess):
+    master = inprocess(2)
     spec = spec_dict(tables["orc"], batch_size=100, shuffle=True)
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         it = iter(loader)
@@ -108,8 +110,8 @@ def test_state_is_rank_keyed_small_and_survives_a_save_right_after_resume(tables
     assert sorted(rows) == list(range(ROWS)) and max(rows.values()) == 1
 
 
-def test_state_of_another_rank_is_refused_with_a_clear_error(tables, cluster):
-    master = cluster.master(workers=1)
+def test_state_of_another_rank_is_refused_with_a_clear_error(tables, inprocess):
+    master = inprocess(1)
     spec = spec_dict(tables["orc"], batch_size=100)
     a, b = loaders(spec, master.addr, 2)
     try:
@@ -124,9 +126,9 @@ def test_state_of_another_rank_is_refused_with_a_clear_error(tables, cluster):
 
 
 @pytest.mark.parametrize("new_world", [3, 1])
-def test_elastic_resume_from_two_ranks(tables, cluster, new_world):
+def test_elastic_resume_from_two_ranks(tables, inprocess, new_world):
     spec = spec_dict(tables["orc"], **UNEVEN)
-    old = cluster.master(workers=2)
+    old = inprocess(2)
     ranks = loaders(spec, old.addr, 2)
     try:
         before = lockstep(ranks, steps=1)
@@ -136,7 +138,7 @@ def test_elastic_resume_from_two_ranks(tables, cluster, new_world):
     finally:
         for x in ranks:
             x.close()
-    new = cluster.master(workers=2)                                # a new job on another world size
+    new = inprocess(2)                                # a new job on another world size
     ranks = loaders(spec, new.addr, new_world)
     try:
         for x in ranks:
@@ -155,8 +157,8 @@ def test_elastic_resume_from_two_ranks(tables, cluster, new_world):
             x.close()
 
 
-def test_set_epoch_chooses_the_next_epoch(tables, cluster):
-    master = cluster.master(workers=2)
+def test_set_epoch_chooses_the_next_epoch(tables, inprocess):
+    master = inprocess(2)
     spec = spec_dict(tables["orc"], batch_size=500, shuffle=True)   # 900-row splits: one full piece each
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         next(iter(loader))                                         # a peek uses up epoch 0 without set_epoch
@@ -294,8 +296,8 @@ def test_dcp_keeps_one_job_position_that_a_template_of_any_progress_loads(tmp_pa
     assert resume.read_rank_states(tmp_path) == saved
 
 
-def test_a_resume_with_another_batch_size_is_exact_and_other_spec_changes_are_refused(tables, cluster):
-    master = cluster.master(workers=2)
+def test_a_resume_with_another_batch_size_is_exact_and_other_spec_changes_are_refused(tables, inprocess):
+    master = inprocess(2)
     spec = spec_dict(tables["orc"], batch_size=100, shuffle=True)
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         it = iter(loader)
@@ -304,7 +306,7 @@ def test_a_resume_with_another_batch_size_is_exact_and_other_spec_changes_are_re
     with RemoteDataLoader(dict(spec, seed=1), master=master.addr, timeout=60) as loader:
         with pytest.raises(ValueError, match="another dataset spec: 'seed' was 0, this loader's is 1"):
             loader.load_state_dict(state)
-    other = cluster.master(workers=2)                              # a master serves one spec
+    other = inprocess(2)                              # a master serves one spec
     with RemoteDataLoader(dict(spec, batch_size=250), master=other.addr, timeout=60) as loader:
         loader.load_state_dict(state)
         loader.set_epoch(0)                                        # the position's own epoch
@@ -314,8 +316,8 @@ def test_a_resume_with_another_batch_size_is_exact_and_other_spec_changes_are_re
     assert sorted(rows) == list(range(ROWS)) and max(rows.values()) == 1
 
 
-def test_set_epoch_over_a_loaded_position_of_another_epoch_raises(tables, cluster):
-    master = cluster.master(workers=1)
+def test_set_epoch_over_a_loaded_position_of_another_epoch_raises(tables, inprocess):
+    master = inprocess(1)
     spec = spec_dict(tables["orc"], batch_size=100)
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         next(iter(loader))
