@@ -1,7 +1,9 @@
-"""Deterministic order with real processes: a rank's per-batch digest sequence is the same
-with 1, 2 or 4 workers, through a worker SIGKILLed mid-epoch, a master SIGKILLed and
-restarted on its journal, workers added and drained mid-epoch (what the autoscaler does),
-and a state_dict() loaded into a new process; every row exactly once, per rank on 2 ranks.
+"""Deterministic order: a rank's per-batch digest sequence is the same with 1, 2 or 4
+workers, through a worker SIGKILLed mid-epoch, a master SIGKILLed and restarted on its
+journal, workers added and drained mid-epoch (what the autoscaler does), and a state_dict()
+loaded into a new process; every row exactly once, per rank on 2 ranks. The reference runs
+on real processes, as do the tests that kill or start them; the others run in-process
+clusters (tests/cluster.py), which must match the reference too.
 The real autoscaler growing and shrinking a fleet under a deterministic job is
 tests/test_scaling.py's autoscaler test, whose batches are checked against LocalDataset's."""
 from __future__ import annotations
@@ -83,8 +85,8 @@ def reference(tables, tmp_path_factory):
 
 @pytest.mark.parametrize("workers", [1, 4])
 @pytest.mark.parametrize("world", [1, 2])
-def test_the_sequence_is_the_same_whatever_the_number_of_workers(tables, cluster, reference, workers, world):
-    master = cluster.master(workers=workers)
+def test_the_sequence_is_the_same_whatever_the_number_of_workers(tables, inprocess, reference, workers, world):
+    master = inprocess(workers)  # the reference ran on real processes: threads change nothing either
     assert run(master.addr, order_spec(tables), world) == reference[world]
 
 
@@ -170,8 +172,8 @@ def test_local_dataset_yields_the_same_sequence(tables, reference):
     assert sequences(per_rank) == reference[2]
 
 
-def test_a_resume_onto_another_world_size_is_exactly_once_and_itself_deterministic(tables, cluster):
-    master = cluster.master(workers=2)
+def test_a_resume_onto_another_world_size_is_exactly_once_and_itself_deterministic(tables, inprocess):
+    master = inprocess(2)
     spec = order_spec(tables)
     loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
     its = [iter(x) for x in loaders]
@@ -189,7 +191,7 @@ def test_a_resume_onto_another_world_size_is_exactly_once_and_itself_determinist
     sequences([before + rests[0]])  # every row exactly once
 
 
-def test_splits_far_larger_than_split_rows_do_not_hang(tmp_path, cluster):
+def test_splits_far_larger_than_split_rows_do_not_hang(tmp_path, inprocess):
     """A split is whole stripes: with stripes of 40 pieces and split_rows of 4, a cycle of
     4 splits is 160 pieces a rank, which the workers and the client must hold between them."""
     from remoteloader.tools.datagen import generate_table
@@ -200,7 +202,7 @@ def test_splits_far_larger_than_split_rows_do_not_hang(tmp_path, cluster):
     spec = spec_dict(table, batch_size=64, split_rows=256, shuffle=True, order={"deterministic": True, "cycle": 4})
     results = []
     for workers in (1, 2):
-        master = cluster.master(workers=workers)
+        master = inprocess(workers)
         loader = RemoteDataLoader(spec, master=master.addr, timeout=60)
         try:
             batches = list(loader)
