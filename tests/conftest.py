@@ -207,7 +207,9 @@ def examples(n: int) -> int:
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start real processes are ``slow`` (``pytest -m "not slow"`` skips them);
     every test using the ``cluster`` or ``ray_cluster`` fixture is one, others say so.
-    ``inprocess`` clusters start none: their tests are the fast tier's end to end.
+    ``inprocess`` clusters start none: their tests are the fast tier's end to end, except
+    the whole-suite checks moved onto them from real processes (exactly-once semantics,
+    bad data, every operator), which say ``slow`` to keep the fast tier under a minute.
 
     Slow tests run first: under xdist the long ones then start early, and the many short
     in-process tests fill the workers' last minutes instead of one long test alone. Tests

@@ -1,4 +1,6 @@
-"""The vertical slice with real processes on loopback: master, workers, RemoteDataLoader."""
+"""The vertical slice on loopback: master, workers, RemoteDataLoader. Exactly once with correct
+values, the embedded default and the console scripts run real processes; the spec and
+rank semantics run on in-process clusters (tests/cluster.py), the same code on threads."""
 from __future__ import annotations
 
 import json
@@ -77,8 +79,9 @@ def test_every_row_exactly_once_with_correct_values(tables, cluster, fmt, worker
         assert got2.keys() == expected.keys()
 
 
-def test_partition_filter_and_projection(tables, cluster):
-    master = cluster.master(workers=2)
+@pytest.mark.slow
+def test_partition_filter_and_projection(tables, inprocess):
+    master = inprocess(2)
     spec = spec_dict(tables["parquet"], drop_last=True)
     spec["table"]["partitions"] = ["ds=2026-01-02"]
     expected = read_reference(tables["parquet"], partitions={"ds=2026-01-02"})
@@ -95,8 +98,9 @@ def test_partition_filter_and_projection(tables, cluster):
     assert_same(got, {k: expected[k] for k in got})
 
 
-def test_two_ranks_disjoint_union_is_epoch(tables, cluster):
-    master = cluster.master(workers=2)
+@pytest.mark.slow
+def test_two_ranks_disjoint_union_is_epoch(tables, inprocess):
+    master = inprocess(2)
     spec = spec_dict(tables["orc"], shuffle=True, seed=3)
     loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=60) for r in range(2)]
     try:
@@ -126,10 +130,11 @@ def test_two_ranks_disjoint_union_is_epoch(tables, cluster):
             x.close()
 
 
-def test_local_mode_matches_remote(tables, cluster):
+@pytest.mark.slow
+def test_local_mode_matches_remote(tables, inprocess):
     import torch
 
-    master = cluster.master(workers=2)
+    master = inprocess(2)
     spec = spec_dict(tables["parquet"], shuffle=True)
     with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
         remote, _ = collect(loader)
@@ -195,8 +200,9 @@ def test_console_scripts_work_together(tables, tmp_path, cluster):
     assert len(master_status(master.addr)["workers"]) == 2
 
 
-def test_spec_mismatch_is_refused(tables, cluster):
-    master = cluster.master(workers=1)
+@pytest.mark.slow
+def test_spec_mismatch_is_refused(tables, inprocess):
+    master = inprocess(1)
     with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
         assert len(loader) > 0
     other = RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=master.addr, timeout=60)
@@ -212,16 +218,18 @@ def test_unreachable_master_is_a_clear_error(tables):
     loader.close()
 
 
-def test_bad_column_reaches_the_client_with_its_name(tables, cluster):
-    master = cluster.master(workers=1)
+@pytest.mark.slow
+def test_bad_column_reaches_the_client_with_its_name(tables, inprocess):
+    master = inprocess(1)
     spec = spec_dict(tables["orc"])
     spec["features"]["dense"].append({"name": "ghost", "column": "no_such_column"})
     with pytest.raises(SpecError, match="ghost.*no_such_column"):
         len(RemoteDataLoader(spec, master=master.addr, timeout=60))
 
 
-def test_row_counts_balance_across_many_workers(tables, cluster):
-    master = cluster.master(workers=3)
+@pytest.mark.slow
+def test_row_counts_balance_across_many_workers(tables, inprocess):
+    master = inprocess(3)
     with RemoteDataLoader(spec_dict(tables["orc"], batch_size=100), master=master.addr, timeout=60) as loader:
         got, sizes = collect(loader)
     assert sorted(got) == list(range(ROWS))

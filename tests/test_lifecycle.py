@@ -1,7 +1,8 @@
 """A standing cluster outlives its jobs: a `remoteloader-master` with 2 workers serves any
 sequence of epochs, jobs one after another in new processes (another world size included),
 the resume of an older checkpoint after a crash, and a master restart between epochs; every
-time each row exactly once, and nothing waits for the loaders' timeout."""
+time each row exactly once, and nothing waits for the loaders' timeout. The sequence of epochs
+and the refused second job are the master service's logic, run on in-process clusters."""
 from __future__ import annotations
 
 import json
@@ -78,9 +79,10 @@ def exactly_once(rows_per_rank: list[list[int]]) -> None:
     assert sorted(rows) == list(range(ROWS)), (len(rows), len(set(rows)))
 
 
-def test_epochs_0_1_0_in_one_loader(tables, cluster):
+@pytest.mark.slow
+def test_epochs_0_1_0_in_one_loader(tables, inprocess):
     """Workers used to keep a per-rank maximum epoch and drop the second epoch 0's pieces."""
-    master = cluster.master(workers=2)
+    master = inprocess(2)
     spec = spec_dict(tables["orc"], shuffle=True)
     with RemoteDataLoader(spec, master=master.addr, timeout=LOADER_TIMEOUT_S) as loader:
         runs = []
@@ -107,8 +109,9 @@ def test_jobs_one_after_another_in_new_processes(tables, cluster, tmp_path):
     exactly_once([c[0]])
 
 
-def test_a_second_job_while_one_is_live_is_refused(tables, cluster):
-    master = cluster.master(workers=2)
+@pytest.mark.slow
+def test_a_second_job_while_one_is_live_is_refused(tables, inprocess):
+    master = inprocess(2)
     spec = spec_dict(tables["orc"])
     with RemoteDataLoader(spec, master=master.addr, timeout=LOADER_TIMEOUT_S) as live:
         len(live)  # joined

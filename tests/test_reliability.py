@@ -132,14 +132,15 @@ def test_sigterm_drains_a_worker_without_loss(tables, cluster):
     assert workers[0].wait(30) == 0  # it left by itself once drained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_resume_at_random_points_repeatedly(tables, cluster, world_size):
+def test_resume_at_random_points_repeatedly(tables, inprocess, world_size):
     """Checkpoint at random batches, restore in a fresh loader (and a new worker count): exactly once."""
     rng = random.Random(world_size)
     expected = set(range(ROWS))
     spec = spec_dict(tables["orc"], shuffle=True, batch_size=100)
-    m1 = cluster.master(workers=2)
-    m2 = cluster.master(workers=3)
+    m1 = inprocess(2)
+    m2 = inprocess(3)
     for epoch_trial in range(2):
         seen = [set() for _ in range(world_size)]
         states = [None] * world_size
@@ -191,19 +192,21 @@ def corrupt_copy(src: Path, dst: Path, how: str) -> None:
         victim.write_bytes(data[:mid] + bytes(4096) + data[mid + 4096:])
 
 
-def test_corrupt_file_fails_naming_the_file(tables, tmp_path, cluster):
+@pytest.mark.slow
+def test_corrupt_file_fails_naming_the_file(tables, tmp_path, inprocess):
     table = tmp_path / "bad"
     corrupt_copy(tables["orc"], table, "garble")
-    master = cluster.master(workers=2)
+    master = inprocess(2)
     with RemoteDataLoader(spec_dict(table), master=master.addr, timeout=60) as loader:
         with pytest.raises(RuntimeError, match=r"part-00001\.orc"):
             list(loader)
 
 
-def test_corrupt_file_skipped_with_on_error_skip(tables, tmp_path, cluster):
+@pytest.mark.slow
+def test_corrupt_file_skipped_with_on_error_skip(tables, tmp_path, inprocess):
     table = tmp_path / "bad"
     corrupt_copy(tables["orc"], table, "garble")
-    master = cluster.master(workers=2)
+    master = inprocess(2)
     with RemoteDataLoader(spec_dict(table, on_error="skip"), master=master.addr, timeout=60) as loader:
         with pytest.warns(RuntimeWarning, match=r"skipped .*part-00001\.orc"):
             got, _ = collect(loader)
@@ -226,18 +229,20 @@ def retyped_partition(src: Path, dst: Path) -> Path:
     return victim
 
 
-def test_partition_schema_disagreement_fails_naming_file_and_column(tables, tmp_path, cluster):
+@pytest.mark.slow
+def test_partition_schema_disagreement_fails_naming_file_and_column(tables, tmp_path, inprocess):
     victim = retyped_partition(tables["orc"], tmp_path / "t")
-    master = cluster.master(workers=1)
+    master = inprocess(1)
     loader = RemoteDataLoader(spec_dict(tmp_path / "t"), master=master.addr, timeout=60)
     with pytest.raises(SpecError, match=rf"float_1.*{victim.name}|{victim.name}.*float_1"):
         len(loader)
     loader.close()
 
 
-def test_partition_schema_disagreement_skipped_and_reported(tables, tmp_path, cluster):
+@pytest.mark.slow
+def test_partition_schema_disagreement_skipped_and_reported(tables, tmp_path, inprocess):
     victim = retyped_partition(tables["orc"], tmp_path / "t")
-    master = cluster.master(workers=2)
+    master = inprocess(2)
     with RemoteDataLoader(spec_dict(tmp_path / "t", on_error="skip"), master=master.addr, timeout=60) as loader:
         with pytest.warns(RuntimeWarning, match=victim.name):
             got, _ = collect(loader)
@@ -245,5 +250,5 @@ def test_partition_schema_disagreement_skipped_and_reported(tables, tmp_path, cl
     # A column the spec does not read may differ freely: nothing is skipped then.
     spec = spec_dict(tmp_path / "t")
     spec["features"]["dense"] = ["float_0"]
-    with RemoteDataLoader(spec, master=cluster.master(workers=1).addr, timeout=60) as loader:
+    with RemoteDataLoader(spec, master=inprocess(1).addr, timeout=60) as loader:
         assert sum(len(b) for b in loader) == ROWS

@@ -1,4 +1,5 @@
-"""Every operator, and table-level sampling, through real remote workers: equal to local mode."""
+"""Every operator, and table-level sampling, through remote workers (an in-process cluster: the
+wire and the worker's pipeline as in a worker process): equal to local mode."""
 from __future__ import annotations
 
 import numpy as np
@@ -83,9 +84,10 @@ def by_row(batches) -> dict:
     return out
 
 
-def test_every_operator_remote_equals_local_with_sampling(scored_table, cluster):
+@pytest.mark.slow
+def test_every_operator_remote_equals_local_with_sampling(scored_table, inprocess):
     spec = every_op_spec(scored_table)
-    master = cluster.master(workers=2)
+    master = inprocess(2)
     with RemoteDataLoader(spec, master=master.addr, timeout=90) as loader:
         batches = list(loader)
         assert len(batches) == len(loader)
