@@ -167,15 +167,28 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(1)
     if is_fast_tier(config):
         os.environ.setdefault(FAST_TIER_ENV, "1")
-    elif config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+    elif is_whole_suite_on_xdist(config):
         warm_caches(config)
 
 
+def is_whole_suite_on_xdist(config) -> bool:
+    """The xdist controller of a run of the whole suite (``make test``): not a worker, not
+    ``-n0``, not a listing, not a few chosen files (they would wait seconds for it)."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return False
+    if config.option.collectonly or config.option.help:
+        return False
+    tests_dir = Path(__file__).parent.resolve()
+    return all((Path(config.invocation_params.dir) / arg).resolve() == tests_dir for arg in config.args)
+
+
 def warm_caches(config) -> None:
-    """The whole suite on xdist workers: fill the bytecode and kernel caches once first
-    (tests/warm_up.py), one process per part; each waited for by its pid. A part that
-    fails only warns: the tests that run the same code report it."""
-    parts = [subprocess.Popen([sys.executable, "-m", "tests.warm_up", part], cwd=config.rootpath,
+    """Fill the bytecode and kernel caches once before the xdist workers start
+    (tests/warm_up.py), one process per part; each waited for by its pid. Writing bytecode
+    is their whole point, so they may even where the caller's environment says not to.
+    A part that fails only warns: the tests that run the same code report it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    parts = [subprocess.Popen([sys.executable, "-m", "tests.warm_up", part], cwd=config.rootpath, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for part in ("imports", "kernels")]
     for part, proc in zip(("imports", "kernels"), parts):

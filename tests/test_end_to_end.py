@@ -1,6 +1,7 @@
 """The vertical slice on loopback: master, workers, RemoteDataLoader. Exactly once with correct
-values, the embedded default and the console scripts run real processes; the spec and
-rank semantics run on in-process clusters (tests/cluster.py), the same code on threads."""
+values, the embedded default, the console scripts and a master without an allowlist run real
+processes; the spec and rank semantics run on in-process clusters (tests/cluster.py), the
+same code on threads."""
 from __future__ import annotations
 
 import json
