@@ -187,11 +187,13 @@ def warm_caches(config) -> None:
     (tests/warm_up.py), one process per part; each waited for by its pid. Writing bytecode
     is their whole point, so they may even where the caller's environment says not to.
     A part that fails only warns: the tests that run the same code report it."""
+    from .warm_up import PARTS
+
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    parts = [subprocess.Popen([sys.executable, "-m", "tests.warm_up", part], cwd=config.rootpath, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for part in ("imports", "kernels")]
-    for part, proc in zip(("imports", "kernels"), parts):
+    procs = {part: subprocess.Popen([sys.executable, "-m", "tests.warm_up", part], cwd=config.rootpath, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for part in PARTS}
+    for part, proc in procs.items():
         try:
             _, err = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:

@@ -46,5 +46,7 @@ def warm_kernels() -> None:
                 cluster.stop()
 
 
+PARTS = {"imports": warm_imports, "kernels": warm_kernels}  # one process each, side by side
+
 if __name__ == "__main__":
-    {"imports": warm_imports, "kernels": warm_kernels}[sys.argv[1]]()
+    PARTS[sys.argv[1]]()
