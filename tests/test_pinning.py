@@ -18,7 +18,7 @@ import torch
 
 from remoteloader import RemoteDataLoader
 from remoteloader.client import staging
-from remoteloader.client.batch import Batch, KeyedJaggedTensor, concat_rows
+from remoteloader.client.batch import Batch, KeyedJaggedTensor, batch_tensors, concat_rows
 from tests.conftest import ROWS, spec_dict
 from tests.test_end_to_end import assert_same, collect, read_reference
 
@@ -72,7 +72,23 @@ def make_batch(rows: int = 64, seed: int = 0, dense: int = 8, keys: int = 3) -> 
 
 
 def tensors(b: Batch) -> list[torch.Tensor]:
-    return staging._tensors_of(b)
+    return batch_tensors(b)
+
+
+class Job:
+    """Stands for an ``assembly.Ready``: the rows a batch is made of, and its ticket."""
+
+    def __init__(self, pieces: list[tuple[Batch, int, int]]) -> None:
+        self.pieces, self.ticket = pieces, None
+
+
+def stage(stager: staging.Stager, batch: Batch) -> staging.Ticket:
+    """Queue ``batch`` (one whole piece) for staging."""
+    return stager.submit(Job([(batch, 0, len(batch))]))
+
+
+def batch_bytes(batch: Batch) -> int:
+    return staging.size_class(sum(t.numel() * t.element_size() + staging.ALIGN for t in tensors(batch)))
 
 
 def assert_equal(a: Batch, b: Batch) -> None:
@@ -118,7 +134,7 @@ def test_a_batch_arrives_pinned_copied_once_on_the_staging_thread(fake_pinning, 
     pool = staging.SlabPool(8 << 20)
     stager = stagers(pool)
     source = make_batch()
-    got = stager.take(stager.wrap(source))
+    got = stager.take(stage(stager, source))
     assert_equal(got, source)
     assert all(pool.owns(t) for t in tensors(got))  # every tensor handed out lies in a slab
     src_ptrs = {t.data_ptr() for t in tensors(source)}
@@ -127,17 +143,15 @@ def test_a_batch_arrives_pinned_copied_once_on_the_staging_thread(fake_pinning, 
     assert [name for _, name in fake_pinning.calls] == [PIN_THREAD]  # one slab, allocated off the training thread
 
 
-def test_rows_merged_from_staged_pieces_are_staged_once_merged(fake_pinning, stagers):
+def test_rows_merged_from_several_pieces_are_built_once_straight_into_a_slab(fake_pinning, stagers):
     pool = staging.SlabPool(8 << 20)
     stager = stagers(pool)
     a, b = make_batch(rows=40, seed=1), make_batch(rows=40, seed=2)
-    tails = [stager.wrap(a, stage=False), stager.wrap(b, stage=False)]  # short pieces: not copied as they are
-    merged = concat_rows([(tails[0], 10, 40), (tails[1], 0, 30)])
-    assert isinstance(merged, staging.StagedBatch)
-    got = stager.take(merged)
+    got = stager.take(stager.submit(Job([(a, 10, 40), (b, 0, 30)])))  # a split's tail and the next one's head
     assert_equal(got, concat_rows([(a, 10, 40), (b, 0, 30)]))
     assert all(pool.owns(t) for t in tensors(got))
-    assert stager.stats.staged == 1  # the merged batch only
+    assert stager.stats.staged == stager.stats.merged == 1  # one build, in the slab: no copy before it
+    assert stager.stats.copied_tensors == len(tensors(got))
 
 
 def test_empty_tensors_of_a_staged_batch_lie_in_its_slab(fake_pinning, stagers):
@@ -150,7 +164,7 @@ def test_empty_tensors_of_a_staged_batch_lie_in_its_slab(fake_pinning, stagers):
     kjt = source.sparse_features
     source.sparse_features = KeyedJaggedTensor(kjt.keys(), kjt._values[:0], torch.zeros_like(kjt._lengths),
                                                kjt._weights[:0], stride=1, scored=kjt._scored)
-    got = stager.take(stager.wrap(source))
+    got = stager.take(stage(stager, source))
     assert_equal(got, source)
     assert [t.numel() for t in tensors(got)].count(0) == 2  # the values and their scores
     assert all(pool.owns(t) for t in tensors(got))
@@ -158,49 +172,47 @@ def test_empty_tensors_of_a_staged_batch_lie_in_its_slab(fake_pinning, stagers):
     assert not pool.owns(source.dense_features)
 
 
-def test_padding_marked_after_arrival_is_staged_with_the_batch(fake_pinning, stagers):
+def test_padding_pieces_are_staged_with_their_padding_also_merged_with_plain_rows(fake_pinning, stagers):
     stager = stagers(staging.SlabPool(8 << 20))
     source = make_batch()
     source.padding = None
-    marked = stager.wrap(source.as_padding(), padded=True)
-    assert marked.as_padding() is marked  # the stream marks it again: nothing to redo
-    late = stager.wrap(source).as_padding()  # marked after its job was queued: staged again, marked
-    for b in (marked, late):
-        got = stager.take(b)
-        assert got.padding is not None and bool(got.padding.all())
-        assert torch.equal(got.dense_features, source.dense_features)
+    padded = source.as_padding()  # as the stream marks a padding split's pieces before they are routed
+    got = stager.take(stage(stager, padded))
+    assert got.padding is not None and bool(got.padding.all())
+    assert torch.equal(got.dense_features, source.dense_features)
+    mixed = stager.take(stager.submit(Job([(source, 0, 10), (padded, 0, 20)])))
+    assert mixed.padding.tolist() == [False] * 10 + [True] * 20
 
 
 def test_slabs_are_reused_after_release_and_never_while_a_view_is_alive(fake_pinning, stagers):
     pool = staging.SlabPool(8 << 20)
     stager = stagers(pool)
-    first = stager.take(stager.wrap(make_batch(seed=0)))
+    first = stager.take(stage(stager, make_batch(seed=0)))
     view = first.dense_features[3:]  # the training loop keeps one view of the first batch
     kept = view.clone()
     lo, hi = slab_range(pool, view)
     del first
     gc.collect()
     for seed in range(1, 6):
-        b = stager.take(stager.wrap(make_batch(seed=seed)))
+        b = stager.take(stage(stager, make_batch(seed=seed)))
         assert not any(lo <= t.data_ptr() < hi for t in tensors(b)), "a slab reused while a view of it lives"
         del b
     assert torch.equal(view, kept)
     assert pool.stats.allocated == 2  # the viewed slab, and one slab reused by every later batch
     del view
     gc.collect()
-    again = [stager.take(stager.wrap(make_batch(seed=s))) for s in (6, 7)]  # both slabs free: no allocation
+    again = [stager.take(stage(stager, make_batch(seed=s))) for s in (6, 7)]  # both slabs free: no allocation
     assert pool.stats.allocated == 2 and pool.stats.reused >= 5
     assert {slab_range(pool, b.labels) for b in again} >= {(lo, hi)}
 
 
 def test_the_pool_bound_holds_and_the_staging_thread_waits_for_a_release(fake_pinning, stagers):
-    batch_bytes = staging.size_class(sum(t.numel() * t.element_size() + staging.ALIGN for t in tensors(make_batch())))
-    pool = staging.SlabPool(2 * batch_bytes)
+    pool = staging.SlabPool(2 * batch_bytes(make_batch()))
     stager = stagers(pool)
-    held = [stager.take(stager.wrap(make_batch(seed=s))) for s in (0, 1)]  # the loop keeps two batches
-    third = stager.wrap(make_batch(seed=2))
+    held = [stager.take(stage(stager, make_batch(seed=s))) for s in (0, 1)]  # the loop keeps two batches
+    third = stage(stager, make_batch(seed=2))
     eventually(lambda: pool.waiting, "the staging thread waits for a slab")
-    assert not third._ticket.done.is_set()
+    assert not third.done.is_set()
     assert pool.stats.allocated == 2 and pool.held_bytes <= pool.max_bytes and pool.stats.waits == 1
     del held[0]  # released: its slab takes the third batch
     got = stager.take(third)
@@ -209,13 +221,12 @@ def test_the_pool_bound_holds_and_the_staging_thread_waits_for_a_release(fake_pi
 
 
 def test_a_batch_dropped_before_its_turn_is_not_copied(fake_pinning, stagers):
-    batch_bytes = staging.size_class(sum(t.numel() * t.element_size() + staging.ALIGN for t in tensors(make_batch())))
-    pool = staging.SlabPool(batch_bytes)
+    pool = staging.SlabPool(batch_bytes(make_batch()))
     stager = stagers(pool)
-    held = stager.take(stager.wrap(make_batch(seed=0)))
-    blocked = stager.wrap(make_batch(seed=1))
+    held = stager.take(stage(stager, make_batch(seed=0)))
+    blocked = stage(stager, make_batch(seed=1))
     eventually(lambda: pool.waiting, "the staging thread waits")
-    duplicate = stager.wrap(make_batch(seed=2))  # queued behind, then dropped (a duplicate piece)
+    duplicate = stage(stager, make_batch(seed=2))  # queued behind, then dropped (a duplicate piece)
     del duplicate
     del held
     assert_equal(stager.take(blocked), make_batch(seed=1))
@@ -224,18 +235,17 @@ def test_a_batch_dropped_before_its_turn_is_not_copied(fake_pinning, stagers):
 
 
 def test_waiting_on_slabs_the_loop_itself_holds_ends_in_an_error_naming_pin_bytes(fake_pinning, stagers):
-    batch_bytes = staging.size_class(sum(t.numel() * t.element_size() + staging.ALIGN for t in tensors(make_batch())))
-    stager = stagers(staging.SlabPool(batch_bytes), timeout=0.3)
-    held = stager.take(stager.wrap(make_batch(seed=0)))
+    stager = stagers(staging.SlabPool(batch_bytes(make_batch())), timeout=0.3)
+    held = stager.take(stage(stager, make_batch(seed=0)))
     with pytest.raises(TimeoutError, match="pin_bytes"):
-        stager.take(stager.wrap(make_batch(seed=1)))
+        stager.take(stage(stager, make_batch(seed=1)))
     del held
 
 
 def test_a_batch_larger_than_the_pool_fails_in_the_training_thread(fake_pinning, stagers):
     stager = stagers(staging.SlabPool(staging.MIN_SLAB))
     with pytest.raises(RuntimeError, match="staging a batch into pinned memory failed") as err:
-        stager.take(stager.wrap(make_batch(rows=4096)))
+        stager.take(stage(stager, make_batch(rows=4096)))
     assert "pin_bytes" in str(err.value.__cause__)
     assert fake_pinning.calls == []
 
@@ -244,10 +254,10 @@ def test_an_error_in_staging_surfaces_in_the_training_thread_and_later_batches_s
     stager = stagers(staging.SlabPool(8 << 20))
     fake_pinning.fail = MemoryError("no page-locked memory left")
     with pytest.raises(RuntimeError, match="no page-locked memory left") as err:
-        stager.take(stager.wrap(make_batch(seed=0)))
+        stager.take(stage(stager, make_batch(seed=0)))
     assert isinstance(err.value.__cause__, MemoryError)
     fake_pinning.fail = None
-    assert_equal(stager.take(stager.wrap(make_batch(seed=1))), make_batch(seed=1))
+    assert_equal(stager.take(stage(stager, make_batch(seed=1))), make_batch(seed=1))
 
 
 def test_a_failed_staging_thread_is_an_error_not_a_hang(fake_pinning, stagers, monkeypatch):
@@ -256,16 +266,15 @@ def test_a_failed_staging_thread_is_an_error_not_a_hang(fake_pinning, stagers, m
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     stager = stagers(staging.SlabPool(8 << 20))
     with pytest.raises(RuntimeError, match="pinned-staging thread failed") as err:
-        stager.take(stager.wrap(make_batch()))
+        stager.take(stage(stager, make_batch()))
     assert isinstance(err.value.__cause__, SystemError)
 
 
 def test_close_stops_the_staging_thread_even_while_it_waits(fake_pinning):
-    batch_bytes = staging.size_class(sum(t.numel() * t.element_size() + staging.ALIGN for t in tensors(make_batch())))
-    pool = staging.SlabPool(batch_bytes)
+    pool = staging.SlabPool(batch_bytes(make_batch()))
     stager = staging.Stager(pool)
-    held = stager.take(stager.wrap(make_batch(seed=0)))
-    pending = stager.wrap(make_batch(seed=1))
+    held = stager.take(stage(stager, make_batch(seed=0)))
+    pending = stage(stager, make_batch(seed=1))
     eventually(lambda: pool.waiting, "the staging thread waits for a slab")
     stager.close()
     assert not stager.alive
@@ -274,6 +283,129 @@ def test_close_stops_the_staging_thread_even_while_it_waits(fake_pinning):
     del held
     pool.close()
     assert pool.held_bytes == 0  # the last slab, returned after close, is dropped
+
+
+def test_reusing_a_size_class_s_last_free_slab_leaves_eviction_working(fake_pinning):
+    # Issue 36: reusing a class's last free slab left an empty list under its key, and the
+    # eviction loop popped from it (IndexError) at the next lease of another class.
+    pool = staging.SlabPool(128 << 10)
+    _, first = pool.lease(64 << 10, lambda: False)
+    del first
+    gc.collect()
+    _, second = pool.lease(64 << 10, lambda: False)  # the 64 KiB class's only free slab, reused
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(pool.lease(128 << 10, lambda: False)))
+    thread.start()
+    eventually(lambda: pool.waiting, "the 128 KiB lease waits for the leased 64 KiB slab")
+    del second  # returned: evicted to make room
+    gc.collect()
+    thread.join(10)
+    assert got and got[0][1].nbytes == 128 << 10
+    assert pool.stats.evicted == 1 and pool.held_bytes == 128 << 10 <= pool.max_bytes
+
+
+def test_pool_pressure_over_several_size_classes_with_a_slow_consumer(fake_pinning, stagers):
+    # Batches of four size classes through a pool that holds a few of them, a consumer that
+    # keeps the last three batches: slabs are evicted and reused, every batch is exact.
+    sizes = [40, 300, 1200, 90, 2500, 700, 60, 1900, 300, 2500] * 4
+    pool = staging.SlabPool(4 * batch_bytes(make_batch(rows=2500)))
+    stager = stagers(pool, timeout=30)
+    held: list[Batch] = []
+    jobs = [(seed, rows, stage(stager, make_batch(rows=rows, seed=seed))) for seed, rows in enumerate(sizes)]
+    for seed, rows, ticket in jobs:
+        got = stager.take(ticket)
+        assert_equal(got, make_batch(rows=rows, seed=seed))
+        held.append(got)
+        if len(held) > 3:
+            held.pop(0)
+        assert pool.held_bytes <= pool.max_bytes
+    assert pool.stats.evicted > 0 and pool.stats.reused > 0
+    assert pool.stats.peak_bytes <= pool.max_bytes
+
+
+class FakeEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class FakeDeviceCopy:
+    """Stands in for ``staging.CudaCopy``: the "device" copy is a CPU clone, made on the
+    staging thread; the hand-over is recorded."""
+
+    made: list["FakeDeviceCopy"] = []
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.copies, self.handed = device, 0, 0
+        FakeDeviceCopy.made.append(self)
+
+    def open(self) -> None:
+        assert threading.current_thread().name == PIN_THREAD
+
+    def start(self, pinned: Batch) -> tuple[Batch, FakeEvent]:
+        self.copies += 1
+        return concat_rows([(pinned, 0, len(pinned))]), FakeEvent()
+
+    def hand_over(self, batch: Batch, event: FakeEvent) -> None:
+        assert isinstance(event, FakeEvent)
+        self.handed += 1
+
+
+@pytest.fixture
+def fake_device(fake_pinning, monkeypatch):
+    FakeDeviceCopy.made = []
+    monkeypatch.setattr(staging, "device_copier", FakeDeviceCopy)
+    return FakeDeviceCopy.made
+
+
+def test_device_copies_run_in_hand_out_order_so_the_awaited_batch_never_lacks_a_slot(fake_device, stagers):
+    # Issue 36's hang: jobs queued in arrival order put two later whole pieces ahead of a
+    # merged batch handed out first; they took both device slots, which free only when taken.
+    stager = stagers(staging.SlabPool(8 << 20), device=torch.device("cuda", 0), timeout=5)
+    a, b = make_batch(rows=64, seed=1), make_batch(rows=64, seed=2)
+    merged = stager.submit(Job([(a, 10, 64), (b, 0, 20)]))  # the batch the loop takes first...
+    later = [stage(stager, make_batch(seed=s)) for s in (3, 4, 5)]  # ...then these, more than DEVICE_AHEAD
+    assert_equal(stager.take(merged), concat_rows([(a, 10, 64), (b, 0, 20)]))
+    for s, ticket in zip((3, 4, 5), later):
+        assert_equal(stager.take(ticket), make_batch(seed=s))
+    copier = fake_device[0]
+    assert copier.copies == copier.handed == 4 and stager.stats.device_copies == 4
+
+
+@pytest.mark.parametrize("mode", ["device", "pinned"])
+def test_merged_tails_many_pieces_padding_and_epochs_through_staging(tables, inprocess, fake_device, mode):
+    # Many pieces per split and a tail in every split (900-row splits, batches of 128: seven
+    # whole pieces and a 4-row tail), merged tails handed out between whole pieces, three
+    # epochs on two ranks with padding, a pool small enough to evict and reuse.
+    cluster = inprocess(workers=3)
+    spec = spec_dict(tables["orc"], batch_size=128)
+    kwargs = {"device": "cuda:0"} if mode == "device" else {"pin_memory": True}
+    ranks = [cluster.loader(spec, rank=r, world_size=2, pin_bytes=1 << 20, timeout=30, **kwargs) for r in range(2)]
+    for epoch in range(3):
+        out: list[list] = [[], []]
+
+        def read(r: int) -> None:
+            for b in ranks[r]:
+                keep = b.passthrough["row_id"] if b.padding is None else b.passthrough["row_id"][~b.padding]
+                out[r].append(keep.tolist())
+
+        threads = [threading.Thread(target=read, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), f"epoch {epoch}: a rank hung"
+        assert len(out[0]) == len(out[1])  # equal batch counts
+        rows = [row for batches in out for batch in batches for row in batch]
+        assert sorted(rows) == list(range(ROWS)), f"epoch {epoch}: not every row exactly once"
+    for loader in ranks:
+        assert loader.pin_stats.merged > 0 and loader.pin_stats.staged == loader.pin_stats.taken
+        if mode == "device":
+            assert loader.pin_stats.device_copies == loader.pin_stats.taken
+        loader.close()
+    assert not pin_threads()
 
 
 # -- the loader -------------------------------------------------------------------------------------
@@ -427,9 +559,9 @@ def test_cuda_copy_on_the_side_stream_overlaps_the_current_stream():
         torch.cuda._sleep(2_000_000_000)  # the "model": a long kernel on the current stream
         busy_done = torch.cuda.Event()
         busy_done.record(current)
-        staged = stager.wrap(source)
-        eventually(staged._ticket.done.is_set, "the staging thread issued the copy")
-        staged._ticket.event.synchronize()  # the side stream's copy is done...
+        staged = stage(stager, source)
+        eventually(staged.done.is_set, "the staging thread issued the copy")
+        staged.event.synchronize()  # the side stream's copy is done...
         assert not busy_done.query(), "the copy waited for the current stream"  # ...while the model still runs
         got = stager.take(staged)  # the current stream now waits for the copy's event
         assert all(t.device.type == "cuda" for t in tensors(got))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection, Optional
+from typing import Any, Callable, Collection, Optional
 
 from .batch import Batch, concat_rows
 from ..core.plan import pieces_of
@@ -37,10 +37,35 @@ class Contribution:
     last_of_piece: bool
 
 
-@dataclass
 class Ready:
-    batch: Batch
-    parts: list[Contribution]
+    """A batch the training loop will take next (in the assembler's queue order): the rows of
+    received pieces it is made of and where they end. Its ``batch`` is built when first read:
+    a whole piece as it is (no copy), rows of several merged into new tensors; a stager (a
+    node after the assembler) builds it straight into pinned memory instead."""
+
+    __slots__ = ("pieces", "parts", "ticket", "_batch")
+
+    def __init__(self, pieces: list[tuple[Batch, int, int]], parts: list[Contribution]) -> None:
+        self.pieces, self.parts = pieces, parts
+        self.ticket: Any = None  # the stager's job for it, when one was submitted
+        self._batch: Optional[Batch] = None
+
+    @property
+    def whole(self) -> bool:
+        """One received piece, all of it: handed out as it is."""
+        if len(self.pieces) != 1:
+            return False
+        batch, start, stop = self.pieces[0]
+        return start == 0 and stop == len(batch)
+
+    @property
+    def batch(self) -> Batch:
+        if self._batch is None:
+            self._batch = self.pieces[0][0] if self.whole else concat_rows(self.pieces)
+        return self._batch
+
+    def __len__(self) -> int:
+        return sum(stop - start for _, start, stop in self.pieces)
 
 
 @dataclass
@@ -67,6 +92,9 @@ class EpochAssembler:
                  padding: Collection[int] = ()) -> None:
         """``splits``: (split id, rows) in plan order; ``padding``: the ids of padding splits;
         ``cycle``: route in the deterministic schedule's order (None: in arrival order)."""
+        # Called with each batch as it joins the queue, so in the order the training loop takes
+        # them (a stager copies them in that order: see staging.py).
+        self.on_ready: Optional[Callable[[Ready], None]] = None
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.cursors = {sid: SplitCursor(rows, pieces_of(rows, batch_size)) for sid, rows in splits}
@@ -125,12 +153,17 @@ class EpochAssembler:
     def _route(self, split_id: int, piece: int, batch: Batch, start: int) -> None:
         """A full piece is a batch of its own; a tail (or a partly consumed piece) waits to be merged."""
         if start == 0 and len(batch) == self.batch_size:
-            self._ready.append(Ready(batch, [Contribution(split_id, piece, len(batch), True)]))
+            self._queue(Ready([(batch, 0, len(batch))], [Contribution(split_id, piece, len(batch), True)]))
             return
         self._tails.append(_Tail(split_id, piece, batch, start))
         self._tail_rows += len(batch) - start
         while self._tail_rows >= self.batch_size:
-            self._ready.append(self._cut(self.batch_size))
+            self._queue(self._cut(self.batch_size))
+
+    def _queue(self, ready: Ready) -> None:
+        self._ready.append(ready)
+        if self.on_ready is not None:
+            self.on_ready(ready)
 
     @property
     def ordered(self) -> bool:
@@ -170,6 +203,8 @@ class EpochAssembler:
             self._final_emitted = True
             final = self._cut(self._tail_rows)
             if not self.drop_last:
+                if self.on_ready is not None:
+                    self.on_ready(final)
                 return final
             self.consume(final)  # dropped rows count as used, so the epoch can close
         return None
@@ -207,7 +242,7 @@ class EpochAssembler:
                 self._tails.popleft()
             else:
                 tail.start = stop
-        return Ready(concat_rows(pieces), parts)
+        return Ready(pieces, parts)
 
     # -- checkpoint and acks ----------------------------------------------------------------
     def consumed_state(self) -> dict[int, tuple[int, int]]:

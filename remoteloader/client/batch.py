@@ -21,8 +21,9 @@ import dataclasses
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .. import jagged
@@ -239,11 +240,6 @@ class Batch:
         """The same rows, all marked as padding."""
         return dataclasses.replace(self, padding=torch.ones(len(self), dtype=torch.bool))
 
-    def _derived(self, batch: "Batch") -> "Batch":
-        """``batch``, made from rows of this one (``concat_rows``): as it is here; a batch on
-        its way through pinned staging (``staging.StagedBatch``) has it staged too."""
-        return batch
-
     def to(self, device: Any, non_blocking: bool = False) -> "Batch":
         return Batch(
             self.dense_features.to(device, non_blocking=non_blocking),
@@ -325,35 +321,88 @@ class Batch:
         return cls(tensors["dense"], kjt, tensors["labels"], passthrough, tensors.get("weights"))
 
 
-def concat_rows(pieces: Sequence[tuple[Batch, int, int]]) -> Batch:
-    """Rows ``[start, stop)`` of each batch (on the CPU), in order, as one new batch: the
-    sparse features in one compiled copy per batch, the rest one slice per batch."""
+# Where a merge writes: given each output tensor's (shape, dtype), in ``batch_tensors``'
+# order, the tensors to fill (new ones by default; a pinned slab's views when staging).
+Alloc = Callable[[Sequence[tuple[tuple[int, ...], torch.dtype]]], Sequence[torch.Tensor]]
+
+
+def concat_rows(pieces: Sequence[tuple[Batch, int, int]], alloc: Optional[Alloc] = None) -> Batch:
+    """Rows ``[start, stop)`` of each batch (on the CPU), in order, as one batch, written once
+    into the tensors ``alloc`` gives (new ones by default): the sparse features in one
+    compiled copy per tensor, the rest one slice per batch. Single-threaded numpy copies: a
+    torch copy would start an intra-op thread team beside the training thread's."""
     first = pieces[0][0]
-    sparse = jagged.concat_rows([(b.sparse_features._jagged(), start, stop) for b, start, stop in pieces])
-    kjt = KeyedJaggedTensor(
-        first.sparse_features.keys(), torch.from_numpy(sparse.values), torch.from_numpy(sparse.lengths),
-        None if sparse.weights is None else torch.from_numpy(sparse.weights),
-        stride=sparse.rows, scored=first.sparse_features._scored,
-    )
+    kjt = first.sparse_features
+    parts = [(b.sparse_features._jagged(), start, stop) for b, start, stop in pieces]
+    plan = jagged.plan_concat(parts)
+    rows = plan.total_rows
 
-    def rows_of(get):
-        return torch.cat([get(b)[start:stop] for b, start, stop in pieces])
+    def per_row(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+        return (rows, *t.shape[1:]), t.dtype
 
-    return first._derived(Batch(
-        rows_of(lambda b: b.dense_features),
-        kjt,
-        rows_of(lambda b: b.labels),
-        {name: rows_of(lambda b, n=name: b.passthrough[n]) for name in first.passthrough},
-        None if first.weights is None else rows_of(lambda b: b.weights),
-        _padding_of(pieces),
-    ))
+    padded = any(b.padding is not None for b, _, _ in pieces)
+    shapes = [per_row(first.dense_features), per_row(first.labels), ((plan.total_values,), kjt._values.dtype),
+              ((plan.keys * rows,), kjt._lengths.dtype)]
+    if kjt._weights is not None:
+        shapes.append(((plan.total_values,), kjt._weights.dtype))
+    shapes.extend(per_row(t) for t in first.passthrough.values())
+    if first.weights is not None:
+        shapes.append(per_row(first.weights))
+    if padded:
+        shapes.append(((rows,), torch.bool))
+    out = alloc(shapes) if alloc is not None else [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+    it = iter(out)
+    dense, labels, values, lengths = next(it), next(it), next(it), next(it)
+    weights = next(it) if kjt._weights is not None else None
+    jagged.concat_into(plan, parts, lengths.numpy(), values.numpy(), None if weights is None else weights.numpy())
+    _rows_into(dense, [b.dense_features[start:stop] for b, start, stop in pieces])
+    _rows_into(labels, [b.labels[start:stop] for b, start, stop in pieces])
+    passthrough = {}
+    for name in first.passthrough:
+        passthrough[name] = _rows_into(next(it), [b.passthrough[name][start:stop] for b, start, stop in pieces])
+    row_weights = None
+    if first.weights is not None:
+        row_weights = _rows_into(next(it), [b.weights[start:stop] for b, start, stop in pieces])
+    padding = None
+    if padded:
+        padding = next(it)
+        at = 0
+        for b, start, stop in pieces:
+            if b.padding is None:
+                padding[at:at + stop - start] = False
+            else:
+                copy_tensor(padding[at:at + stop - start], b.padding[start:stop])
+            at += stop - start
+    merged = KeyedJaggedTensor(kjt.keys(), values, lengths, weights, stride=rows, scored=kjt._scored)
+    return Batch(dense, merged, labels, passthrough, row_weights, padding)
 
 
-def _padding_of(pieces: Sequence[tuple[Batch, int, int]]) -> Optional[torch.Tensor]:
-    if all(b.padding is None for b, _, _ in pieces):
-        return None
-    return torch.cat([b.padding[start:stop] if b.padding is not None else torch.zeros(stop - start, dtype=torch.bool)
-                      for b, start, stop in pieces])
+def _rows_into(dst: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    at = 0
+    for src in sources:
+        n = src.shape[0]
+        copy_tensor(dst[at:at + n], src)
+        at += n
+    return dst
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One copy on this thread only (numpy's, which releases the GIL for large arrays)."""
+    try:
+        np.copyto(dst.numpy(), src.numpy(), casting="no")
+    except (TypeError, RuntimeError):  # a dtype numpy lacks
+        dst.copy_(src)
+
+
+def batch_tensors(batch: Batch) -> list[torch.Tensor]:
+    """Every tensor of ``batch``, in the order ``concat_rows`` allocates them."""
+    kjt = batch.sparse_features
+    out = [batch.dense_features, batch.labels, kjt._values, kjt._lengths]
+    if kjt._weights is not None:
+        out.append(kjt._weights)
+    out.extend(batch.passthrough.values())
+    out.extend(t for t in (batch.weights, batch.padding) if t is not None)
+    return out
 
 
 @dataclass

@@ -224,10 +224,15 @@ class RemoteDataLoader:
         try:
             stream = EpochStream(self._ctx, self.session, run, config, self.credit, self.stats, self.warnings)
             if self.pin_pool is None:
-                yield from stream.batches()
+                readies = stream.readies()
+                try:
+                    for ready in readies:
+                        yield ready.batch
+                finally:
+                    readies.close()
             else:
-                yield from staging.staged_batches(stream, run, self.pin_pool, self.device, self.batch_size,
-                                                  self.timeout, self.pin_stats)
+                yield from staging.staged(stream.readies(), assembler, self.pin_pool, self.device, self.timeout,
+                                          self.pin_stats)
         finally:
             self._current = None
 

@@ -1,19 +1,27 @@
-"""Pinned staging: each received batch copied once, off the training thread, into reused pinned slabs.
+"""Pinned staging: a node after the assembler that builds each batch once, off the training
+thread, straight into a reused pinned slab (and, with ``device=``, copies it to the device).
 
 With ``pin_memory=True`` (and an accelerator) or ``device="cuda"``, the loader's epoch runs
-through a ``Stager``:
+through ``staged()``:
 
-* **Who owns what.** The training thread keeps everything it owned before: the epoch's
-  stream, fetcher and assembler, hence what counts as consumed (a checkpoint holds exactly
-  the batches handed to the training loop, as without staging). As pieces arrive it wraps
-  each in a ``StagedBatch`` and puts a job on the stager's queue; when the stream yields a
-  batch, ``Stager.take`` hands its pinned (or device) copy over. The staging thread
-  (``remoteloader-pin``, one per epoch iterator) owns the copies: it takes jobs in order,
-  leases a slab, copies the batch's tensors into it, and, with ``device=``, issues the
-  host-to-device copy on its own CUDA stream. A job's result is written by the staging
-  thread only, before its ``done`` event is set, and read by the training thread only after
-  it. The ``SlabPool`` (one per loader, slabs reused across epochs) is the one piece of
-  shared state, behind its own lock: the staging thread leases, and whichever thread drops a
+* **Order.** The assembler calls ``Stager.submit`` with each batch as it joins its queue
+  (``EpochAssembler.on_ready``), so jobs are queued in the order the training loop takes
+  batches, and ``Stager.take`` hands out the oldest job's result. The batch the loop waits for
+  is therefore always the oldest job, never one queued behind batches taken later (with
+  ``device=`` those could hold every device slot, ``DEVICE_AHEAD``, while the batch the loop
+  waits for needs one: the hang of issue 36).
+* **One copy.** A job is the rows of received pieces that make a batch
+  (``assembly.Ready.pieces``): one piece whole, or the rows of several merged. The staging
+  thread sizes the batch, leases a slab, and ``batch.concat_rows`` writes the rows straight
+  into it: each byte is copied once between the socket's buffer and the batch the model
+  gets, on the staging thread (the training thread copies nothing), also for merged batches.
+* **Who owns what.** The training thread owns the epoch's stream, fetcher and assembler,
+  hence what counts as consumed (a checkpoint holds exactly the batches handed to the
+  training loop, as without staging). The staging thread (``remoteloader-pin``, one per
+  epoch iterator) owns the copies: a job's result is written by the staging thread only,
+  before its ``done`` event is set, and read by the training thread only after it. The
+  ``SlabPool`` (one per loader, slabs reused across epochs) is the one piece of shared
+  state, behind its own lock: the staging thread leases, and whichever thread drops a
   slab's last tensor returns it.
 * **Release rule: tensor lifetime.** The tensors of a staged batch are views of one
   ``torch.frombuffer`` tensor over a lease (a numpy view of the slab); the lease object lives
@@ -30,23 +38,21 @@ through a ``Stager``:
   rounds to anyway), each reused for batches of its class. When a job needs a slab and none
   is free, free slabs of other classes are dropped to make room; if the slabs are all in
   use, the staging thread waits (backpressure) and never allocates past the bound. A batch
-  larger than the bound fails with an error naming ``pin_bytes``. Jobs are staged in the
-  order the training loop takes batches, so the batch the loop waits for is always the
-  oldest job: it waits only for slabs the training loop itself still holds, and it says so
-  (a log line every 10 s, then ``TimeoutError`` after the loader's ``timeout``).
+  larger than the bound fails with an error naming ``pin_bytes``. The batch the loop waits
+  for waits only for slabs the training loop itself still holds, and it says so (a log line
+  every 10 s, then ``TimeoutError`` after the loader's ``timeout``).
+* **Device.** ``device_copier`` (``CudaCopy``; tests replace it) issues the host-to-device
+  copy on a side stream of its own and hands the result to the training thread's current
+  stream (``wait_event``, ``record_stream``).
 * **Failures and stop.** A job that fails (say, pinned memory exhausted) re-raises in the
   training thread when that batch is taken; a failure of the thread itself at the next
   take. ``close()`` (at the epoch's end, a replaced or closed iterator, ``loader.close()``)
   stops the thread and joins it.
-
-Only whole pieces are staged as they arrive; a piece that will be merged with others into a
-batch (a split's short tail, or the first piece after a resumed position) is staged once
-merged (``Batch._derived``), so each tensor handed out was copied once by the staging thread
-and none on the training thread.
 """
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -57,7 +63,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import numpy as np
 import torch
 
-from .batch import Batch, KeyedJaggedTensor
+from .batch import Batch, concat_rows
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # every tensor of a slab starts at a multiple of this (any dtype's alignment, a cache line)
@@ -157,6 +163,8 @@ class SlabPool:
                 free = self._free.get(size)
                 if free:
                     slab = free.pop()
+                    if not free:  # no empty class is left behind: eviction below takes from non-empty ones
+                        del self._free[size]
                     self.stats.reused += 1
                     break
                 while self.held_bytes + size > self.max_bytes and self._free:
@@ -272,47 +280,61 @@ def _synchronize(index: Optional[int]) -> None:
     torch.cuda.synchronize(index)
 
 
+# -- the device ------------------------------------------------------------------------------------
+class CudaCopy:
+    """The device side of staging: host-to-device copies on a side stream of ``device``
+    (issued by the staging thread), handed over to the training thread's current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream: Any = None
+
+    def open(self) -> None:
+        """On the staging thread, before its first copy."""
+        torch.cuda.set_device(self.device)
+        self.stream = torch.cuda.Stream(self.device)
+
+    def start(self, pinned: Batch) -> tuple[Batch, Any]:
+        """The device copy of ``pinned``, issued, and the event that marks it done."""
+        with torch.cuda.stream(self.stream):
+            out = pinned.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return out, event
+
+    def hand_over(self, batch: Batch, event: Any) -> None:
+        """On the training thread: its kernels read ``batch`` only after the copy, and its
+        memory is not reused before they are done."""
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(event)
+        batch.record_stream(stream)
+
+
+device_copier: Callable[[torch.device], Any] = CudaCopy  # the device primitive (tests replace it)
+
+
 # -- jobs -------------------------------------------------------------------------------------------
-class _Ticket:
-    """One batch's job. ``source`` is set by the training thread before the job is queued;
-    ``result``/``event``/``error`` are written by the staging thread before ``done`` is set."""
+class Ticket:
+    """One batch's job. ``pieces`` (the rows it is made of) is set by the training thread
+    before the job is queued; ``result``/``event``/``error`` are written by the staging
+    thread before ``done`` is set."""
 
-    __slots__ = ("source", "result", "event", "error", "done", "slot", "__weakref__")
+    __slots__ = ("pieces", "result", "event", "error", "done", "slot", "__weakref__")
 
-    def __init__(self, source: Batch) -> None:
-        self.source: Optional[Batch] = source
+    def __init__(self, pieces: list[tuple[Batch, int, int]]) -> None:
+        self.pieces: Optional[list] = pieces
         self.result: Optional[Batch] = None
-        self.event: Any = None  # with device=: the copy stream's event
+        self.event: Any = None  # with device=: the copy's event
         self.error: Optional[BaseException] = None
         self.done = threading.Event()
         self.slot: Optional[list] = None  # with device=: [held], one of DEVICE_AHEAD device slots
 
 
-class StagedBatch(Batch):
-    """A received batch (its own, unpinned tensors) whose copy the staging thread makes;
-    ``Stager.take`` returns that copy. Batches cut from its rows are staged too."""
-
-    _stager: "Stager"
-    _ticket: Optional[_Ticket]
-    _padded: bool
-
-    def _plain(self) -> Batch:
-        return Batch(self.dense_features, self.sparse_features, self.labels, self.passthrough, self.weights,
-                     self.padding)
-
-    def as_padding(self) -> "Batch":
-        if self._padded:
-            return self  # staged with its padding already
-        return self._stager.wrap(self._plain().as_padding(), stage=self._ticket is not None, padded=True)
-
-    def _derived(self, batch: Batch) -> Batch:
-        return self._stager.wrap(batch, stage=True) if not self._stager.closed else batch
-
-
 @dataclass
 class StagingStats:
-    staged: int = 0  # batches copied into slabs
-    skipped: int = 0  # jobs whose batch was dropped before its turn (duplicates)
+    staged: int = 0  # batches built into slabs
+    merged: int = 0  # of which made of rows of several pieces (built there, never on the training thread)
+    skipped: int = 0  # jobs whose batch was dropped before its turn (an abandoned epoch)
     copied_tensors: int = 0
     copied_bytes: int = 0
     device_copies: int = 0
@@ -327,12 +349,14 @@ class Stager:
 
     def __init__(self, pool: SlabPool, device: Optional[torch.device] = None, timeout: float = 300.0,
                  stats: Optional[StagingStats] = None) -> None:
-        self.pool, self.device, self.timeout = pool, device, timeout
+        self.pool, self.timeout = pool, timeout
+        self._copier: Any = None
         # The training thread's device, read here (on it): the staging thread binds to it, so
         # its pinned allocations and syncs use that device's context, never device 0's.
         if device is not None:
-            self._device_index: Optional[int] = device.index if device.index is not None else torch.cuda.current_device()
-            self.device = torch.device("cuda", self._device_index)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._device_index: Optional[int] = index
+            self._copier = device_copier(torch.device(device.type, index))
         else:
             self._device_index = torch.cuda.current_device() if _device_ready() else None
         self._jobs: "queue.SimpleQueue[Optional[weakref.ref]]" = queue.SimpleQueue()
@@ -354,32 +378,19 @@ class Stager:
         return self._thread.is_alive()
 
     # -- training thread -----------------------------------------------------------------------
-    def wrap(self, batch: Batch, stage: bool = True, padded: bool = False) -> StagedBatch:
-        """``batch`` as a ``StagedBatch``; ``stage``: queue its copy now (else when it is taken)."""
-        out = StagedBatch(batch.dense_features, batch.sparse_features, batch.labels, batch.passthrough,
-                          batch.weights, batch.padding)
-        out._stager, out._padded = self, padded
-        out._ticket = self._submit(batch) if stage else None
-        return out
-
-    def _submit(self, batch: Batch) -> _Ticket:
-        if isinstance(batch, StagedBatch):
-            batch = batch._plain()
-        ticket = _Ticket(batch)
-        # A weak reference: a batch dropped before its turn (a duplicate piece) is not copied.
+    def submit(self, ready: Any) -> Ticket:
+        """Queue the job of ``ready`` (an ``assembly.Ready``, or anything with ``pieces``);
+        jobs run in the order they are submitted. ``ready`` holds the ticket: a batch dropped
+        before its turn is not built."""
+        ticket = Ticket(list(ready.pieces))
+        ready.ticket = ticket
         self._jobs.put(weakref.ref(ticket))
         return ticket
 
-    def take(self, batch: Batch) -> Batch:
-        """The staged copy of ``batch`` (a ``StagedBatch`` of this stager; anything else is
-        staged now), waiting for the staging thread if it is not done yet."""
+    def take(self, ticket: Ticket) -> Batch:
+        """The staged batch of ``ticket``, waiting for the staging thread if it is not done yet."""
         if self._closed:
             raise StagingClosed("this epoch's pinned staging is closed")
-        ticket = batch._ticket if isinstance(batch, StagedBatch) and batch._stager is self else None
-        if ticket is None:
-            ticket = self._submit(batch)
-        else:
-            batch._ticket = None  # taken once: taking it again copies again
         if not ticket.done.is_set():
             self._wait(ticket)
         if ticket.error is not None:
@@ -390,15 +401,15 @@ class Stager:
                 raise StagingClosed(str(err))
             raise RuntimeError(f"remoteloader: staging a batch into pinned memory failed: {err!r}") from err
         result, ticket.result = ticket.result, None
-        if self.device is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(ticket.event)  # the copy is done before the training loop's kernels read it
-            result.record_stream(stream)  # and its memory is not reused before they are done
+        if result is None:
+            raise RuntimeError("remoteloader: this staged batch was already taken")
+        if self._copier is not None:
+            self._copier.hand_over(result, ticket.event)
             self._free_slot(ticket.slot)
         self.stats.taken += 1
         return result
 
-    def _wait(self, ticket: _Ticket) -> None:
+    def _wait(self, ticket: Ticket) -> None:
         start = last_log = time.monotonic()
         self.stats.waited += 1
         try:
@@ -436,11 +447,10 @@ class Stager:
     # -- staging thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            stream = None
-            if self._device_index is not None:
+            if self._copier is not None:
+                self._copier.open()
+            elif self._device_index is not None:
                 torch.cuda.set_device(self._device_index)
-            if self.device is not None:
-                stream = torch.cuda.Stream(self.device)
             while not self._closed:
                 ref = self._jobs.get()
                 if ref is None or self._closed:
@@ -450,7 +460,7 @@ class Stager:
                     self.stats.skipped += 1
                     continue
                 try:
-                    self._stage(ticket, stream)
+                    self._stage(ticket)
                 except StagingClosed as e:
                     ticket.error = e
                     break
@@ -458,48 +468,48 @@ class Stager:
                     ticket.error = e
                     self.stats.failures.append(repr(e))
                 finally:
-                    ticket.source = None
+                    ticket.pieces = None
                     ticket.done.set()
                     del ticket
         except BaseException as e:
             self._failure = e
             log.exception("the pinned-staging thread failed")
 
-    def _stage(self, ticket: _Ticket, stream: Any) -> None:
-        pinned, slab = self._pin(ticket.source)
-        if stream is None:
+    def _stage(self, ticket: Ticket) -> None:
+        pinned, slab = self._build(ticket.pieces)
+        if self._copier is None:
             slab.external = True  # the training loop gets it: any stream may read it
             ticket.result = pinned
             return
         ticket.slot = slot = self._take_slot()
         weakref.finalize(ticket, self._free_slot, slot).atexit = False  # a batch dropped untaken frees it too
-        with torch.cuda.stream(stream):
-            ticket.result = pinned.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+        ticket.result, event = self._copier.start(pinned)
         slab.fence = event  # set before the pinned copy dies below: its slab is reused only after the copy
         ticket.event = self.last_copy_event = event
         self.stats.device_copies += 1
 
-    def _pin(self, source: Batch) -> tuple[Batch, Slab]:
-        tensors = _tensors_of(source)
-        offsets, total = [], 0
-        for t in tensors:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        slab, view = self.pool.lease(total, lambda: self._closed)
-        slab.device_index = self._device_index
-        lease = torch.frombuffer(view, dtype=torch.uint8)  # its storage keeps `view` (the lease) alive
-        out = []
-        for t, off in zip(tensors, offsets):
-            nbytes = t.numel() * t.element_size()
-            dst = lease[off:off + nbytes].view(t.dtype).view(t.shape)
-            _copy(dst, t)
-            out.append(dst)
+    def _build(self, pieces: list) -> tuple[Batch, Slab]:
+        """The batch of ``pieces``, written once into a leased slab."""
+        leased: list[Slab] = []
+
+        def alloc(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+            offsets, total = [], 0
+            for shape, dtype in shapes:
+                offsets.append(total)
+                total += -(-math.prod(shape) * _itemsize(dtype) // ALIGN) * ALIGN
+            slab, view = self.pool.lease(total, lambda: self._closed)
+            slab.device_index = self._device_index
+            leased.append(slab)
+            lease = torch.frombuffer(view, dtype=torch.uint8)  # its storage keeps `view` (the lease) alive
+            self.stats.copied_tensors += len(shapes)
+            self.stats.copied_bytes += total
+            return [lease[off:off + math.prod(shape) * _itemsize(dtype)].view(dtype).view(shape)
+                    for off, (shape, dtype) in zip(offsets, shapes)]
+
+        batch = concat_rows(pieces, alloc)
         self.stats.staged += 1
-        self.stats.copied_tensors += len(tensors)
-        self.stats.copied_bytes += total
-        return _batch_of(source, out), slab
+        self.stats.merged += len(pieces) > 1 or pieces[0][1] != 0 or pieces[0][2] != len(pieces[0][0])
+        return batch, leased[0]
 
     def _take_slot(self) -> list:
         with self._slots:
@@ -518,84 +528,25 @@ class Stager:
                 self._slots.notify_all()
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """One copy on this thread only (numpy's, which releases the GIL); torch's ``copy_``
-    would start an intra-op thread team of its own beside the training thread's."""
-    try:
-        np.copyto(dst.numpy(), src.numpy(), casting="no")
-    except (TypeError, RuntimeError):  # a dtype numpy lacks
-        dst.copy_(src)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
-def _tensors_of(batch: Batch) -> list[torch.Tensor]:
-    kjt = batch.sparse_features
-    out = [batch.dense_features, batch.labels, kjt._values, kjt._lengths]
-    if kjt._weights is not None:
-        out.append(kjt._weights)
-    out.extend(batch.passthrough.values())
-    out.extend(t for t in (batch.weights, batch.padding) if t is not None)
-    return out
-
-
-def _batch_of(source: Batch, tensors: list[torch.Tensor]) -> Batch:
-    """``source``'s structure over ``tensors`` (``_tensors_of``'s order)."""
-    it = iter(tensors)
-    dense, labels, values, lengths = next(it), next(it), next(it), next(it)
-    kjt = source.sparse_features
-    weights = next(it) if kjt._weights is not None else None
-    sparse = KeyedJaggedTensor(kjt._keys, values, lengths, weights, kjt._stride, kjt._scored)
-    passthrough = {k: next(it) for k in source.passthrough}
-    row_weights = next(it) if source.weights is not None else None
-    padding = next(it) if source.padding is not None else None
-    return Batch(dense, sparse, labels, passthrough, row_weights, padding)
-
-
-# -- the loader's side --------------------------------------------------------------------------------
-class StagingFetcher:
-    """The epoch stream's fetcher, with every piece it receives wrapped in a ``StagedBatch``
-    (and queued for its copy when it will be handed out whole). Everything else is the
-    fetcher's own."""
-
-    def __init__(self, fetcher: Any, stager: Stager, run: Any, batch_size: int) -> None:
-        object.__setattr__(self, "_fetcher", fetcher)
-        object.__setattr__(self, "_stager", stager)
-        object.__setattr__(self, "_run", run)
-        object.__setattr__(self, "_batch_size", batch_size)
-
-    def poll(self, timeout_ms: int) -> list:
-        run, stager = self._run, self._stager
-        cursors, out = run.assembler.cursors, []
-        for split_id, piece, batch in self._fetcher.poll(timeout_ms):
-            padded = bool(run.splits.get(split_id, (0, 0, 0, False))[3])
-            if padded:
-                batch = batch.as_padding()  # staged with its padding (the stream marks it again: a no-op)
-            c = cursors.get(split_id)
-            # A piece is handed out as it is when whole and not the first after a resumed
-            # position (whose used rows are skipped); otherwise it is merged, and staged merged.
-            whole = len(batch) == self._batch_size and not (
-                c is not None and piece == c.consumed_pieces and c.consumed_rows_in_piece)
-            out.append((split_id, piece, stager.wrap(batch, stage=whole, padded=padded)))
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fetcher, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._fetcher, name, value)
-
-
-def staged_batches(stream: Any, run: Any, pool: SlabPool, device: Optional[torch.device], batch_size: int,
-                   timeout: float, stats: Optional[StagingStats] = None) -> Iterator[Batch]:
-    """``stream.batches()`` (an ``EpochStream``), each batch handed out as its staged copy.
-    The staging thread lives exactly as long as this generator."""
+# -- the node ---------------------------------------------------------------------------------------
+def staged(readies: Iterator[Any], assembler: Any, pool: SlabPool, device: Optional[torch.device],
+           timeout: float, stats: Optional[StagingStats] = None) -> Iterator[Batch]:
+    """The batches of ``readies`` (an epoch stream's ``Ready``s, from ``assembler``), each
+    handed out staged. Every batch is submitted as it joins the assembler's queue, so the
+    staging thread works ahead of the training loop in the loop's own order. The staging
+    thread lives exactly as long as this generator."""
     stager = Stager(pool, device, timeout, stats)
+    assembler.on_ready = stager.submit
     try:
-        stream.fetcher = StagingFetcher(stream.fetcher, stager, run, batch_size)
-        batches = stream.batches()
-        try:
-            for batch in batches:
-                yield stager.take(batch)
-        finally:
-            batches.close()
+        for ready in readies:
+            yield stager.take(ready.ticket if ready.ticket is not None else stager.submit(ready))
     finally:
+        assembler.on_ready = None
+        close = getattr(readies, "close", None)
+        if close is not None:
+            close()
         stager.close()

@@ -1,6 +1,6 @@
 """One epoch run of a rank: pieces from the partition's workers, credit, exact batches.
 
-The training thread runs ``EpochStream.batches()``: it grants workers credit
+The training thread runs ``EpochStream.readies()``: it grants workers credit
 (``fetch.py``), assembles their pieces into batches of exactly ``batch_size`` rows
 (``assembly.py``), and leaves acks and heartbeats to the control thread
 (``control.py``), so a slow or restarting master never holds up batches that workers
@@ -18,8 +18,7 @@ import zmq
 
 from ..protocol.auth import Credentials
 from ..protocol.rpc import RemoteError
-from .assembly import EpochAssembler
-from .batch import Batch
+from .assembly import EpochAssembler, Ready
 from .control import ControlChannel
 from .credit import CreditWindow
 from .fetch import WorkerFetcher
@@ -77,7 +76,9 @@ class EpochStream:
         self.master_seen: Optional[str] = None  # the master process heard from last (membership.master)
         self.holders: dict[int, str] = {}  # split id -> the worker producing it (membership.holders)
 
-    def batches(self) -> Iterator[Batch]:
+    def readies(self) -> Iterator[Ready]:
+        """The run's batches in the order the training loop takes them: each is consumed (in
+        the checkpoint, acked) as it is yielded."""
         run, assembler, fetcher = self.run, self.run.assembler, self.fetcher
         self.session.resume_point = run.resume_point
         control: Optional[ControlChannel] = None
@@ -143,11 +144,11 @@ class EpochStream:
                     assembler.consume(ready)
                     control.report(assembler.take_acks())
                     run.yielded += 1
-                    self.stats.delivered(len(ready.batch), batch_wait)
+                    self.stats.delivered(len(ready), batch_wait)
                     batch_wait = 0.0
                     window_checked = False
                     last_progress = time.monotonic()
-                    yield ready.batch
+                    yield ready
                 else:
                     now = time.monotonic()
                     if now - last_progress > self.config.timeout:

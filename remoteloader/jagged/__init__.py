@@ -116,27 +116,58 @@ def piece_major(sparse: Sequence[SparseColumn], rows: int, piece_rows: int) -> t
     return Jagged(keys, rows, lengths, values, weights), value_starts
 
 
-def concat_rows(parts: Sequence[tuple[Jagged, int, int]]) -> Jagged:
-    """Rows ``[start, stop)`` of each key-major piece, in order, as one key-major piece (the
-    client's tail merge): per part, one compiled pass finds its keys' ranges, and one
-    compiled copy per tensor moves all of them."""
-    first = parts[0][0]
-    keys = first.keys
+@dataclass(frozen=True)
+class ConcatPlan:
+    """Where the rows of a tail merge come from and how big it is (``plan_concat``)."""
+
+    keys: int
+    rows: np.ndarray  # int64 [parts]: rows taken from each part
+    length_at: np.ndarray  # int64 [parts, keys]: where each part's rows of each key start in its lengths
+    value_at: np.ndarray  # ... and in its values
+    value_sizes: np.ndarray  # values of each part's rows of each key
+
+    @property
+    def total_rows(self) -> int:
+        return int(self.rows.sum())
+
+    @property
+    def total_values(self) -> int:
+        return int(self.value_sizes.sum())
+
+
+def plan_concat(parts: Sequence[tuple[Jagged, int, int]]) -> ConcatPlan:
+    """Rows ``[start, stop)`` of each key-major piece: one compiled pass per part finds its
+    keys' ranges, so the merge's sizes are known before its memory is chosen."""
+    keys = parts[0][0].keys
     rows = np.array([stop - start for _, start, stop in parts], np.int64)
     length_at, value_at, value_sizes = (np.empty((len(parts), keys), np.int64) for _ in range(3))
     kernels = _kernels()
     for p, (piece, start, stop) in enumerate(parts):
         kernels.key_ranges(piece.lengths, keys, piece.rows, start, stop, length_at[p], value_at[p], value_sizes[p])
-    total = int(rows.sum())
-    lengths = np.empty(keys * total, first.lengths.dtype)
-    _interleave([piece.lengths for piece, _, _ in parts], length_at, np.repeat(rows[:, None], keys, axis=1), lengths)
-    values = np.empty(int(value_sizes.sum()), first.values.dtype)
-    _interleave([piece.values for piece, _, _ in parts], value_at, value_sizes, values)
-    weights = None
-    if first.weights is not None:
-        weights = np.empty(values.shape[0], first.weights.dtype)
-        _interleave([piece.weights for piece, _, _ in parts], value_at, value_sizes, weights)
-    return Jagged(keys, total, lengths, values, weights)
+    return ConcatPlan(keys, rows, length_at, value_at, value_sizes)
+
+
+def concat_into(plan: ConcatPlan, parts: Sequence[tuple[Jagged, int, int]], lengths: np.ndarray,
+                values: np.ndarray, weights: Optional[np.ndarray]) -> Jagged:
+    """The merge ``plan`` describes, written into ``lengths`` (``keys * total_rows``),
+    ``values`` and ``weights`` (``total_values``, or None): one compiled copy per tensor."""
+    keys = plan.keys
+    _interleave([piece.lengths for piece, _, _ in parts], plan.length_at, np.repeat(plan.rows[:, None], keys, axis=1),
+                lengths)
+    _interleave([piece.values for piece, _, _ in parts], plan.value_at, plan.value_sizes, values)
+    if weights is not None:
+        _interleave([piece.weights for piece, _, _ in parts], plan.value_at, plan.value_sizes, weights)
+    return Jagged(keys, plan.total_rows, lengths, values, weights)
+
+
+def concat_rows(parts: Sequence[tuple[Jagged, int, int]]) -> Jagged:
+    """Rows ``[start, stop)`` of each key-major piece, in order, as one key-major piece (the
+    client's tail merge) in new arrays."""
+    first = parts[0][0]
+    plan = plan_concat(parts)
+    values = np.empty(plan.total_values, first.values.dtype)
+    weights = None if first.weights is None else np.empty(plan.total_values, first.weights.dtype)
+    return concat_into(plan, parts, np.empty(plan.keys * plan.total_rows, first.lengths.dtype), values, weights)
 
 
 def _interleave(sources: Sequence[np.ndarray], starts: np.ndarray, sizes: np.ndarray, out: np.ndarray) -> np.ndarray:
