@@ -13,6 +13,7 @@ import torch
 
 from remoteloader import RemoteDataLoader
 from remoteloader.client import resume
+from remoteloader.client.epoch import SplitPlan
 from remoteloader.spec import load_spec
 from tests.conftest import ROWS, spec_dict
 
@@ -272,13 +273,13 @@ def test_a_job_position_in_deterministic_order_resumes_in_place_on_the_same_worl
     same = resume.resume_of(position, ordered, 1, 2)
     assert same.in_place and same.part["done"] == same.done == position["done"]
     # Rank 1's splits of that plan: split 4 of base 3 from row 400 (250 rows consumed), split 9 padding.
-    assert resume.consumed_in(same.done, {4: (300, 3, 400, False), 9: (1, 3, 0, True), 5: (300, 4, 0, False)},
-                              100) == {4: (2, 50)}
+    splits = {4: SplitPlan(300, 3, 400, False), 9: SplitPlan(1, 3, 0, True), 5: SplitPlan(300, 4, 0, False)}
+    assert resume.consumed_in(same.done, splits, 100) == {4: (2, 50)}
     assert not resume.resume_of(position, ordered, 0, 3).in_place                 # another world size
     assert not resume.resume_of(position, ordered.replace(batch_size=50), 0, 2).in_place
     assert not resume.resume_of(position, spec_of(batch_size=100), 0, 2).in_place  # arrival order
     with pytest.raises(ValueError, match="not a prefix"):
-        resume.consumed_in([[3, 10, 20]], {4: (300, 3, 0, False)}, 100)
+        resume.consumed_in([[3, 10, 20]], {4: SplitPlan(300, 3, 0, False)}, 100)
 
 
 def test_dcp_keeps_one_job_position_that_a_template_of_any_progress_loads(tmp_path):

@@ -97,10 +97,25 @@ class EpochAssembler:
         self.on_ready: Optional[Callable[[Ready], None]] = None
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.cursors = {sid: SplitCursor(rows, pieces_of(rows, batch_size)) for sid, rows in splits}
-        self.expected_rows = sum(rows for _, rows in splits)
+        self._splits, self._cycle, self._padding = list(splits), cycle, set(padding)
+        self.dirty: set[int] = set()  # splits whose consumed count changed since the last ack
+        self.reset({"consumed": [[sid, p, r] for sid, (p, r) in consumed.items()]} if consumed else None)
+
+    # -- node state ---------------------------------------------------------------------------
+    def get_state(self) -> dict:
+        """What the training loop consumed, ``{"consumed": [[split id, pieces, tail rows], ...]}``.
+        Pieces received and not consumed are not in it: after ``reset`` they are expected
+        again (the master has them produced again), so nothing is lost or repeated."""
+        return {"consumed": [[sid, p, r] for sid, (p, r) in sorted(self.consumed_state().items())]}
+
+    def reset(self, state: Optional[dict] = None) -> None:
+        """Back to ``state`` (``get_state()``), or to the epoch's start: every piece from the
+        first one not consumed is expected again."""
+        batch_size = self.batch_size
+        self.cursors = {sid: SplitCursor(rows, pieces_of(rows, batch_size)) for sid, rows in self._splits}
+        self.expected_rows = sum(rows for _, rows in self._splits)
         self.received_rows = 0
-        for sid, (pieces, rows_in_piece) in (consumed or {}).items():
+        for sid, pieces, rows_in_piece in (state or {}).get("consumed", ()):
             c = self.cursors[sid]
             c.consumed_pieces, c.consumed_rows_in_piece, c.next_piece = pieces, rows_in_piece, pieces
             self.received_rows += min(c.rows, pieces * batch_size + rows_in_piece)
@@ -108,13 +123,12 @@ class EpochAssembler:
         self._tail_rows = 0
         self._ready: deque[Ready] = deque()
         self._final_emitted = False
-        self.dirty: set[int] = set()  # splits whose consumed count changed since the last ack
         # Deterministic order: the schedule's pieces not yet routed, and those that arrived early.
         self._schedule: Optional[deque] = None
         self._waiting: dict[tuple[int, int], Batch] = {}
-        if cycle is not None:
-            padded = set(padding)
-            order = rank_schedule([(sid, rows, sid in padded) for sid, rows in splits], batch_size, cycle)
+        if self._cycle is not None:
+            order = rank_schedule([(sid, rows, sid in self._padding) for sid, rows in self._splits], batch_size,
+                                  self._cycle)
             self._schedule = deque((sid, p) for sid, p in order if p >= self.cursors[sid].consumed_pieces)
 
     # -- input ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 SHRINK_PERIOD_S = 5.0
 
@@ -38,14 +38,26 @@ class CreditWindow:
             raise ValueError(f"prefetch_bytes must be >= 1, got {max_bytes}")
         self.initial_per_worker = initial_per_worker
         self.max_bytes = max_bytes  # bytes the workers may push beyond what has arrived, over the partition
-        self.pieces = initial_per_worker  # the window in pieces
-        self.piece_bytes = 0.0  # running mean size of a piece
-        self.grown = 0  # times the window doubled (what the benchmarks report)
-        self.shrunk = 0  # times it halved
         self.period_s, self.clock = period_s, clock
         self._floor = initial_per_worker
-        self._arrived = 0
-        self._period_start = clock()
+        self.reset()
+
+    def get_state(self) -> dict:
+        """What the window learned (kept across epochs): its size, the mean piece size and
+        how many pieces that mean is of (up to the 64 it weighs)."""
+        return {"pieces": self.pieces, "piece_bytes": self.piece_bytes, "arrived": min(self._arrived, 64),
+                "grown": self.grown, "shrunk": self.shrunk}
+
+    def reset(self, state: Optional[dict] = None) -> None:
+        """Back to ``state`` (``get_state()``), or to ``initial`` per worker. The shrink
+        period starts anew."""
+        state = state or {}
+        self.pieces = max(self._floor, int(state.get("pieces", self.initial_per_worker)))  # the window in pieces
+        self.piece_bytes = float(state.get("piece_bytes", 0.0))  # running mean size of a piece
+        self._arrived = int(state.get("arrived", 0))
+        self.grown = int(state.get("grown", 0))  # times the window doubled (what the benchmarks report)
+        self.shrunk = int(state.get("shrunk", 0))  # times it halved
+        self._period_start = self.clock()
         self._least_queued: float = math.inf  # the shortest queue sampled in this period
 
     def fit(self, workers: int) -> None:

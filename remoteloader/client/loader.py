@@ -20,15 +20,17 @@ from typing import Any, Generator, Iterator, Optional, Union
 import torch
 import zmq
 
-from . import checkpoint, resume, staging
+from . import resume, staging
 from .assembly import EpochAssembler
 from .batch import Batch
 from .credit import CreditWindow
 from .embedded import EmbeddedCluster, resolve_rank
 from .placement import MasterPlacement
-from .session import ClientSession, RunStart, acks_of
+from .epoch import EpochPlan, EpochRun
+from .position import Position
+from .session import ClientSession
 from .stats import ClientStats
-from .stream import EpochRun, EpochStream, StreamConfig
+from .stream import EpochStream, StreamConfig
 from ..protocol import auth as cluster_auth
 from ..protocol.messages import JobInfo
 from ..protocol.rpc import RpcClient
@@ -132,13 +134,11 @@ class RemoteDataLoader:
         self._auth = cluster_auth.load(auth_dir) if auth_dir else None
         self._ctx = zmq.Context.instance()
         self._rpc = RpcClient(self._ctx, master, connect_timeout, auth=self._auth)
+        # Where this rank is (epoch, loaded position, the run being iterated): the loader's alone.
+        self.position = Position(self.spec, self.rank, self.world_size)
         self.session = ClientSession(self._rpc, self.spec, self.rank, self.world_size, timeout, connect_timeout,
                                      on_welcome=self._welcomed)
-        self._next_epoch = 0
-        self._pending: Optional[dict] = None  # a loaded position, used by the next iter() of its epoch
-        self._current: Optional[EpochRun] = None
         self._active: Optional[EpochIterator] = None
-        self._plan: Optional[str] = None
         self._closed = False
         self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings
         self.stats = ClientStats()
@@ -160,7 +160,7 @@ class RemoteDataLoader:
         return self.session.hello()
 
     def _welcomed(self, job: JobInfo) -> None:
-        checkpoint.check_plan(self, job)
+        self.position.check_plan(job.plan)
         if job.dropped_rows:
             self._warn(f"{job.dropped_rows} rows of each epoch are left out so that every rank "
                        f"gets the same number of batches (even_batches: {self.spec.even_batches}"
@@ -187,8 +187,7 @@ class RemoteDataLoader:
             raise RuntimeError("this RemoteDataLoader is closed")
         if self._active is not None:
             self._active.replace()  # an abandoned epoch releases its sockets before the next starts
-        epoch = self._next_epoch
-        self._next_epoch += 1
+        epoch = self.position.take_epoch()
         self._active = EpochIterator(self._epoch(epoch), epoch)
         return self._active
 
@@ -197,61 +196,42 @@ class RemoteDataLoader:
         After ``load_state_dict``, only the loaded position's epoch may be chosen."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-        checkpoint.check_epoch(self, epoch)
-        self._next_epoch = epoch
+        self.position.choose(epoch)
 
     def _epoch(self, epoch: int) -> Iterator[Batch]:
         self._hello()
-        pending, self._pending = self._pending, None
-        in_place = pending is not None and pending["epoch"] == epoch and pending["in_place"]
-        if pending is not None and pending["epoch"] == epoch and not in_place:
-            start = RunStart(epoch, pending["done"], acks_of(pending["consumed"]))
-            consumed = pending["consumed"]
-        else:  # a new epoch, or one resumed in place: its plan as it was
-            start, consumed = RunStart(epoch, [], []), {}
-        reply = self.session.start_epoch(start)
-        splits = {s.split_id: (s.rows, s.base_split, s.row_lo, s.padding) for s in reply.splits}
-        if in_place:  # the job's consumed rows, named in this rank's splits: told to the master at the first beat
-            consumed = resume.consumed_in(pending["done"], splits, self.batch_size)
-        assembler = EpochAssembler([(sid, s[0]) for sid, s in splits.items()], self.batch_size, self.drop_last,
-                                   consumed=consumed, cycle=self.spec.cycle,
-                                   padding=[sid for sid, s in splits.items() if s[3]])
-        assembler.dirty.update(consumed)
-        run = EpochRun(epoch, start.done, splits, assembler)
-        # The stream never pins: with pin_memory (or device) the staging thread does (staging.py).
+        start, resumed = self.position.begin(epoch)
+        plan = EpochPlan.of(start, self.session.start_epoch(start))
+        consumed = self.position.consumed_at_start(resumed, plan)
+        assembler = EpochAssembler([(sid, s.rows) for sid, s in plan.splits.items()], self.batch_size, self.drop_last,
+                                   consumed=consumed, cycle=self.spec.cycle, padding=plan.padding_ids)
+        assembler.dirty.update(consumed)  # told to the master at the first beat
+        run = EpochRun(plan, assembler)
+        # The stream never pins: with pin_memory (or device) the stager after it does (staging.py).
         config = StreamConfig(self.rank, self.master, self.timeout, self._auth)
-        self._current = run
+        stream = EpochStream(self._ctx, self.session, run, config, self.credit, self.stats, self.warnings)
+        node = stream if self.pin_pool is None else \
+            staging.StagedBatches(stream, self.pin_pool, self.device, self.timeout, self.pin_stats)
+        self.position.run = run
         try:
-            stream = EpochStream(self._ctx, self.session, run, config, self.credit, self.stats, self.warnings)
-            if self.pin_pool is None:
-                readies = stream.readies()
-                try:
-                    for ready in readies:
-                        yield ready.batch
-                finally:
-                    readies.close()
-            else:
-                yield from staging.staged(stream.readies(), assembler, self.pin_pool, self.device, self.timeout,
-                                          self.pin_stats)
+            for item in node:
+                yield item.batch if self.pin_pool is None else item
         finally:
-            self._current = None
+            node.close()
+            self.position.run = None
 
-    @property
-    def _batches_yielded(self) -> int:
-        """Batches the training loop took of the epoch being iterated."""
-        return self._current.yielded if self._current is not None else 0
-
-    # -- checkpointing (torchdata StatefulDataLoader protocol; see checkpoint.py) ---------------
+    # -- checkpointing (torchdata StatefulDataLoader protocol; see position.py and resume.py) ---
     def state_dict(self) -> dict:
         """What the training loop has consumed, as small plain data: under torch.distributed
-        the job's position (the same on every rank: a collective), else this rank's part
-        keyed ``rank_<r>`` (see ``checkpoint.state_dict``)."""
-        return checkpoint.state_dict(self)
+        the job's position (the same on every rank: a collective that every rank calls, as
+        DCP does; DCP saves it once and a job of any world size loads it), else this rank's
+        part keyed ``rank_<r>``. Batches prefetched but not yet yielded are not in it."""
+        return resume.state_of(self.position.part(self._hello().plan))
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped
-        (see ``checkpoint.load_state_dict``)."""
-        checkpoint.load_state_dict(self, state)
+        (see ``Position.load``)."""
+        self.position.load(state, lambda: self._hello().plan)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -28,9 +28,12 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 from ..spec import DatasetSpec
+
+if TYPE_CHECKING:
+    from .epoch import SplitPlan
 
 STATE_VERSION = 4  # 4: the job's position names the world size and batch size it was saved at; 3: the job's
 # position; parts name the spec by key (2 had one fingerprint)
@@ -173,25 +176,25 @@ def _elastic(position: Mapping, spec: DatasetSpec, rank: int, world_size: int) -
     return Resume(mine["epoch"], mine["plan"], done, {}, mine, in_place=in_place)
 
 
-def consumed_in(done: list, splits: Mapping[int, tuple], batch_size: int) -> dict[int, tuple[int, int]]:
+def consumed_in(done: list, splits: Mapping[int, "SplitPlan"], batch_size: int) -> dict[int, tuple[int, int]]:
     """This rank's consumed state, ``(pieces, rows of a partly used tail)`` per split, from
-    the job's ``done`` row ranges, for ``splits`` (``(rows, base, row_lo, padding)`` by id)
-    of the plan the position was saved in: each split's consumed rows are a prefix of it."""
+    the job's ``done`` row ranges, for ``splits`` (by id) of the plan the position was saved
+    in: each split's consumed rows are a prefix of it."""
     by_base: dict[int, list[tuple[int, int]]] = {}
     for base, lo, hi in done:
         by_base.setdefault(int(base), []).append((int(lo), int(hi)))
     out = {}
-    for sid, (rows, base, row_lo, padding) in splits.items():
-        if padding:
+    for sid, split in splits.items():
+        if split.padding:
             continue  # a repeated row is in `done` where it was first read
-        overlap = sorted((max(lo, row_lo), min(hi, row_lo + rows)) for lo, hi in by_base.get(base, ())
-                         if lo < row_lo + rows and hi > row_lo)
+        start, end = split.row_lo, split.row_lo + split.rows
+        overlap = sorted((max(lo, start), min(hi, end)) for lo, hi in by_base.get(split.base, ()) if lo < end and hi > start)
         if not overlap:
             continue
-        if overlap[0][0] != row_lo or len(overlap) != 1:
+        if overlap[0][0] != start or len(overlap) != 1:
             raise ValueError(f"split {sid}: the rows consumed of it are not a prefix ({overlap}): "
                              "the position is not of this plan")
-        out[sid] = divmod(overlap[0][1] - row_lo, batch_size)
+        out[sid] = divmod(overlap[0][1] - start, batch_size)
     return out
 
 

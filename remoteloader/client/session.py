@@ -105,11 +105,11 @@ class ClientSession:
         self.on_welcome(reply.job)
         self.id, self.token, self.job, self.seals = reply.session, reply.token, reply.job, seals
 
-    def _rejoin(self, restart_run: bool) -> None:
+    def _rejoin(self, restart_run: bool, why: str = "the master does not know this client (restarted?)") -> None:
         # The master does not know this session (a restart without a journal, or it timed the
         # client out): a new session, and the run restarted from what was consumed, which is
         # all the master needs to continue the epoch exactly where it was.
-        log.warning("rank %d: the master does not know this client (restarted?); rejoining", self.rank)
+        log.warning("rank %d: %s; rejoining", self.rank, why)
         self.id = None
         self._say_hello()
         if restart_run and self.run is not None and self.resume_point is not None:
@@ -126,6 +126,11 @@ class ClientSession:
                                         done=[M.DoneRange(*d) for d in start.done]))
         self.run = RunId(self.id, reply.seq, start.epoch, self.token, self.seals)
         return reply
+
+    def restart_run(self, start: RunStart) -> M.Epoch:
+        """A new run of the current epoch from ``start`` (what the training loop consumed): the
+        master has every piece not consumed produced again."""
+        return self._with_rejoin(lambda: self._start(start), restart_run=False)
 
     def heartbeat(self, acks: list, stats: Optional[M.ClientStats] = None) -> M.Membership:
         """A synchronous heartbeat of the current run, from the training thread."""
@@ -149,11 +154,17 @@ class ClientSession:
             log.warning("rank %d epoch %d: every batch was delivered, but the master did not take the end of the "
                         "epoch (%s); going on", self.rank, run.epoch, e)
 
+    def rejoin(self, why: str) -> None:
+        """A new session, and the current run restarted from what the training loop consumed:
+        the master has every piece not consumed produced again (after a master that forgot
+        this client, or a sealed batch refused that may have been a genuine one)."""
+        self._rejoin(True, why)
+
     def rejoin_after(self, error: RemoteError) -> None:
         """A call made elsewhere (the control thread) found the session unknown: rejoin, or re-raise."""
         if error.code != "unknown_client":
             raise self._ended(error)
-        self._rejoin(restart_run=True)
+        self._rejoin(True)
 
     def status(self) -> str:
         try:

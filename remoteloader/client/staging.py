@@ -2,7 +2,7 @@
 thread, straight into a reused pinned slab (and, with ``device=``, copies it to the device).
 
 With ``pin_memory=True`` (and an accelerator) or ``device="cuda"``, the loader's epoch runs
-through ``staged()``:
+through ``StagedBatches``:
 
 * **Order.** The assembler calls ``Stager.submit`` with each batch as it joins its queue
   (``EpochAssembler.on_ready``), so jobs are queued in the order the training loop takes
@@ -58,12 +58,13 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 
 from .batch import Batch, concat_rows
+from .node import Node
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # every tensor of a slab starts at a multiple of this (any dtype's alignment, a cache line)
@@ -533,20 +534,40 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 # -- the node ---------------------------------------------------------------------------------------
-def staged(readies: Iterator[Any], assembler: Any, pool: SlabPool, device: Optional[torch.device],
-           timeout: float, stats: Optional[StagingStats] = None) -> Iterator[Batch]:
-    """The batches of ``readies`` (an epoch stream's ``Ready``s, from ``assembler``), each
-    handed out staged. Every batch is submitted as it joins the assembler's queue, so the
-    staging thread works ahead of the training loop in the loop's own order. The staging
-    thread lives exactly as long as this generator."""
-    stager = Stager(pool, device, timeout, stats)
-    assembler.on_ready = stager.submit
-    try:
-        for ready in readies:
-            yield stager.take(ready.ticket if ready.ticket is not None else stager.submit(ready))
-    finally:
-        assembler.on_ready = None
-        close = getattr(readies, "close", None)
-        if close is not None:
-            close()
-        stager.close()
+class StagedBatches(Node[Batch]):
+    """The stager node, after the assembler: the batches of ``upstream`` (a node of
+    ``assembly.Ready``s with an ``on_ready`` hook: the epoch stream), each handed out staged.
+    Every batch is submitted as it joins the assembler's queue, so the staging thread works
+    ahead of the training loop in the loop's own order. Its state is its upstream's: a batch
+    staged and not taken is not consumed. The staging thread lives from ``reset`` to ``close``."""
+
+    def __init__(self, upstream: Any, pool: SlabPool, device: Optional[torch.device], timeout: float,
+                 stats: Optional[StagingStats] = None) -> None:
+        self.upstream, self.pool, self.device, self.timeout = upstream, pool, device, timeout
+        self.stats = stats if stats is not None else StagingStats()
+        self._stager: Optional[Stager] = None
+
+    def reset(self, state: Optional[dict] = None) -> None:
+        self._stop()
+        self._stager = Stager(self.pool, self.device, self.timeout, self.stats)
+        self.upstream.on_ready = self._stager.submit  # before the upstream queues anything
+        self.upstream.reset(state)
+
+    def get_state(self) -> dict:
+        return self.upstream.get_state()
+
+    def next(self) -> Batch:
+        if self._stager is None:
+            self.reset()
+        ready = self.upstream.next()
+        return self._stager.take(ready.ticket if ready.ticket is not None else self._stager.submit(ready))
+
+    def close(self) -> None:
+        self._stop()
+        self.upstream.close()
+
+    def _stop(self) -> None:
+        if self._stager is not None:
+            self.upstream.on_ready = None
+            self._stager.close()
+            self._stager = None

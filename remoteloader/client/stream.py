@@ -12,17 +12,19 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import zmq
 
 from ..protocol.auth import Credentials
 from ..protocol.rpc import RemoteError
-from .assembly import EpochAssembler, Ready
+from .assembly import Ready
 from .control import ControlChannel
 from .credit import CreditWindow
+from .epoch import EpochRun
 from .fetch import WorkerFetcher
-from .session import ClientSession, RunStart, acks_of
+from .node import Node
+from .session import ClientSession, acks_of
 from .stats import ClientStats
 
 log = logging.getLogger(__name__)
@@ -40,21 +42,6 @@ QUEUED_ENOUGH = 4
 LOST_RECOVER_S = 5.0
 
 
-@dataclass
-class EpochRun:
-    """The epoch being iterated: its plan as the master sent it, the assembler, and how
-    many batches the training loop has taken."""
-
-    epoch: int
-    done: list  # rows consumed before an elastic resume, [[base, lo, hi], ...] (sent in start_epoch)
-    splits: dict[int, tuple[int, int, int, bool]]  # split id -> (rows, base, row_lo, padding)
-    assembler: EpochAssembler
-    yielded: int = 0
-
-    def resume_point(self) -> RunStart:
-        return RunStart(self.epoch, self.done, acks_of(self.assembler.consumed_state()))
-
-
 @dataclass(frozen=True)
 class StreamConfig:
     rank: int
@@ -63,8 +50,13 @@ class StreamConfig:
     auth: Optional[Credentials]
 
 
-class EpochStream:
-    """Batches of one ``EpochRun``, in order, exactly once."""
+class EpochStream(Node[Ready]):
+    """The piece source and its assembler: batches of one ``EpochRun``, in order, exactly once.
+
+    ``get_state()`` is what the training loop consumed of the run (the assembler's state and
+    the batches yielded); ``reset(state)`` starts the run again at the master from it (a new
+    run of the same epoch: the master has every piece not consumed produced again), so a
+    stream reset to a state continues exactly where that state was taken."""
 
     def __init__(self, ctx: zmq.Context, session: ClientSession, run: EpochRun, config: StreamConfig,
                  credit: CreditWindow, stats: ClientStats, warned: list[str]) -> None:
@@ -75,8 +67,44 @@ class EpochStream:
                                      auth=config.auth)
         self.master_seen: Optional[str] = None  # the master process heard from last (membership.master)
         self.holders: dict[int, str] = {}  # split id -> the worker producing it (membership.holders)
+        self._loop: Optional[Iterator[Ready]] = None
 
-    def readies(self) -> Iterator[Ready]:
+    # -- node ----------------------------------------------------------------------------------
+    @property
+    def on_ready(self) -> Optional[Callable[[Ready], None]]:
+        """Called with each batch as it joins the assembler's queue (the stager's submit)."""
+        return self.run.assembler.on_ready
+
+    @on_ready.setter
+    def on_ready(self, hook: Optional[Callable[[Ready], None]]) -> None:
+        self.run.assembler.on_ready = hook
+
+    def get_state(self) -> dict:
+        return {"epoch": self.run.epoch, "yielded": self.run.yielded, "assembler": self.run.assembler.get_state()}
+
+    def reset(self, state: Optional[dict] = None) -> None:
+        started = self._loop is not None
+        self.close()
+        if state is not None and state["epoch"] != self.run.epoch:
+            raise ValueError(f"a state of epoch {state['epoch']} for a stream of epoch {self.run.epoch}")
+        if state is not None or started:
+            self.run.assembler.reset(state["assembler"] if state is not None else None)
+            self.run.yielded = state["yielded"] if state is not None else 0
+            self.session.restart_run(self.run.resume_point())
+        self._loop = self._readies()
+
+    def next(self) -> Ready:
+        if self._loop is None:
+            self.reset()
+        return next(self._loop)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _readies(self) -> Iterator[Ready]:
         """The run's batches in the order the training loop takes them: each is consumed (in
         the checkpoint, acked) as it is yielded."""
         run, assembler, fetcher = self.run, self.run.assembler, self.fetcher
@@ -136,7 +164,7 @@ class EpochStream:
                     arrivals = []
                 for split_id, piece, batch in arrivals:
                     if assembler.wants(split_id, piece):
-                        if run.splits[split_id][3]:
+                        if run.plan.splits[split_id].padding:
                             batch = batch.as_padding()
                         assembler.add(split_id, piece, batch)
                         last_progress = time.monotonic()
@@ -191,7 +219,7 @@ class EpochStream:
         log.warning("rank %d epoch %d: a sealed batch was refused and no batch has come for %.0f s since; "
                     "rejoining so that the pieces it may have held are produced again",
                     self.config.rank, self.run.epoch, LOST_RECOVER_S)
-        self.session.rejoin_after(RemoteError("a sealed batch was refused", "unknown_client"))
+        self.session.rejoin("a sealed batch was refused and may have been a genuine one")
         self._apply(self.session.heartbeat([]))
 
     def _waiting(self, control: ControlChannel, waited_s: float) -> str:

@@ -1,0 +1,69 @@
+"""One epoch run of a rank, typed: the plan the master sent, and the run being iterated."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .session import RunStart, acks_of
+
+if TYPE_CHECKING:
+    from ..protocol.messages import Epoch
+    from .assembly import EpochAssembler
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One of the rank's splits: ``rows`` rows of base split ``base`` from row ``row_lo`` (of
+    its per-epoch shuffle); ``padding``: rows repeated so that every rank gets as many batches."""
+
+    rows: int
+    base: int
+    row_lo: int
+    padding: bool
+
+    def rows_consumed(self, pieces: int, tail_rows: int, batch_size: int) -> int:
+        return min(self.rows, pieces * batch_size + tail_rows)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The rank's splits of one epoch run as the master planned them."""
+
+    epoch: int
+    done: list  # rows consumed before an elastic resume, [[base, lo, hi], ...] (sent in start_epoch)
+    splits: dict[int, SplitPlan]  # split id -> its plan, in plan order
+
+    @classmethod
+    def of(cls, start: RunStart, reply: "Epoch") -> "EpochPlan":
+        return cls(start.epoch, start.done,
+                   {s.split_id: SplitPlan(s.rows, s.base_split, s.row_lo, bool(s.padding)) for s in reply.splits})
+
+    @property
+    def padding_ids(self) -> list[int]:
+        return [sid for sid, s in self.splits.items() if s.padding]
+
+
+@dataclass
+class EpochRun:
+    """The epoch being iterated: its plan, the assembler, and how many batches the training
+    loop has taken."""
+
+    plan: EpochPlan
+    assembler: "EpochAssembler"
+    yielded: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
+    def resume_point(self) -> RunStart:
+        return RunStart(self.plan.epoch, self.plan.done, acks_of(self.assembler.consumed_state()))
+
+    def consumed(self, batch_size: int) -> list[list[int]]:
+        """What the training loop consumed, as a rank part's ``consumed`` rows (``resume``)."""
+        out = []
+        for sid, (pieces, tail_rows) in sorted(self.assembler.consumed_state().items()):
+            split = self.plan.splits[sid]
+            out.append([sid, pieces, tail_rows, split.base, split.row_lo,
+                        split.rows_consumed(pieces, tail_rows, batch_size), int(split.padding)])
+        return out

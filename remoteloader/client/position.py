@@ -1,0 +1,99 @@
+"""Where one rank's loader is (torchdata StatefulDataLoader protocol): owned by the loader alone.
+
+``Position`` holds the next epoch, a loaded position waiting for its epoch, the run being
+iterated and the split plan the position is of. The loader's ``state_dict``,
+``load_state_dict``, ``set_epoch`` and each ``iter()`` go through it; the state's forms and
+what a loaded one resumes are ``resume``'s.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from ..spec import DatasetSpec
+from . import resume
+from .epoch import EpochPlan, EpochRun
+from .session import RunStart, acks_of
+
+
+class Position:
+    def __init__(self, spec: DatasetSpec, rank: int, world_size: int) -> None:
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.next_epoch = 0
+        self.pending: Optional[resume.Resume] = None  # loaded; the next iter() of its epoch starts from it
+        self.run: Optional[EpochRun] = None  # the epoch being iterated
+        self.plan: Optional[str] = None  # the split plan the position is of (the job's, once welcomed)
+
+    # -- the loader's calls -----------------------------------------------------------------------
+    def take_epoch(self) -> int:
+        """The epoch an ``iter()`` starts: the next one, or the one ``set_epoch`` chose."""
+        epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
+        return epoch
+
+    def choose(self, epoch: int) -> None:
+        """``set_epoch``: a loaded position is only resumed by its own epoch, and choosing
+        another would drop it without a word."""
+        if self.pending is not None and self.pending.epoch != epoch:
+            raise ValueError(f"set_epoch({epoch}) after load_state_dict of a position in epoch "
+                             f"{self.pending.epoch}: call set_epoch({self.pending.epoch}) to resume it (a loader "
+                             f"without loaded state starts epoch {epoch} from its beginning)")
+        self.next_epoch = epoch
+
+    def begin(self, epoch: int) -> tuple[RunStart, Optional[resume.Resume]]:
+        """What the run of ``epoch`` starts from, and the loaded position it resumes (if any)."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.epoch != epoch:
+            return RunStart(epoch, [], []), None
+        if pending.in_place:  # the epoch's plan as it was: its consumed rows are named once planned
+            return RunStart(epoch, [], []), pending
+        return RunStart(epoch, pending.done, acks_of(pending.consumed)), pending
+
+    def consumed_at_start(self, resumed: Optional[resume.Resume], plan: EpochPlan) -> dict[int, tuple[int, int]]:
+        """This rank's consumed state when its run of ``plan`` starts: (pieces, tail rows) per split."""
+        if resumed is None:
+            return {}
+        if resumed.in_place:
+            return resume.consumed_in(resumed.done, plan.splits, self.spec.batch_size)
+        return resumed.consumed
+
+    def check_plan(self, job_plan: str, expected: Optional[str] = None) -> None:
+        """The job's split plan must be the one the position is of."""
+        expected = expected if expected is not None else self.plan
+        if expected is not None and job_plan != expected:
+            raise RuntimeError(f"the table's split plan changed ({expected} -> {job_plan}): files were added or "
+                               "removed, so the epoch in progress cannot be continued exactly")
+        self.plan = job_plan
+
+    def part(self, plan: str) -> dict:
+        """This rank's part (``resume``): what its training loop consumed. Batches prefetched
+        but not yet yielded are not in it: after a load they are delivered again."""
+        run = self.run
+        if run is not None and not run.assembler.exhausted:
+            return resume.part(self.spec, plan, self.rank, self.world_size, run.epoch, run.plan.done,
+                               run.consumed(self.spec.batch_size), run.yielded)
+        if self.pending is not None and self.pending.epoch == self.next_epoch:
+            return self.pending.part  # loaded, not started: saved again as loaded
+        return resume.part(self.spec, plan, self.rank, self.world_size, self.next_epoch, [], [], 0)
+
+    def load(self, state: Any, job_plan: Callable[[], Optional[str]]) -> None:
+        """Continue from ``state``: the job's position, this rank's part (same world size and
+        batch size), or every rank's parts. Unless a rank continues its own part, the rows
+        the old job consumed are left out and the rest of the epoch is spread over this
+        job's ranks, each row delivered once, whatever the world size and batch size.
+        ``job_plan()`` is asked for once the state is known to fit this spec."""
+        loaded = resume.resume_of(state, self.spec, self.rank, self.world_size)
+        plan = job_plan()
+        self.check_plan(plan if plan is not None else loaded.plan, loaded.plan)
+        self.pending, self.next_epoch = loaded, loaded.epoch
+
+    # -- node contract ----------------------------------------------------------------------------
+    def get_state(self) -> dict:
+        if self.plan is None:
+            raise RuntimeError("the position has no split plan yet (the loader has not met the master)")
+        return self.part(self.plan)
+
+    def reset(self, state: Optional[dict] = None) -> None:
+        self.run = None
+        if state is None:
+            self.next_epoch, self.pending = 0, None
+        else:
+            self.load(state, lambda: self.plan)
