@@ -39,26 +39,30 @@ class CreditWindow:
         self.initial_per_worker = initial_per_worker
         self.max_bytes = max_bytes  # bytes the workers may push beyond what has arrived, over the partition
         self.period_s, self.clock = period_s, clock
-        self._floor = initial_per_worker
         self.reset()
 
     def get_state(self) -> dict:
-        """What the window learned (kept across epochs): its size, the mean piece size and
-        how many pieces that mean is of (up to the 64 it weighs)."""
-        return {"pieces": self.pieces, "piece_bytes": self.piece_bytes, "arrived": min(self._arrived, 64),
-                "grown": self.grown, "shrunk": self.shrunk}
+        """What the window learned (kept across epochs): its size and floor, the mean piece
+        size and how many pieces that mean is of (up to the 64 it weighs), and where its
+        shrink period stands."""
+        least = None if self._least_queued == math.inf else self._least_queued
+        return {"pieces": self.pieces, "floor": self._floor, "piece_bytes": self.piece_bytes,
+                "arrived": min(self._arrived, 64), "grown": self.grown, "shrunk": self.shrunk,
+                "period_elapsed_s": self.clock() - self._period_start, "least_queued": least}
 
     def reset(self, state: Optional[dict] = None) -> None:
-        """Back to ``state`` (``get_state()``), or to ``initial`` per worker. The shrink
-        period starts anew."""
+        """Back to ``state`` (``get_state()``), or to ``initial`` per worker."""
         state = state or {}
+        self._floor = int(state.get("floor", self.initial_per_worker))  # initial x the partition's workers (fit)
         self.pieces = max(self._floor, int(state.get("pieces", self.initial_per_worker)))  # the window in pieces
         self.piece_bytes = float(state.get("piece_bytes", 0.0))  # running mean size of a piece
         self._arrived = int(state.get("arrived", 0))
         self.grown = int(state.get("grown", 0))  # times the window doubled (what the benchmarks report)
         self.shrunk = int(state.get("shrunk", 0))  # times it halved
-        self._period_start = self.clock()
-        self._least_queued: float = math.inf  # the shortest queue sampled in this period
+        # The shrink period in progress: how far into it, and the shortest queue sampled in it.
+        self._period_start = self.clock() - float(state.get("period_elapsed_s", 0.0))
+        least = state.get("least_queued")
+        self._least_queued: float = math.inf if least is None else least
 
     def fit(self, workers: int) -> None:
         """At least ``initial`` per worker of the partition (it may have grown past that)."""

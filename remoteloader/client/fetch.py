@@ -219,9 +219,15 @@ class WorkerFetcher:
             return None
 
     def close(self) -> None:
+        """Drop every worker's socket; ``set_workers`` connects again (a stream reset to a new run)."""
         for sock in self.sockets.values():
+            self.poller.unregister(sock)
             sock.close(linger=0)
         self.sockets.clear()
+        self._worker_of.clear()
+        self.streams.clear()
+        self._peers.clear()
+        self._keys.clear()
 
 
 class Stream:

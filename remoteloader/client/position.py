@@ -87,9 +87,10 @@ class Position:
 
     # -- node contract ----------------------------------------------------------------------------
     def get_state(self) -> dict:
+        """This rank's part, ``{"rank_<r>": part}`` (what ``state_dict()`` is without a process group)."""
         if self.plan is None:
             raise RuntimeError("the position has no split plan yet (the loader has not met the master)")
-        return self.part(self.plan)
+        return {f"rank_{self.rank}": self.part(self.plan)}
 
     def reset(self, state: Optional[dict] = None) -> None:
         self.run = None
