@@ -497,14 +497,14 @@ class Stager:
             offsets, total = [], 0
             for shape, dtype in shapes:
                 offsets.append(total)
-                total += -(-math.prod(shape) * _itemsize(dtype) // ALIGN) * ALIGN
+                total += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
             slab, view = self.pool.lease(total, lambda: self._closed)
             slab.device_index = self._device_index
             leased.append(slab)
             lease = torch.frombuffer(view, dtype=torch.uint8)  # its storage keeps `view` (the lease) alive
             self.stats.copied_tensors += len(shapes)
             self.stats.copied_bytes += total
-            return [lease[off:off + math.prod(shape) * _itemsize(dtype)].view(dtype).view(shape)
+            return [lease[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
                     for off, (shape, dtype) in zip(offsets, shapes)]
 
         batch = concat_rows(pieces, alloc)
@@ -527,10 +527,6 @@ class Stager:
             with self._slots:
                 self._ahead -= 1
                 self._slots.notify_all()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 # -- the node ---------------------------------------------------------------------------------------
