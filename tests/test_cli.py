@@ -205,3 +205,15 @@ def test_ray_actor_hands_the_master_absolute_paths(tmp_path, monkeypatch):
     assert _absolute_paths(["--spec", "s.yaml", "--journal=j", "--bind", "tcp://127.0.0.1:5555", "--auth", "/k"]) == [
         "--spec", str(tmp_path / "s.yaml"), f"--journal={tmp_path / 'j'}", "--bind", "tcp://127.0.0.1:5555",
         "--auth", "/k"]
+
+
+def test_max_message_bytes_takes_sizes_up_to_the_frame_limit(capsys):
+    assert worker_parser().parse_args(["--master", "tcp://127.0.0.1:1"]).max_message_bytes == 16 << 20
+    assert worker_parser().parse_args(["--master", "tcp://127.0.0.1:1", "--max-message-bytes", "4M"]
+                                      ).max_message_bytes == 4 << 20
+    assert master_parser().parse_args([]).max_message_bytes is None  # the workers' own default
+    assert master_parser().parse_args(["--max-message-bytes", "1G"]).max_message_bytes == 1 << 30
+    for parser, argv in ((worker_parser(), ["--master", "tcp://127.0.0.1:1"]), (master_parser(), [])):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--max-message-bytes", "2G"])
+        assert "above 1.0 GiB" in capsys.readouterr().err

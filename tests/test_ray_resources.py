@@ -175,6 +175,17 @@ def test_buffer_bytes_reaches_the_worker_command_line(fake_ray):
     assert worker_args[:2] == ["--buffer-bytes", str(1 << 20)] and "--buffer-batches" in worker_args
 
 
+def test_max_message_bytes_reaches_the_worker_command_line(fake_ray):
+    local = launcher_mod.make_launcher("local", "tcp://127.0.0.1:1", max_message_bytes=4 << 20).worker_argv()
+    assert local[local.index("--max-message-bytes") + 1] == str(4 << 20)
+    assert "--max-message-bytes" not in launcher_mod.make_launcher("local", "tcp://127.0.0.1:1").worker_argv()
+    ray, _ = fake_ray
+    launcher_mod.make_launcher("ray", "tcp://127.0.0.1:1", ray_address="127.0.0.1:6379", buffer_bytes=1 << 20,
+                               max_message_bytes=8 << 20).start(1)
+    worker_args = ray.actors[0].args[1]
+    assert worker_args[:4] == ["--buffer-bytes", str(1 << 20), "--max-message-bytes", str(8 << 20)]
+
+
 # -- slow: a real Ray head on 127.0.0.1 ---------------------------------------------------------
 
 @pytest.fixture

@@ -100,3 +100,47 @@ def test_credit_of_an_older_run_goes_when_the_session_credits_a_newer_one_and_si
     clock.now = 31
     book.expire()  # the client of session s said nothing for 30 s
     assert [run for run, _ in book.runs()] == [("t", 0)]
+
+
+def _messages(master: FakeMaster, job, session: str, **worker_kwargs) -> list[tuple[list[int], int]]:
+    """Split 0 pushed whole to one client by a worker made with ``worker_kwargs``, credited only
+    once every piece is buffered (so what goes together is the pusher's choice alone): each
+    message's piece rows and data bytes."""
+    worker = RunningWorker(master.addr, **worker_kwargs)
+    client = Client(worker.worker.addr)
+    try:
+        master.splits.put(job.task(0, session=session))
+        master.wait_for(lambda m: m["t"] == "split_produced" and m["split_id"] == 0)
+        client.credit(session, 0)
+        got, rows = [], 0
+        while rows < job.splits[0].rows:
+            header, arrays = client.batch()
+            got.append((header["rows"], sum(a.nbytes for a in arrays.values())))
+            rows += sum(header["rows"])
+        return got
+    finally:
+        client.close()
+        worker.stop()
+
+
+def test_a_run_of_pieces_goes_in_messages_of_at_most_max_message_bytes(master, job):
+    # One byte: every piece is larger, so each goes alone (none is held back or dropped).
+    alone = _messages(master, job, "s-1", max_message_bytes=1)
+    assert len(alone) >= 3 and all(len(rows) == 1 for rows, _ in alone)
+    sizes = [nbytes for _, nbytes in alone]
+    # Room for exactly the first two pieces: runs are cut greedily, each within the cap.
+    cap = sizes[0] + sizes[1]
+    expected, run, total = [], [], 0
+    for rows, nbytes in alone:
+        if run and total + nbytes > cap:
+            expected.append(run)
+            run, total = [], 0
+        run.append(rows[0])
+        total += nbytes
+    expected.append(run)
+    got = _messages(master, job, "s-2", max_message_bytes=cap)
+    assert [rows for rows, _ in got] == expected and len(got) > 1
+    assert all(nbytes <= cap or len(rows) == 1 for rows, nbytes in got)
+    assert sum(nbytes for _, nbytes in got) == sum(sizes)
+    # The default (16 MiB) takes this whole small split as one message, as before.
+    assert [rows for rows, _ in _messages(master, job, "s-3")] == [[r for rows, _ in alone for r in rows]]

@@ -24,6 +24,10 @@ from .processor import SplitProcessor, TransformedSplit
 from .sampling import sampled_splits
 
 DEFAULT_BUFFER_BYTES = 256 << 20  # a worker's budget: the client's default prefetch_bytes
+# A worker's largest data message (its --max-message-bytes; one piece larger still goes, alone).
+# Below glibc's largest dynamic mmap threshold (32 MiB on 64-bit), so the client's receive
+# buffers are reused heap, not pages freshly mapped (and faulted in) for every message.
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 # Splits are cut for rows this much larger than the sample's: a split of other rows (longer
 # id lists) may cost more, and two splits of exactly half the budget would then not fit.
 ESTIMATE_MARGIN = 1.1
@@ -31,14 +35,16 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``268435456``, ``256M``, ``256MiB``, ``1G`` (K, M, G, T: powers of 1024)."""
+def parse_size(text: str, most: Optional[int] = None) -> int:
+    """Bytes from ``268435456``, ``256M``, ``256MiB``, ``1G`` (K, M, G, T: powers of 1024), at most ``most``."""
     m = _SIZE.match(str(text))
     if m is None:
         raise ValueError(f"invalid size {text!r} (expected bytes, or a number with K, M, G or T, e.g. 256M)")
     value = int(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
         raise ValueError(f"invalid size {text!r}: must be positive")
+    if most is not None and value > most:
+        raise ValueError(f"{text!r} is above {format_size(most)}, the largest allowed")
     return value
 
 

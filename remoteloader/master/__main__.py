@@ -32,6 +32,7 @@ from ..protocol import auth as cluster_auth
 from ..protocol.address import (AddressError, DefaultsHelpFormatter, address_type, check_ipc_free, ipc_directory,
                                 is_ipc, prepare_ipc_directory, restrict_ipc_socket)
 from ..protocol.capability import MasterKeys
+from ..protocol.messages import MAX_FRAME_BYTES
 from ..formats import TableError
 from ..spec import DatasetSpec, SpecError
 from .autoscale import AutoscaleConfig, Autoscaler, CpuTargetConfig, CpuTargetPolicy
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what each worker may hold of transformed splits (the workers' --buffer-bytes; bytes, or "
                         "with a suffix K, M, G or T, powers of 1024: 512M, 2G): splits are planned so that one stays "
                         "within half of it, fewer rows than the spec's split_rows if need be")
+    p.add_argument("--max-message-bytes", type=_message_size, default=None, metavar="BYTES",
+                   help="the largest data message of the workers it starts (their --max-message-bytes; same "
+                        "suffixes, at most 1G; without it: the workers' default, 16M)")
     p.add_argument("--cache", metavar="URI", default=os.environ.get(ENV_CACHE),
                    help="the block cache (a directory or a pyarrow filesystem URI such as s3://bucket/prefix), for "
                         "this master's plan and the workers it starts (docs/cache.md; also $REMOTELOADER_CACHE); "
@@ -135,11 +139,16 @@ def _cache_env(uri: Optional[str], allowed: Optional[Sequence[str]], max_bytes: 
     return env
 
 
-def _size(value: str) -> int:
+def _size(value: str, most: Optional[int] = None) -> int:
     try:
-        return parse_size(value)
+        return parse_size(value, most)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _message_size(value: str) -> int:
+    """``--max-message-bytes``: a size of at most ``MAX_FRAME_BYTES``, the largest frame a client takes."""
+    return _size(value, MAX_FRAME_BYTES)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -221,7 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                ray_auth_token_path=args.ray_auth_token_file,
                                ray_detached_prefix=args.ray_detached_workers,
                                worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer,
-                               buffer_bytes=args.buffer_bytes,
+                               buffer_bytes=args.buffer_bytes, max_message_bytes=args.max_message_bytes,
                                worker_env={**(allowlist_env(served) if served else {}),
                                            **_cache_env(args.cache, allowed_cache, args.cache_max_bytes)},
                                auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)

@@ -40,9 +40,13 @@ def _worker_env(auth_dir: Optional[str]) -> dict[str, str]:
     return {ENV_AUTH: os.path.abspath(auth_dir)} if auth_dir else {}
 
 
-def _worker_args(buffer_bytes: Optional[int], worker_args: Sequence[str]) -> list[str]:
-    """The worker's arguments: ``--buffer-bytes`` first, so an explicit one in ``worker_args`` wins."""
-    return [*(["--buffer-bytes", str(int(buffer_bytes))] if buffer_bytes is not None else []), *worker_args]
+def _worker_args(buffer_bytes: Optional[int], worker_args: Sequence[str],
+                 max_message_bytes: Optional[int] = None) -> list[str]:
+    """The worker's arguments: ``--buffer-bytes`` and ``--max-message-bytes`` first, so an
+    explicit one in ``worker_args`` wins."""
+    return [*(["--buffer-bytes", str(int(buffer_bytes))] if buffer_bytes is not None else []),
+            *(["--max-message-bytes", str(int(max_message_bytes))] if max_message_bytes is not None else []),
+            *worker_args]
 
 
 class Launcher(Protocol):
@@ -182,9 +186,10 @@ class LocalLauncher:
     file of a worker it saw end (one killed leaves its file behind)."""
 
     def __init__(self, master_addr: str, worker_args: Sequence[str] = (), auth_dir: Optional[str] = None,
-                 worker_env: Mapping[str, str] = {}, buffer_bytes: Optional[int] = None) -> None:
+                 worker_env: Mapping[str, str] = {}, buffer_bytes: Optional[int] = None,
+                 max_message_bytes: Optional[int] = None) -> None:
         self.master_addr = master_addr
-        self.worker_args = _worker_args(buffer_bytes, worker_args)
+        self.worker_args = _worker_args(buffer_bytes, worker_args, max_message_bytes)
         self.pids: set[int] = set()
         self._failed = 0  # workers seen to fail since the last reap
         self._server: Optional[ForkServerHandle] = None
@@ -347,7 +352,8 @@ class RayLauncher:
     outlive this master, and a master started again with the same prefix (a restart, see
     ``ray_actor``) adopts those still running instead of starting a second pool.
 
-    ``buffer_bytes``: passed to each worker as ``--buffer-bytes`` (before ``worker_args``).
+    ``buffer_bytes``: passed to each worker as ``--buffer-bytes`` (before ``worker_args``), and
+    ``max_message_bytes`` as ``--max-message-bytes``.
     """
 
     REQUEST_RETRY_S = 30.0
@@ -355,7 +361,8 @@ class RayLauncher:
     def __init__(self, master_addr: str, address: str, num_cpus: float = 1.0,
                  worker_args: Sequence[str] = (), auth_token_path: Optional[str] = None,
                  auth_dir: Optional[str] = None, detached_prefix: Optional[str] = None,
-                 worker_env: Mapping[str, str] = {}, buffer_bytes: Optional[int] = None) -> None:
+                 worker_env: Mapping[str, str] = {}, buffer_bytes: Optional[int] = None,
+                 max_message_bytes: Optional[int] = None) -> None:
         already = sys.modules.get("ray")  # not imported here: the token must be set first
         self._owns_ray = already is None or not already.is_initialized()
         self._ray = ray = connect_ray(address, auth_token_path)
@@ -375,7 +382,7 @@ class RayLauncher:
         self._request_failed = False  # logged once
         self._retry_at = 0.0
         self.master_addr = master_addr
-        self.worker_args = _worker_args(buffer_bytes, worker_args)
+        self.worker_args = _worker_args(buffer_bytes, worker_args, max_message_bytes)
         self.worker_env = dict(worker_env)
         self.detached_prefix = detached_prefix
         self.actors: list[_RayWorker] = []
@@ -510,12 +517,13 @@ def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = N
                   ray_auth_token_path: Optional[str] = None, ray_detached_prefix: Optional[str] = None,
                   worker_args: Sequence[str] = (), buffer_batches: int = 16, auth_dir: Optional[str] = None,
                   insecure: bool = False, worker_env: Mapping[str, str] = {},
-                  buffer_bytes: Optional[int] = None) -> Launcher:
+                  buffer_bytes: Optional[int] = None, max_message_bytes: Optional[int] = None) -> Launcher:
     """``worker_env``: variables for every worker (the allowlist), in its environment only;
-    ``buffer_bytes``: each worker's ``--buffer-bytes`` (None: the worker's default)."""
+    ``buffer_bytes``: each worker's ``--buffer-bytes``, ``max_message_bytes`` its
+    ``--max-message-bytes`` (None: the worker's default)."""
     if kind == "local":
         return LocalLauncher(master_addr, ["--buffer-batches", str(buffer_batches), *worker_args], auth_dir=auth_dir,
-                             worker_env=worker_env, buffer_bytes=buffer_bytes)
+                             worker_env=worker_env, buffer_bytes=buffer_bytes, max_message_bytes=max_message_bytes)
     if kind == "ray":
         if not ray_address:
             raise ValueError("--launcher ray needs --ray-address (e.g. 127.0.0.1:6379, or 'auto')")
@@ -528,5 +536,6 @@ def make_launcher(kind: str, master_addr: str, *, ray_address: Optional[str] = N
         return RayLauncher(master_addr, ray_address,
                            worker_args=["--buffer-batches", str(buffer_batches), *insecure_args, *worker_args],
                            auth_token_path=ray_auth_token_path, auth_dir=auth_dir,
-                           detached_prefix=ray_detached_prefix, worker_env=worker_env, buffer_bytes=buffer_bytes)
+                           detached_prefix=ray_detached_prefix, worker_env=worker_env, buffer_bytes=buffer_bytes,
+                           max_message_bytes=max_message_bytes)
     raise ValueError(f"unknown launcher {kind!r} (local, ray)")

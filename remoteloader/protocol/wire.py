@@ -136,18 +136,30 @@ def unpack_pieces(header: Mapping, frames: Sequence[Any], keys: int) -> list[tup
     if lengths.shape[0] != keys * total or lengths.dtype != np.int32 or (total and keys and lengths.min() < 0):
         raise ProtocolError(f"sparse.lengths: {lengths.shape[0]} {lengths.dtype} for {keys} features x {total} rows "
                             "(int32, >= 0)")
-    offsets = jagged.offsets(lengths)
+    row_bounds = np.cumsum([0, *rows], dtype=np.int64)
+    value_bounds = _value_bounds(lengths, keys, row_bounds)
+    n_values = int(value_bounds[-1])
     for name, a in arrays.items():
         if name in jagged.PER_VALUE:
-            if a.shape != (offsets[-1],):
-                raise ProtocolError(f"{name}: shape {list(a.shape)}, the lengths add up to {offsets[-1]}")
+            if a.shape != (n_values,):
+                raise ProtocolError(f"{name}: shape {list(a.shape)}, the lengths add up to {n_values}")
         elif name != jagged.LENGTHS and (a.ndim == 0 or a.shape[0] != total):
             raise ProtocolError(f"{name}: shape {list(a.shape)}, the pieces hold {total} rows")
     if "labels" not in arrays or arrays["labels"].ndim != 1:
         raise ProtocolError("batch without 1-d labels")
-    row_bounds = np.cumsum([0, *rows])
-    pieces = jagged.cut(arrays, keys, row_bounds, offsets[keys * row_bounds])
+    pieces = jagged.cut(arrays, keys, row_bounds, value_bounds)
     return [(header["split_id"], header["piece"] + i, piece) for i, piece in enumerate(pieces)]
+
+
+def _value_bounds(lengths: np.ndarray, keys: int, row_bounds: np.ndarray) -> np.ndarray:
+    """int64 ``[pieces + 1]``: where each piece's values start in the run, then their end.
+    A piece's values are the sum of its ``keys * rows`` lengths (one contiguous range of
+    ``lengths``): one pass summing per piece (``reduceat``, accumulated in int64), with no
+    array of per-length offsets. ``lengths`` is checked already (``keys * total`` int32)."""
+    bounds = np.zeros(row_bounds.shape[0], np.int64)
+    if keys and lengths.shape[0]:  # every piece has a row, so each range is non-empty
+        np.cumsum(np.add.reduceat(lengths, keys * row_bounds[:-1], dtype=np.int64), out=bounds[1:])
+    return bounds
 
 
 def safe_decode(parts: Sequence[Any], source: str) -> Optional[tuple[Message, list]]:

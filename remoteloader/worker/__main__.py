@@ -24,6 +24,7 @@ from ..formats import DEFAULT_COALESCE_GAP, TableError
 from ..protocol import auth as cluster_auth
 from ..protocol.address import (AddressError, DefaultsHelpFormatter, address_type, check_ipc_directory,
                                 check_ipc_free, ipc_directory, is_ipc, validate_address)
+from ..protocol.messages import MAX_FRAME_BYTES
 from .faults import Faults
 from .lifecycle import TableRefused, WorkerFailed
 from .server import Worker
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the transformed splits this worker holds may take: the one it cuts, those whose "
                         "pieces wait for clients, one read ahead for a next epoch (bytes, or with a suffix K, M, G "
                         "or T, powers of 1024: 512M, 2G); a single split larger than this is still produced, alone")
+    p.add_argument("--max-message-bytes", type=_message_size, default="16M", metavar="BYTES",
+                   help="the largest data message: a run of consecutive pieces goes to a client as one message "
+                        "of at most this many bytes (a single larger piece goes alone); same suffixes as "
+                        "--buffer-bytes, at most 1G (docs/operations.md says why 16M)")
     p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "
                         "(0: one request per stream)")
@@ -96,11 +101,16 @@ def _ipc_bind(value: str) -> str:
     return value
 
 
-def _size(value: str) -> int:
+def _size(value: str, most: Optional[int] = None) -> int:
     try:
-        return parse_size(value)
+        return parse_size(value, most)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _message_size(value: str) -> int:
+    """``--max-message-bytes``: a size of at most ``MAX_FRAME_BYTES``, the largest frame a client takes."""
+    return _size(value, MAX_FRAME_BYTES)
 
 
 def _allowed_tables(from_args: Optional[list[str]]) -> Optional[tuple[str, ...]]:
@@ -145,7 +155,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         drain_timeout_s=args.drain_timeout, coalesce_gap=args.coalesce_gap,
                         faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
                         client_timeout_s=args.client_timeout, buffer_bytes=args.buffer_bytes,
-                        allowed_tables=allowed, bind=args.bind, cache=cache)
+                        allowed_tables=allowed, bind=args.bind, cache=cache,
+                        max_message_bytes=args.max_message_bytes)
     except (zmq.ZMQError, OSError) as e:
         flag = f"--bind {args.bind}" if args.bind else f"--bind-host {args.bind_host}"
         print(f"remoteloader-worker: {flag}: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from typing import Optional
 
 import zmq
 
+from ..core.sizing import DEFAULT_MAX_MESSAGE_BYTES
 from ..protocol import messages as M
 from ..protocol import wire
 from ..protocol.capability import SessionTokens
@@ -65,8 +66,12 @@ class WorkerSeals:
 class Pusher:
     def __init__(self, data: zmq.Socket, ctx: zmq.Context, buffer: PieceBuffer, credit: CreditBook,
                  lifecycle: Lifecycle, tokens: SessionTokens, seals: Optional[WorkerSeals] = None,
-                 current: Optional[CurrentSession] = None, faults: Optional[Faults] = None) -> None:
+                 current: Optional[CurrentSession] = None, faults: Optional[Faults] = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        """``max_message_bytes``: the most bytes of pieces one data message carries (a single
+        piece larger than that still goes, alone); never above ``wire.MAX_FRAME_BYTES``."""
         self.data = data
+        self.max_message_bytes = min(max(1, int(max_message_bytes)), wire.MAX_FRAME_BYTES)
         self.tokens = tokens
         self.seals = seals  # None: no cluster keys, nothing sealed
         self.current = current
@@ -129,7 +134,10 @@ class Pusher:
         """Push pieces to clients holding credit for their run: as many as the credit
         allows and the buffer holds, a run of consecutive pieces of one split to a message.
         A message is one range of the split's arrays, so it goes as one frame per tensor,
-        however many pieces it holds (``wire.MAX_PIECES`` bounds them)."""
+        however many pieces it holds (``wire.MAX_PIECES`` bounds them, and
+        ``max_message_bytes`` their bytes: a client receives each message into memory of
+        that size, which it can reuse, where a message of a whole split would land in pages
+        mapped afresh every time)."""
         hungry: set[RunId] = set()
         for run, creditors in self.credit.runs():
             if self.buffer.stale(run):
@@ -150,8 +158,9 @@ class Pusher:
                 piece = self.buffer.pop(run)
                 if piece is None:
                     break
-                # A message is one frame per tensor: it must stay under the client's frame limit.
-                if pieces and (not piece.follows(pieces[-1]) or nbytes + piece.nbytes > wire.MAX_FRAME_BYTES):
+                # A message is one frame per tensor: it stays under the client's frame limit, and
+                # within max_message_bytes (a piece larger than that goes alone).
+                if pieces and (not piece.follows(pieces[-1]) or nbytes + piece.nbytes > self.max_message_bytes):
                     self.buffer.put_back(run, [piece])
                     break
                 pieces.append(piece)

@@ -25,7 +25,7 @@ import zmq
 from ..core.allowlist import TableAllowlist
 from ..core.cache.store import BlockStore
 from ..core.cache.writer import BlockWriter
-from ..core.sizing import DEFAULT_BUFFER_BYTES
+from ..core.sizing import DEFAULT_BUFFER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import messages as M
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
@@ -51,10 +51,11 @@ class Worker:
                  coalesce_gap: int = DEFAULT_COALESCE_GAP, auth: Optional[Credentials] = None,
                  client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, bind: Optional[str] = None,
-                 cache: Optional[BlockStore] = None) -> None:
+                 cache: Optional[BlockStore] = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         """``bind``: the data endpoint (an ``ipc://`` path in the cluster's private directory);
         without it, an any-port tcp endpoint on ``bind_host``. ``cache``: the block cache
-        (``--cache``), which splits use as the master's cache plan says."""
+        (``--cache``), which splits use as the master's cache plan says. ``max_message_bytes``:
+        the largest data message (``--max-message-bytes``; a larger piece goes alone)."""
         self.master = master
         # Cluster keys: the master calls are CURVE clients; the data socket is a plain socket
         # whose messages are sealed (protocol/seal.py) with keys of this process's key pair.
@@ -94,7 +95,7 @@ class Worker:
         # Which client connections proved (by the master's signature) the session they credit.
         tokens = SessionTokens()
         self.pusher = Pusher(self.data, self.ctx, self.buffer, CreditBook(client_timeout_s), self.lifecycle, tokens,
-                             self.seals, self.current, self.faults)
+                             self.seals, self.current, self.faults, max_message_bytes=max_message_bytes)
         self.cache = None if cache is None else (cache, BlockWriter(cache))
         registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex,
                               cache=self.cache)
