@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import psutil
 
@@ -72,11 +72,13 @@ def curve_data_env(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tcp_master(table: Path, keys: Optional[str], workers: int, timeout: float = 60.0) -> Iterator[str]:
-    """A master with ``workers`` local workers on loopback TCP; its address.
-    On exit the master and every process under it are stopped, by pid."""
-    extra = ["--auth", keys] if keys else []
-    master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
+def tcp_master(table: Path, keys: Optional[str], workers: int, timeout: float = 60.0,
+               args: Sequence[str] = (), bind: str = "tcp://127.0.0.1:0") -> Iterator[str]:
+    """A master with ``workers`` local workers on loopback TCP (or at ``bind``, e.g. an
+    ``ipc://`` path in a private directory); its address. ``args``: more master options
+    (``--cache DIR``...). On exit the master and every process under it are stopped, by pid."""
+    extra = [*(["--auth", keys] if keys else []), *args]
+    master = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", bind,
                                "--allow-table", str(table), "--workers", str(workers), "--die-with-parent", *extra],
                               stdout=subprocess.PIPE, text=True)
     under: list[int] = []

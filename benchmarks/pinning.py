@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from remoteloader.client import staging
-from remoteloader.client.batch import Batch
+from remoteloader.client.batch import Batch, batch_tensors
 
 
 def received_batches(n: int, rows: int, dense: int, sparse: int, ids: int, seed: int = 0) -> list[Batch]:
@@ -51,8 +51,18 @@ def received_batches(n: int, rows: int, dense: int, sparse: int, ids: int, seed:
     return out
 
 
+def mock_pinning() -> None:
+    """Pinning without an accelerator, as ``tests/test_pinning.py`` fakes it, for a whole
+    ``RemoteDataLoader(pin_memory=True)``: the staging thread's pinned slabs are ordinary CPU
+    memory (``staging.alloc_pinned`` replaced) and the loader is told an accelerator is there
+    (``torch.cuda.is_available`` patched). What it measures is the staging copy and its thread,
+    not page-locking (cudaHostAlloc) nor transfers. Call only where CUDA is absent."""
+    staging.alloc_pinned = lambda n: torch.empty(n, dtype=torch.uint8)  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+
+
 def nbytes(b: Batch) -> int:
-    return sum(t.numel() * t.element_size() for t in staging._tensors_of(b))
+    return sum(t.numel() * t.element_size() for t in batch_tensors(b))
 
 
 def run_baseline(sources: list[Batch], batches: int, step_s: float) -> float:
@@ -67,27 +77,34 @@ def run_baseline(sources: list[Batch], batches: int, step_s: float) -> float:
 
 
 def run_copy_floor(sources: list[Batch], batches: int, step_s: float) -> float:
-    buffers = [[torch.empty_like(t) for t in staging._tensors_of(b)] for b in sources]
+    buffers = [[torch.empty_like(t) for t in batch_tensors(b)] for b in sources]
     spent = 0.0
     for i in range(batches):
         start = time.perf_counter()
-        for dst, src in zip(buffers[i % len(sources)], staging._tensors_of(sources[i % len(sources)])):
+        for dst, src in zip(buffers[i % len(sources)], batch_tensors(sources[i % len(sources)])):
             dst.copy_(src)
         spent += time.perf_counter() - start
         time.sleep(step_s)
     return spent / batches
 
 
+class _Whole:
+    """A batch as the assembler hands one to the stager: one received piece, all of it."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.pieces, self.ticket = [(batch, 0, len(batch))], None
+
+
 def run_staging(sources: list[Batch], batches: int, step_s: float, ahead: int, pool: staging.SlabPool,
                 stats: staging.StagingStats) -> float:
     stager = staging.Stager(pool, stats=stats)
     try:
-        queued = collections.deque(stager.wrap(sources[i % len(sources)]) for i in range(ahead))
+        queued = collections.deque(stager.submit(_Whole(sources[i % len(sources)])) for i in range(ahead))
         spent = 0.0
         for i in range(batches):
             start = time.perf_counter()
             pinned = stager.take(queued.popleft())
-            queued.append(stager.wrap(sources[(i + ahead) % len(sources)]))  # the next piece arrives
+            queued.append(stager.submit(_Whole(sources[(i + ahead) % len(sources)])))  # the next piece arrives
             spent += time.perf_counter() - start
             time.sleep(step_s)
             del pinned

@@ -332,6 +332,8 @@ def concat_rows(pieces: Sequence[tuple[Batch, int, int]], alloc: Optional[Alloc]
     compiled copy per tensor, the rest one slice per batch. Single-threaded numpy copies: a
     torch copy would start an intra-op thread team beside the training thread's."""
     first = pieces[0][0]
+    if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == len(first):
+        return _copy_of(first, alloc)  # a whole batch: its tensors as they are, no key ranges to find
     kjt = first.sparse_features
     parts = [(b.sparse_features._jagged(), start, stop) for b, start, stop in pieces]
     plan = jagged.plan_concat(parts)
@@ -375,6 +377,24 @@ def concat_rows(pieces: Sequence[tuple[Batch, int, int]], alloc: Optional[Alloc]
             at += stop - start
     merged = KeyedJaggedTensor(kjt.keys(), values, lengths, weights, stride=rows, scored=kjt._scored)
     return Batch(dense, merged, labels, passthrough, row_weights, padding)
+
+
+def _copy_of(batch: Batch, alloc: Optional[Alloc]) -> Batch:
+    """``batch`` copied into the tensors ``alloc`` gives, one copy per tensor."""
+    sources = batch_tensors(batch)
+    shapes = [(tuple(t.shape), t.dtype) for t in sources]
+    out = alloc(shapes) if alloc is not None else [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+    for dst, src in zip(out, sources):
+        copy_tensor(dst, src)
+    it = iter(out)
+    dense, labels, values, lengths = next(it), next(it), next(it), next(it)
+    kjt = batch.sparse_features
+    weights = next(it) if kjt._weights is not None else None
+    passthrough = {name: next(it) for name in batch.passthrough}
+    row_weights = next(it) if batch.weights is not None else None
+    padding = next(it) if batch.padding is not None else None
+    sparse = KeyedJaggedTensor(kjt.keys(), values, lengths, weights, stride=kjt._stride, scored=kjt._scored)
+    return Batch(dense, sparse, labels, passthrough, row_weights, padding)
 
 
 def _rows_into(dst: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
