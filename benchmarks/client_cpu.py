@@ -27,6 +27,7 @@ for ``benchmarks.trainer_cost`` and ``benchmarks.ingest``.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import resource
@@ -47,6 +48,20 @@ ZMQ = "libzmq threads (ZMQbg/*)"
 STAGING = "staging thread (remoteloader-pin)"
 CONTROL = "client control threads (remoteloader-control-N)"
 ENDED = "ended between samples"
+
+
+def job_arguments(doc: Optional[str], rounds: int) -> argparse.ArgumentParser:
+    """The options of a benchmark of this job: table, epochs, rounds, workers, the spec's shape."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--epochs", type=int, default=3, help="measured epochs per cluster (after the warm-up)")
+    p.add_argument("--warm-epochs", type=int, default=1, help="epochs per cluster before measuring")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--dense", type=int, default=13)
+    p.add_argument("--sparse", type=int, default=26)
+    p.add_argument("--batch-size", type=int, default=4096)
+    return p
 
 
 def dlrm_spec(table: Path, dense: int = 13, sparse: int = 26, batch_size: int = 4096, epochs: int = 3,

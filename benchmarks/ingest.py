@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.auth_cost import descendants, reap, tcp_master
-from benchmarks.client_cpu import COLUMNS, SHORT, dlrm_spec, dlrm_table, memcpy_baseline
+from benchmarks.client_cpu import COLUMNS, SHORT, dlrm_spec, dlrm_table, job_arguments, memcpy_baseline
 from benchmarks.pinning import mock_pinning
 from benchmarks.trainer_cost import measure
 from remoteloader import RemoteDataLoader
@@ -62,15 +62,7 @@ def run_variant(cap: str, pin: bool, table: Path, cache: Path, args: argparse.Na
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--epochs", type=int, default=3, help="measured epochs per cluster (after the warm-up)")
-    p.add_argument("--warm-epochs", type=int, default=1, help="epochs per cluster before measuring")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--dense", type=int, default=13)
-    p.add_argument("--sparse", type=int, default=26)
-    p.add_argument("--batch-size", type=int, default=4096)
+    p = job_arguments(__doc__, rounds=2)
     p.add_argument("--caps", nargs="+", default=["default"], metavar="BYTES",
                    help="workers' --max-message-bytes to compare (default: none given)")
     p.add_argument("--pin", choices=("both", "off", "on"), default="both", help="pin_memory variants")

@@ -59,6 +59,7 @@ import torch
 
 from benchmarks.auth_cost import curve_data_env, descendants, reap, tcp_master
 from benchmarks.client_cpu import (COLUMNS, SHORT, ThreadCpu, batch_nbytes, collapse, dlrm_spec, dlrm_table,
+                                   job_arguments,
                                    memcpy_baseline)
 from benchmarks.pinning import mock_pinning
 from remoteloader import RemoteDataLoader
@@ -111,15 +112,7 @@ def run_mode(mode: str, table: Path, keys: str, caches: dict[str, Path], args: a
 
 
 def parser(doc: Optional[str] = __doc__) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--epochs", type=int, default=3, help="measured epochs per cluster (after the warm-up)")
-    p.add_argument("--warm-epochs", type=int, default=1, help="epochs per cluster before measuring")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--dense", type=int, default=13)
-    p.add_argument("--sparse", type=int, default=26)
-    p.add_argument("--batch-size", type=int, default=4096)
+    p = job_arguments(doc, rounds=3)
     p.add_argument("--no-cache", action="store_true", help="workers transform every epoch (no block cache)")
     p.add_argument("--max-message-bytes", metavar="BYTES",
                    help="the masters' --max-message-bytes (their workers' largest data message)")

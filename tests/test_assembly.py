@@ -32,7 +32,8 @@ def pieces_for(split_rows, batch_size):
     return out
 
 
-def run(assembler, arrivals):
+def run(assembler, arrivals, stop_after=None):
+    """The batches the assembler yields from ``arrivals`` (the first ``stop_after`` of them, if given)."""
     out = []
     for sid, p, b in arrivals:
         if assembler.wants(sid, p):
@@ -40,6 +41,8 @@ def run(assembler, arrivals):
         while (r := assembler.next_ready()) is not None:
             assembler.consume(r)
             out.append(r.batch)
+            if len(out) == stop_after:
+                return out
     while (r := assembler.next_ready()) is not None:
         assembler.consume(r)
         out.append(r.batch)

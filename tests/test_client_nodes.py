@@ -24,7 +24,7 @@ from remoteloader.client.position import Position
 from remoteloader.client.stream import EpochStream, StreamConfig
 from remoteloader.spec import load_spec
 from tests.conftest import ROWS, spec_dict
-from tests.test_assembly import pieces_for
+from tests.test_assembly import pieces_for, run
 from tests.test_pinning import FakePinning, assert_equal
 
 SPLITS = [13, 4, 9, 16, 7, 1, 11]  # rows per split; batches of 4: whole pieces and tails of every length
@@ -32,20 +32,8 @@ BATCH = 4
 
 
 def drain(assembler: EpochAssembler, arrivals: list, stop_after: int | None = None) -> list[list[int]]:
-    """Feed ``arrivals`` (skipping what the assembler does not want) and take batches; row ids of each."""
-    out = []
-    for sid, p, b in arrivals:
-        if assembler.wants(sid, p):
-            assembler.add(sid, p, b)
-        while (r := assembler.next_ready()) is not None:
-            assembler.consume(r)
-            out.append(r.batch.passthrough["row_id"].tolist())
-            if stop_after is not None and len(out) == stop_after:
-                return out
-    while (r := assembler.next_ready()) is not None:
-        assembler.consume(r)
-        out.append(r.batch.passthrough["row_id"].tolist())
-    return out
+    """Row ids of each batch the assembler yields from ``arrivals`` (``test_assembly.run``)."""
+    return [b.passthrough["row_id"].tolist() for b in run(assembler, arrivals, stop_after)]
 
 
 def shuffled(pieces: list, seed: int) -> list:
