@@ -1,6 +1,6 @@
 """One epoch run of a rank: pieces from the partition's workers, credit, exact batches.
 
-The training thread runs ``EpochStream.readies()``: it grants workers credit
+The training thread iterates an ``EpochStream`` (a node): it grants workers credit
 (``fetch.py``), assembles their pieces into batches of exactly ``batch_size`` rows
 (``assembly.py``), and leaves acks and heartbeats to the control thread
 (``control.py``), so a slow or restarting master never holds up batches that workers
