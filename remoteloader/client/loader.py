@@ -226,7 +226,7 @@ class RemoteDataLoader:
         the job's position (the same on every rank: a collective that every rank calls, as
         DCP does; DCP saves it once and a job of any world size loads it), else this rank's
         part keyed ``rank_<r>``. Batches prefetched but not yet yielded are not in it."""
-        return resume.state_of(self.position.part(self._hello().plan))
+        return resume.state_of(self.position.part(self._hello().plan), self.spec.fingerprint())
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped

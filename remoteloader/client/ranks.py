@@ -25,6 +25,8 @@ from .embedded import ENV_MASTER
 log = logging.getLogger(__name__)
 STORE_KEY = "remoteloader/master/{fingerprint}"
 CLOSED_KEY = "remoteloader/closed/{token}"  # one per embedded master: ports are reused, tokens not
+PART_KEY = "remoteloader/state/{fingerprint}/{seq}/{rank}"  # one rank's part at one state_dict() call
+GATHER_TIMEOUT_S = 120.0  # every rank's state_dict() call within this of the first one's
 CLOSE_WAIT_S = 60.0  # the owner's bound on waiting for the other ranks' goodbyes
 CLOSE_POLL_S = 0.05
 WAIT_LOG_S = 10.0
@@ -80,6 +82,36 @@ class RankStore:
                 f"tcp://0.0.0.0:PORT --auth DIR --workers N' and set {ENV_MASTER}=tcp://<that host>:PORT and "
                 f"{ENV_AUTH}=DIR (or pass master=..., auth=...) on every rank")
         return Published(published["addr"], published.get("auth"), published.get("token"))
+
+    def gather_parts(self, fingerprint: str, seq: int, rank: int, world_size: int, part: dict,
+                     timeout: Optional[float] = None) -> dict[int, dict]:
+        """Every rank's part of ``state_dict()`` call number ``seq`` of this process's loaders
+        of spec ``fingerprint``, as JSON through the store (never pickle: the store is not
+        authenticated). Every rank must call it, as for a collective, but it waits at most
+        ``timeout``: a rank that calls alone (``if rank == 0: torch.save(loader.state_dict())``)
+        gets an error naming the trap instead of a hang, and its part is withdrawn, so no
+        later call reads it."""
+        timeout = GATHER_TIMEOUT_S if timeout is None else timeout
+        keys = [PART_KEY.format(fingerprint=fingerprint, seq=seq, rank=r) for r in range(world_size)]
+        self.store.set(keys[rank], json.dumps(part))
+        started = last_log = time.monotonic()
+        while True:
+            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            now = time.monotonic()
+            if not missing:
+                return {r: json.loads(self.store.get(key).decode()) for r, key in enumerate(keys)}
+            if now - started >= timeout:
+                self.store.delete_key(keys[rank])
+                raise RuntimeError(
+                    f"rank {rank}: state_dict() of a RemoteDataLoader under torch.distributed is a collective (it "
+                    f"returns the job's position, the same on every rank): ranks {missing} did not call it within "
+                    f"{timeout:.0f} s. Call it on every rank (dcp.save does), e.g. `state = loader.state_dict()` "
+                    f"on all ranks and then `if rank == 0: torch.save(state, ...)`")
+            if now - last_log >= WAIT_LOG_S:
+                last_log = now
+                log.warning("rank %d: state_dict() waits for ranks %s to call it too (a collective under "
+                            "torch.distributed; an error after %.0f s)", rank, missing, timeout)
+            time.sleep(CLOSE_POLL_S)
 
     def count_closed(self, token: str) -> None:
         """This rank's loader of the embedded master ``token`` has said goodbye."""

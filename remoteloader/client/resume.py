@@ -24,6 +24,7 @@ resume on an incompatible spec is refused naming the key; ``batch_size`` may cha
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -65,24 +66,36 @@ def part(spec: DatasetSpec, plan: str, rank: int, world_size: int, epoch: int, d
             "batches_yielded": batches_yielded}
 
 
-def state_of(mine: dict) -> dict:
+def state_of(mine: dict, fingerprint: str) -> dict:
     """What ``state_dict()`` returns: the job's position under ``torch.distributed``
     (a collective: every rank must call it, as DCP does), else this rank's part."""
-    parts = _gather(mine)
+    parts = _gather(mine, fingerprint)
     return job_position(parts) if parts is not None else {f"rank_{mine['rank']}": mine}
 
 
-def _gather(mine: dict) -> Optional[dict[int, dict]]:
+# Gathers so far in this process, per spec fingerprint: every rank of a job makes the same
+# calls in the same order (as it orders its collectives), so the count names one call job-wide.
+_gathers: collections.Counter = collections.Counter()
+
+
+def _gather(mine: dict, fingerprint: str) -> Optional[dict[int, dict]]:
     """Every rank's part, when this loader's ranks are the default process group."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    from .ranks import RankStore, default_store
+
+    store = default_store()
+    if store is None:
         return None
     if (dist.get_rank(), dist.get_world_size()) != (mine["rank"], mine["world_size"]):
         return None  # the loader was given another rank layout than the group's: nothing to gather over
-    parts: list = [None] * mine["world_size"]
-    dist.all_gather_object(parts, mine)
-    return dict(enumerate(parts))
+    seq = _gathers[fingerprint]
+    _gathers[fingerprint] += 1
+    try:
+        return RankStore(store).gather_parts(fingerprint, seq, mine["rank"], mine["world_size"], mine)
+    except RuntimeError:
+        _gathers[fingerprint] -= 1  # not a call job-wide: the ranks' next call must still match
+        raise
 
 
 def job_position(parts: Mapping[int, Mapping]) -> dict:
