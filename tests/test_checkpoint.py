@@ -158,6 +158,56 @@ def test_elastic_resume_from_two_ranks(tables, inprocess, new_world):
             x.close()
 
 
+@pytest.mark.parametrize("new_world", [3, 1])
+def test_len_after_an_elastic_resume_is_the_batches_still_to_come(tables, inprocess, new_world):
+    spec = spec_dict(tables["orc"], **UNEVEN)
+    old = inprocess(2)
+    ranks = loaders(spec, old.addr, 2)
+    try:
+        lockstep(ranks, steps=1)
+        states = {}
+        for x in ranks:
+            states.update(save_load(x.state_dict()))
+    finally:
+        for x in ranks:
+            x.close()
+    new = inprocess(2)
+    ranks = loaders(spec, new.addr, new_world)
+    try:
+        for x in ranks:
+            x.load_state_dict(states)
+        promised = [len(x) for x in ranks]
+        after = lockstep(ranks)
+        assert promised == [len(bs) for bs in after]  # was the whole epoch's count
+        whole = [len(x) for x in ranks]  # the next epoch is whole again
+        assert whole == [len(bs) for bs in lockstep(ranks)]
+    finally:
+        for x in ranks:
+            x.close()
+
+
+def test_len_after_a_rank_resumes_its_own_part_is_the_batches_still_to_come(tables, inprocess):
+    cluster = inprocess(1)
+    spec = spec_dict(tables["orc"])  # 900-row splits in batches of 256: the position falls inside tails
+    first = cluster.loader(spec)
+    it = iter(first)
+    taken = [next(it) for _ in range(7)]
+    state = save_load(first.state_dict())
+    whole = len(first)
+    it.close()
+    first.close()
+    again = cluster.loader(spec)
+    again.load_state_dict(state)
+    promised = len(again)
+    rest = []
+    for b in again:
+        assert len(again) == promised  # the same while the resumed epoch is under way
+        rest.append(b)
+    assert promised == len(rest) < whole and len(taken) + len(rest) >= whole
+    assert sorted(real_rows(taken + rest)) == list(range(ROWS))
+    assert len(again) == whole
+
+
 def test_set_epoch_chooses_the_next_epoch(tables, inprocess):
     master = inprocess(2)
     spec = spec_dict(tables["orc"], batch_size=500, shuffle=True)   # 900-row splits: one full piece each

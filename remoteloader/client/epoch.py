@@ -50,6 +50,7 @@ class EpochRun:
 
     plan: EpochPlan
     assembler: "EpochAssembler"
+    rows: int = 0  # the rows this run yields (its splits' rows less those consumed before it started)
     yielded: int = 0
 
     @property

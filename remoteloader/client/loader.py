@@ -172,9 +172,10 @@ class RemoteDataLoader:
             warnings.warn(f"remoteloader: {message}", RuntimeWarning, stacklevel=3)
 
     def __len__(self) -> int:
-        """Batches of this rank in a whole epoch; equal on every rank with ``even_batches``.
-        (A resumed epoch yields only its remaining batches.)"""
-        rows = self._hello().rank_rows
+        """Batches this rank's iteration of the epoch yields (the one under way, else the next):
+        a whole epoch's, equal on every rank with ``even_batches``, or after ``load_state_dict``
+        the batches still to come of the resumed epoch (see ``Position.rows_ahead``)."""
+        rows = self.position.rows_ahead(self._hello())
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
     @property
@@ -206,7 +207,7 @@ class RemoteDataLoader:
         assembler = EpochAssembler([(sid, s.rows) for sid, s in plan.splits.items()], self.batch_size, self.drop_last,
                                    consumed=consumed, cycle=self.spec.cycle, padding=plan.padding_ids)
         assembler.dirty.update(consumed)  # told to the master at the first beat
-        run = EpochRun(plan, assembler)
+        run = EpochRun(plan, assembler, rows=assembler.expected_rows - assembler.received_rows)
         # The stream never pins: with pin_memory (or device) the stager after it does (staging.py).
         config = StreamConfig(self.rank, self.master, self.timeout, self._auth)
         stream = EpochStream(self._ctx, self.session, run, config, self.credit, self.stats, self.warnings)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from ..core.plan import rank_shares
+from ..protocol.messages import JobInfo
 from ..spec import DatasetSpec
 from . import resume
 from .epoch import EpochPlan, EpochRun
@@ -73,6 +75,27 @@ class Position:
         if self.pending is not None and self.pending.epoch == self.next_epoch:
             return self.pending.part  # loaded, not started: saved again as loaded
         return resume.part(self.spec, plan, self.rank, self.world_size, self.next_epoch, [], [], 0)
+
+    def rows_ahead(self, job: JobInfo) -> int:
+        """The rows this rank's iteration of the epoch under way (else the next) yields: a
+        whole epoch's, or a resumed epoch's rest, as the master plans it (``core.plan``: the
+        rows not ``done`` shared out over the ranks). A deterministic resume in place
+        continues the job's own plan, whose rows this rank consumed the position does not
+        name: it counts the job's consumed rows as spread evenly over the ranks, as a DDP job
+        saved at one step (by ``dcp.save``) has them."""
+        if self.run is not None:
+            return self.run.rows
+        pending = self.pending
+        if pending is None or pending.epoch != self.next_epoch:
+            return job.rank_rows
+        spec = self.spec
+        done = sum(hi - lo for _, lo, hi in pending.done)
+        if pending.in_place:
+            return max(0, job.rank_rows - done // self.world_size)
+        shares = rank_shares(job.total_rows - done, self.world_size, spec.batch_size, spec.drop_last,
+                             spec.even_batches)
+        consumed = sum(c[5] for c in pending.part.get("consumed", ()))  # a rank's own part: its rows consumed
+        return shares.rows[self.rank] + shares.padding[self.rank] - consumed
 
     def load(self, state: Any, job_plan: Callable[[], Optional[str]]) -> None:
         """Continue from ``state``: the job's position, this rank's part (same world size and
