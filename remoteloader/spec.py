@@ -171,6 +171,27 @@ class DatasetSpec:
         return spec
 
 
+def spec_differences(mine: Any, theirs: Any, limit: int = 4, _path: str = "", _depth: int = 0) -> list[str]:
+    """Where two specs' ``to_dict()`` forms differ, as ``key: A here, B there`` lines (dotted
+    keys, values as JSON cut to 40 characters), at most ``limit``; a list differs as a whole."""
+    if isinstance(mine, Mapping) and isinstance(theirs, Mapping) and _depth < 6:
+        out: list[str] = []
+        for key in sorted(set(mine) | set(theirs), key=str):
+            if len(out) >= limit:
+                break
+            out += spec_differences(mine.get(key), theirs.get(key), limit - len(out),
+                                    f"{_path}.{key}" if _path else str(key), _depth + 1)
+        return out
+    if mine == theirs:
+        return []
+
+    def shown(value: Any) -> str:
+        text = json.dumps(value, sort_keys=True, default=str)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    return [f"{_path or '(the spec)'}: {shown(mine)} here, {shown(theirs)} there"]
+
+
 # -- parsing ---------------------------------------------------------------------------
 _TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling", "on_error",
              "autoscale", "cache", "order"}

@@ -212,6 +212,16 @@ def test_spec_mismatch_is_refused(tables, inprocess):
     other.close()
 
 
+def test_a_refused_spec_names_the_keys_that_differ_and_their_values(tables, inprocess):
+    master = inprocess(1)
+    with RemoteDataLoader(spec_dict(tables["orc"]), master=master.addr, timeout=60) as loader:
+        assert len(loader) > 0
+        other = RemoteDataLoader(spec_dict(tables["orc"], batch_size=100, seed=3), master=master.addr, timeout=60)
+        with pytest.raises(RuntimeError, match=r"in batch_size: 100 here, 256 there; seed: 3 here, 0 there"):
+            len(other)
+        other.close()
+
+
 def test_unreachable_master_is_a_clear_error(tables):
     loader = RemoteDataLoader(spec_dict(tables["orc"]), master="tcp://127.0.0.1:9", connect_timeout=0.3)
     with pytest.raises(MasterUnavailable, match="did not answer"):

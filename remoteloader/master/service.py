@@ -27,7 +27,7 @@ from ..protocol.address import AddressError, validate_address
 from ..protocol.capability import MasterKeys
 from ..protocol import messages as M
 from ..protocol.messages import MASTER_REQUESTS, ErrorCode
-from ..spec import DatasetSpec, SpecError
+from ..spec import DatasetSpec, SpecError, spec_differences
 from . import updates as U
 from ..core.allowlist import TableAllowlist
 from .cache_plan import CachePlanner
@@ -462,10 +462,11 @@ class MasterService:
             self._bind_first_spec(m.spec)
         job = self.state.job
         if m.fingerprint != job.fingerprint:
+            differs = "; ".join(spec_differences(m.spec, job.spec.to_dict())) or "a key"
             raise RequestError(
-                f"spec fingerprint {m.fingerprint[:80]} differs from the running job's {job.fingerprint}: "
-                "this master serves another dataset spec (start another master, or use the same spec)",
-                code=ErrorCode.SPEC_MISMATCH)
+                f"spec fingerprint {m.fingerprint[:80]} differs from the running job's {job.fingerprint} in "
+                f"{differs} (here: this loader, there: the running job): this master serves another dataset "
+                "spec (start another master, or use the same spec)", code=ErrorCode.SPEC_MISMATCH)
         if m.world_size > self.config.max_world_size:
             raise RequestError(f"world size {m.world_size} is above the master's maximum "
                                f"{self.config.max_world_size}", code=ErrorCode.BAD_RANK)
