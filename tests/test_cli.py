@@ -217,3 +217,14 @@ def test_max_message_bytes_takes_sizes_up_to_the_frame_limit(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([*argv, "--max-message-bytes", "2G"])
         assert "above 1.0 GiB" in capsys.readouterr().err
+
+
+def test_status_counts_what_a_worker_holds_against_its_byte_budget_not_pieces_against_a_capacity():
+    from remoteloader.tools.cli import worker_line
+
+    w = {"id": "w-1", "addr": "ipc:///x", "pid": 7, "buffered": 50, "capacity": 16, "assigned": 2,
+         "held_bytes": 12 << 20, "budget_bytes": 256 << 20, "ahead_bytes": 4 << 20}
+    line = worker_line(w)
+    assert "held 12.0/256.0 MiB (ahead 4.0) in 50 pieces" in line and "50/16" not in line
+    older = {k: v for k, v in w.items() if not k.endswith("_bytes")}
+    assert "buffered 50/16 pieces" in worker_line(older)

@@ -130,11 +130,7 @@ def _status(args: argparse.Namespace) -> int:
     pending = status.get("pending_workers", 0)
     print(f"workers: {len(status['workers'])}" + (f" (+{pending} pending: launched, not started yet)" if pending else ""))
     for w in status["workers"]:
-        held = (f"  held {_mib(w['held_bytes'])}/{_mib(w.get('budget_bytes'))} MiB (ahead {_mib(w.get('ahead_bytes'))})"
-                if w.get("held_bytes") is not None else "")
-        print(f"  {w['id']}  {w['addr']}  pid {w['pid']}{'  DRAINING' if w.get('draining') else ''}  "
-              f"buffered {w['buffered']}/{w.get('capacity', '?')}{held}  assigned {w['assigned']}  "
-              f"{w.get('rows_per_s', 0):,.0f} rows/s  busy {w.get('busy', 0):.0%}  cpu {w.get('cpu', 0):.0%}")
+        print(worker_line(w))
     for c in status["clients"]:
         print(f"client {c['id']} rank {c['rank']}: stall {c.get('stall', 0):.1%}  "
               f"{c.get('batches_per_s', 0):.1f} batches/s  queued {c.get('queued', 0)}")
@@ -153,6 +149,20 @@ def _status(args: argparse.Namespace) -> int:
     for e in status["errors"]:
         print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
     return 0
+
+
+def worker_line(w: dict) -> str:
+    """One worker in ``status``: what it holds against the byte budget it enforces (its
+    ``--buffer-bytes``), and its pieces as a count (read-ahead pieces may pass the buffer's
+    nominal capacity in pieces: that is no limit, the bytes are)."""
+    if w.get("held_bytes") is not None:
+        held = (f"held {_mib(w['held_bytes'])}/{_mib(w.get('budget_bytes'))} MiB (ahead {_mib(w.get('ahead_bytes'))}) "
+                f"in {w['buffered']} pieces")
+    else:  # a worker that reports no bytes (an older one)
+        held = f"buffered {w['buffered']}/{w.get('capacity', '?')} pieces"
+    return (f"  {w['id']}  {w['addr']}  pid {w['pid']}{'  DRAINING' if w.get('draining') else ''}  {held}  "
+            f"assigned {w['assigned']}  {w.get('rows_per_s', 0):,.0f} rows/s  busy {w.get('busy', 0):.0%}  "
+            f"cpu {w.get('cpu', 0):.0%}")
 
 
 def _mib(nbytes: Optional[float]) -> str:
