@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from ..protocol import messages as M
-from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from ..protocol.rpc import HandshakeRefused, MasterUnavailable, RemoteError, RpcClient
 from ..protocol.seal import TO_CLIENT, TO_WORKER, KeyPair, PeerBook
 from ..spec import DatasetSpec, SpecError
 
@@ -93,6 +93,8 @@ class ClientSession:
                             fingerprint=self.spec.fingerprint(), key=seals.pair.public_hex),
                     time.monotonic() + self.connect_timeout, stop=self.stop, timeout_s=CALL_TIMEOUT_S)
                 break
+            except HandshakeRefused:
+                raise  # it says why: the keys
             except MasterUnavailable as e:
                 raise MasterUnavailable(f"{e}: is a remoteloader-master running there?") from None
             except RemoteError as e:

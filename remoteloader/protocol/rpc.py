@@ -18,6 +18,7 @@ from . import wire
 from .messages import Error, Message, tag
 from .auth import Credentials, secure_client
 from .address import validate_address
+from .handshake import HandshakeMonitor
 
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class MasterUnavailable(ConnectionError):
     """The master did not answer within the deadline."""
 
 
+class HandshakeRefused(MasterUnavailable):
+    """The master refused our handshake (keys differ, or one side has none): said within a
+    call's first poll, not after its deadline, and not retried by ``call_with_retry``."""
+
+
 class RemoteError(RuntimeError):
     """The master answered with an error message; ``code`` says which kind (see protocol.md)."""
 
@@ -63,6 +69,7 @@ class RpcClient:
         self.ctx, self.addr, self.timeout_s = ctx, addr, timeout_s
         self.auth = auth  # CURVE client keys (protocol/auth.py); None: a plain socket
         self._sock: Optional[zmq.Socket] = None
+        self._handshake: Optional[HandshakeMonitor] = None
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -71,6 +78,7 @@ class RpcClient:
             self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES + 1024)
             if self.auth is not None:
                 secure_client(self._sock, self.auth)
+            self._handshake = HandshakeMonitor(self._sock, self.auth, f"the master at {self.addr}")
             self._sock.connect(self.addr)
         return self._sock
 
@@ -87,6 +95,10 @@ class RpcClient:
         sock.send_multipart(wire.encode(request))
         deadline = time.monotonic() + timeout
         while not sock.poll(int(1000 * min(0.1, max(0.0, deadline - time.monotonic())))):
+            refused = self._handshake.refused() if self._handshake is not None else None
+            if refused is not None:
+                self.reset()
+                raise HandshakeRefused(refused)
             if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
                 self.reset()
                 raise MasterUnavailable(f"master at {self.addr} did not answer {t!r} within {timeout:g} s")
@@ -112,6 +124,8 @@ class RpcClient:
             left = deadline - time.monotonic()
             try:
                 return self.call(request, timeout_s=max(0.05, min(left, timeout_s or self.timeout_s)), stop=stop)
+            except HandshakeRefused:
+                raise  # keys: waiting will not change them
             except MasterUnavailable as e:
                 now = time.monotonic()
                 if now >= deadline or (stop is not None and stop.is_set()):
@@ -128,6 +142,9 @@ class RpcClient:
                     time.sleep(pause)
 
     def reset(self) -> None:
+        if self._handshake is not None:
+            self._handshake.close()
+            self._handshake = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

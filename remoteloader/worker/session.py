@@ -20,11 +20,12 @@ from ..core.cache.store import BlockStore
 from ..core.cache.writer import BlockWriter
 from ..core.processor import SplitProcessor
 from ..protocol import messages as M
-from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
+from ..protocol.rpc import HandshakeRefused, MasterUnavailable, RemoteError, RpcClient
 from ..spec import DatasetSpec
 from .lifecycle import Lifecycle, TableRefused
 
 log = logging.getLogger(__name__)
+HANDSHAKE_RETRY_S = 5.0  # a worker whose handshake the master refuses tries again this often (the keys may be fixed)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ class Registrar:
                 log.info("worker %s serving on %s (job %s)", reply.worker_id, self.addr, fingerprint)
                 return WorkerSession(reply.worker_id, reply.token, reply.verify_key, fingerprint, processor,
                                      reply.heartbeat_interval)
+            except HandshakeRefused as e:  # its keys: said at once, retried slowly (the master may be restarted)
+                log.error("%s; retrying every %.0f s", e, HANDSHAKE_RETRY_S)
+                self.lifecycle.stop.wait(HANDSHAKE_RETRY_S)
             except MasterUnavailable as e:
                 if not self.lifecycle.leaving():
                     log.warning("%s; retrying", e)
