@@ -609,6 +609,14 @@ def main() -> int:
     for kind in ("replay", "flip", "reorder"):
         rows.append(run_case_alone(f"worker hook: a {dict(flip='bit-flipped').get(kind, kind + 'ed')} copy of every 3rd batch message",
                                    lambda kind=kind: tampered_batches(tmp, tmp / "t", kind)))
+    from .redteam_cache import cases as cache_cases  # issue 37, findings 2, 4 and 6: clusters of their own
+
+    for name, case in cache_cases(tmp, str(tmp / "keys"), args.rows).items():
+        rows.append(run_case_alone(name, lambda case=case: Outcome(*case())))
+    from .redteam_cache_store import cases as cache_store_cases  # issue 37, findings 1, 5, 7 and 8
+
+    for name, case in cache_store_cases(tmp, str(tmp / "keys"), args.rows).items():
+        rows.append(run_case_alone(name, lambda case=case: Outcome(*case())))
     width = max(len(r.case) for r in rows)
     print(f"{'case':<{width}}  survived  clear error  hang  rows exposed")
     for r in rows:

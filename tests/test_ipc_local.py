@@ -7,12 +7,15 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import time
+
+from pathlib import Path
 
 import pytest
 import zmq
@@ -272,3 +275,78 @@ def test_a_master_bind_refuses_an_open_directory_and_a_killed_master_does_not_tr
         if first.poll() is None:
             first.kill()
             first.wait(30)
+
+
+# -- issue 37, finding 6: a squatted name is never adopted, and the start still succeeds --------------
+class _Names:
+    """``secrets`` for ``protocol.address``: the given hex names first, then random ones."""
+
+    def __init__(self, names):
+        import secrets
+
+        self._names, self._secrets = list(names), secrets
+
+    def token_hex(self, n: int) -> str:
+        return self._names.pop(0) if self._names else self._secrets.token_hex(n)
+
+
+@pytest.mark.slow  # a real master process (about 4 s)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_squatted_ipc_directory_is_never_adopted_and_the_embedded_start_succeeds(monkeypatch):
+    import secrets
+
+    from remoteloader.client.embedded import EmbeddedCluster
+    from remoteloader.protocol import address
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # /tmp: where another user can make names too
+    squat_dir, squat_link = secrets.token_hex(6), secrets.token_hex(6)
+    taken = [f"/tmp/rl-{squat_dir}", f"/tmp/rl-{squat_link}"]
+    # Another uid, watching for the next name, makes it first: an open directory, and a
+    # symlink to a directory of its own.
+    squatter = subprocess.run(["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", "sh", "-c",
+                               f"mkdir -m 0777 {taken[0]} && mkdir -m 0777 {taken[0]}-x && ln -s {taken[0]}-x {taken[1]}"],
+                              capture_output=True, text=True, timeout=30, cwd="/")
+    assert squatter.returncode == 0, squatter.stderr
+    monkeypatch.setattr(address, "secrets", _Names([squat_dir, squat_link]))  # the names it predicted come next
+    cluster = None
+    try:
+        cluster = EmbeddedCluster(0, start_timeout=60)
+        assert cluster.ipc_dir not in taken and cluster.addr == f"ipc://{cluster.ipc_dir}/master"
+        st = os.lstat(cluster.ipc_dir)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+        assert _status(cluster.addr)["workers"] == []  # the master listens in the fresh directory
+        for path in (taken[0], f"{taken[0]}-x"):  # nothing adopted, nothing put in them
+            assert os.lstat(path).st_uid == NOBODY and os.listdir(path) == []
+        assert os.readlink(taken[1]) == f"{taken[0]}-x"
+        ipc_dir = cluster.ipc_dir
+        cluster.close()
+        cluster = None
+        assert not os.path.lexists(ipc_dir)  # the master removed what it was handed
+        assert os.path.isdir(taken[0]) and os.path.islink(taken[1])  # another's names are never touched
+    finally:
+        if cluster is not None:
+            cluster.close()
+        for path in (taken[1], f"{taken[0]}-x", taken[0]):
+            if os.path.islink(path):
+                os.unlink(path)
+            elif os.path.isdir(path):
+                os.rmdir(path)
+
+
+def test_make_ipc_directory_takes_a_fresh_name_past_any_taken_one(monkeypatch):
+    from remoteloader.protocol import address
+
+    # A short base: under xdist tmp_path is too long for a Unix socket's path, and the
+    # names would (rightly) go to /tmp instead.
+    tmp_path = Path(tempfile.mkdtemp(prefix="rlt-", dir="/tmp"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "rl-000000000001").mkdir(mode=0o700)  # even one of this user's own: never adopted
+    (tmp_path / "rl-000000000002").write_text("")
+    (tmp_path / "rl-000000000003").symlink_to(tmp_path / "rl-000000000001")
+    monkeypatch.setattr(address, "secrets", _Names(["000000000001", "000000000002", "000000000003", "000000000004"]))
+    made = address.make_ipc_directory()
+    assert made == str(tmp_path / "rl-000000000004") and _mode(made) == 0o700
+    monkeypatch.setattr(address, "secrets", _Names(["000000000001"] * 3))
+    with pytest.raises(AddressError, match="3 fresh names were taken already"):
+        address.make_ipc_directory(attempts=3)
+    shutil.rmtree(tmp_path)

@@ -12,22 +12,24 @@ process group is initialized, else in the ``REMOTELOADER_MASTER`` environment va
 
 One host, so the kernel is the lock: the master listens on ``ipc://DIR/master`` and its
 workers on ``ipc://DIR/worker-<random>``, Unix sockets in a private directory ``DIR`` (mode
-0700, this user's; under ``$XDG_RUNTIME_DIR`` or ``/tmp``) that the master makes at start and
-removes when it exits, also on its parent-death signal; ``close`` removes it too, if the
-master could not. Another local user cannot connect (the directory's permissions), nothing
-goes on the network, and there is no CURVE: no keys at all, and no encryption cost on the
-data path. Only with a key directory of the user's (``auth=DIR`` or ``REMOTELOADER_AUTH``)
-do the same ipc sockets run CURVE too, with those keys, which the master hands on to its
-workers in their environment; rank 0 publishes the path (never the keys) beside the
-address for ranks on this machine. The table the master may serve goes in its environment
-too (``REMOTELOADER_ALLOW_TABLE``): a table URI may hold a credential, and any local user
-can read a process's command line.
+0700, this user's; under ``$XDG_RUNTIME_DIR`` or ``/tmp``) that the loader makes before its
+name is on any command line (a name another user made first is never adopted: another fresh
+name is taken) and hands over to the master, which removes it when it exits, also on its
+parent-death signal; ``close`` removes it too, if the master could not. Another local user
+cannot connect (the directory's permissions), nothing goes on the network, and there is no
+CURVE: no keys at all, and no encryption cost on the data path. Only with a key directory
+of the user's (``auth=DIR`` or ``REMOTELOADER_AUTH``) do the same ipc sockets run CURVE too,
+with those keys, which the master hands on to its workers in their environment; rank 0
+publishes the path (never the keys) beside the address for ranks on this machine. The table
+the master may serve goes in its environment too (``REMOTELOADER_ALLOW_TABLE``): a table URI
+may hold a credential, and any local user can read a process's command line.
 """
 from __future__ import annotations
 
 import os
 import select
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -36,7 +38,7 @@ from typing import Optional, Sequence
 from ..core.cache.location import ENV_CACHE
 from ..core.procs import stop as stop_process
 from ..core.redact import allowlist_env
-from ..protocol.address import new_ipc_directory
+from ..protocol.address import ENV_IPC_HANDOVER, make_ipc_directory
 from ..protocol.auth import ENV_AUTH
 
 ENV_MASTER = "REMOTELOADER_MASTER"
@@ -49,11 +51,14 @@ class EmbeddedCluster:
         ``allowed_tables``: the prefixes the master may serve (none: no client spec). ``cache``:
         the block cache of the master and its workers (told in the environment, like the table)."""
         self.auth_dir = os.path.abspath(auth_dir) if auth_dir is not None else None
-        # Not made here: the master makes it (0700) and so removes it when it exits.
-        self.ipc_dir = new_ipc_directory()
+        # Made here (0700, checked) before its name is published on the master's command
+        # line, where any local user could read it and make it first; the master takes it
+        # over (ENV_IPC_HANDOVER) and so removes it when it exits.
         self.proc = None
+        self.ipc_dir = make_ipc_directory()
         env = {k: v for k, v in os.environ.items() if k != ENV_AUTH}  # no stray keys: the argument decides
         env.update(allowlist_env(allowed_tables), **({ENV_AUTH: self.auth_dir} if self.auth_dir else {}))
+        env[ENV_IPC_HANDOVER] = self.ipc_dir
         env.pop(ENV_CACHE, None)
         if cache is not None:
             env[ENV_CACHE] = cache
@@ -84,7 +89,11 @@ class EmbeddedCluster:
         if self.proc is not None:
             stop_process(self.proc, timeout=10)
         # The master removes it as it exits; it stays only if the master was killed (SIGKILL).
-        if os.path.isdir(self.ipc_dir) and os.stat(self.ipc_dir).st_uid == os.geteuid():
+        try:
+            st = os.lstat(self.ipc_dir)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():  # never through a link, never another's
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 

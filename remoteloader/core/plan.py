@@ -84,14 +84,15 @@ class SplitTask:
         units = [UnitRecord(u.index, u.first_row, u.num_rows, u.nbytes)
                  for u in f.unit_range(self.first_unit, self.stop_unit)]
         fields = {k: v for k, v in self.__dict__.items() if k != "file"}
-        return SplitTaskRecord(file=FileRecord(f.path, f.format, f.partition, f.num_rows, f.nbytes, units, f.tail_digest),
-                               **fields)
+        return SplitTaskRecord(file=FileRecord(f.path, f.format, f.partition, f.num_rows, f.nbytes, units, f.tail_digest,
+                                               f.identity), **fields)
 
     @classmethod
     def from_wire(cls, record: SplitTaskRecord) -> "SplitTask":
         f = record.file
         file = DataFile(f.path, f.format, f.partition, f.num_rows, f.nbytes,
-                        tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units), f.tail_digest)
+                        tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units), f.tail_digest,
+                        f.identity)
         fields = {name: getattr(record, name) for name in record.__struct_fields__ if name != "file"}
         return cls(file=file, **fields)
 

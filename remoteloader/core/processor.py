@@ -22,7 +22,6 @@ from ..protocol.messages import CacheDirective
 from ..transforms import FeatureOutput, sampling_keep, validate_sampling
 from .binding import BoundDataset
 from .cache.costs import CostMeter
-from .cache.keys import SAMPLING_WEIGHTS
 from .plan import SplitTask, epoch_rng, pieces_of
 from .schedule import piece_key
 
@@ -115,12 +114,12 @@ class SplitProcessor:
         spec, pipeline = self.spec, self.bound.pipeline
         weighted = self.sampling is not None and self.sampling["weight"]
         raw_names = list(dict.fromkeys(([spec.label] if spec.label else []) + list(spec.passthrough)
-                                       + list(directive.sources) + ([SAMPLING_WEIGHTS] if weighted else [])))
-        blocks = self.cache.lookup(task, directive.features, raw_names)
-        weights = blocks.raw.pop(SAMPLING_WEIGHTS, None)
+                                       + list(directive.sources)))
+        blocks = self.cache.lookup(task, directive.features, raw_names, weights=weighted)
+        weights = blocks.weights
         missing = [f for f in pipeline.feature_names if f not in blocks.features]
         need = pipeline.columns_for(missing, blocks.features)
-        need.update(c for c in raw_names if c != SAMPLING_WEIGHTS and c not in directive.sources)
+        need.update(c for c in raw_names if c not in directive.sources)
         need -= blocks.raw.keys()
         sample = self.sampling is not None and bool(need or (weighted and weights is None))
         if sample and self.sampling["label_value"] is not None:
@@ -150,9 +149,7 @@ class SplitProcessor:
             computed = {f: done[f] for f in directive.write_features if f in done and f not in given}
             stored = set(directive.write_sources) | {c for c in raw_names if c not in directive.sources}
             raw = {c: base[c] for c in stored if c in columns}
-            if weighted and SAMPLING_WEIGHTS not in blocks.raw and weights is not None:
-                raw[SAMPLING_WEIGHTS] = weights
-            self.cache.put(blocks.split_key, computed, raw)
+            self.cache.put(blocks.split_key, computed, raw, weights if blocks.weights is None else None)
         rows = task.row_hi - task.row_lo
         features = pipeline.assemble(done, task.base_rows if in_order else rows)
         if in_order and not _is_all(selection, task.base_rows):

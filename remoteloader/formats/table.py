@@ -7,6 +7,7 @@ time, since on an object store each footer costs a round trip.
 from __future__ import annotations
 
 import hashlib
+import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -17,7 +18,7 @@ import pyarrow.fs as pafs
 
 from . import orc, parquet
 from .convert import column_kind
-from .fs import child_name, open_filesystem, table_root
+from .fs import child_name, open_filesystem, table_root, target
 from .types import DataFile, TableError
 
 FORMATS: dict[str, ModuleType] = {"orc": orc, "parquet": parquet}
@@ -25,6 +26,7 @@ SUFFIXES = {".orc": "orc", ".parquet": "parquet", ".pq": "parquet"}
 # Footer reads are I/O bound (object-store round trips): overlap them.
 _METADATA_THREADS = 16
 TAIL_DIGEST_BYTES = 64 << 10  # a file's identity covers its footer (DataFile.tail_digest)
+_LIST_ATTEMPTS = 3  # a local file that changes while it is described is described again
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -46,6 +48,7 @@ def list_table(path: str, format: Optional[str] = None, partitions: Optional[Seq
     if isinstance(partitions, str):
         partitions = [partitions]
     fs, root = open_filesystem(path)
+    local = target(path).local
     try:
         info = fs.get_file_info(root)
     except (OSError, pa.ArrowException) as e:
@@ -68,7 +71,7 @@ def list_table(path: str, format: Optional[str] = None, partitions: Optional[Seq
     def describe(item: tuple[str, pafs.FileInfo]) -> DataFile:
         relative, info = item
         name = child_name(root_name, relative) if relative else root_name
-        return _describe(fs, info, name, fmt, posixpath.dirname(relative))
+        return _describe(fs, info, name, fmt, posixpath.dirname(relative), local)
 
     return _parallel(describe, found)
 
@@ -155,15 +158,41 @@ def _select_partitions(files: list[tuple[str, pafs.FileInfo]], partitions: Seque
     return kept
 
 
-def _describe(fs: pafs.FileSystem, info: pafs.FileInfo, name: str, fmt: str, partition: str) -> DataFile:
+def file_identity(info: pafs.FileInfo, local: bool) -> tuple[str, int]:
+    """What the filesystem says of this version of the file (``DataFile.identity``) and its
+    size. On a local disk (a path, ``file://``, ``slow+file://``: a POSIX filesystem, NFS
+    included) ``posix:<inode>:<mtime ns>:<ctime ns>`` from ``stat``: a rewrite in place
+    changes the times, a replacement the inode, and a change time cannot be set back
+    (``utime`` restores a modification time, not it). Elsewhere (object stores) the
+    modification time pyarrow's ``FileInfo`` gives (an S3 object's Last-Modified, in
+    seconds): pyarrow 26 exposes no ETag, version or generation."""
+    if local:
+        st = os.stat(info.path)  # the file the reader opens (a symlinked table file: its target)
+        return f"posix:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}", st.st_size
+    mtime = info.mtime_ns
+    return f"mtime_ns:{'unknown' if mtime is None else mtime}", info.size
+
+
+def _describe(fs: pafs.FileSystem, info: pafs.FileInfo, name: str, fmt: str, partition: str,
+              local: bool = False) -> DataFile:
+    """The file from its footer, with its identity taken once here (workers get it with
+    every split task; nothing is stat'ed per split read). A local file is stat'ed before
+    and after its footer and tail are read; if it changed meanwhile, it is described again."""
     module = FORMATS[fmt]
-    try:
-        with fs.open_input_file(info.path) as source:
-            num_rows, units = module.units(source)
-            tail = source.read_at(min(info.size, TAIL_DIGEST_BYTES), info.size - min(info.size, TAIL_DIGEST_BYTES))
-    except module.READ_ERRORS as e:
-        raise TableError(f"cannot read the {fmt} footer of {name}: {e}") from e
-    return DataFile(name, fmt, partition, num_rows, info.size, units, hashlib.blake2b(tail, digest_size=16).hexdigest())
+    for _ in range(_LIST_ATTEMPTS):
+        try:
+            identity, size = file_identity(info, local)
+            with fs.open_input_file(info.path) as source:
+                num_rows, units = module.units(source)
+                tail = source.read_at(min(size, TAIL_DIGEST_BYTES), size - min(size, TAIL_DIGEST_BYTES))
+            if not local or file_identity(info, local) == (identity, size):
+                break
+        except (OSError, *module.READ_ERRORS) as e:  # OSError: stat of a file gone meanwhile
+            raise TableError(f"cannot read the {fmt} footer of {name}: {e}") from e
+    else:
+        raise TableError(f"{name} changed while it was being listed ({_LIST_ATTEMPTS} times): list it when it is written")
+    return DataFile(name, fmt, partition, num_rows, size, units, hashlib.blake2b(tail, digest_size=16).hexdigest(),
+                    identity)
 
 
 def _parallel(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:

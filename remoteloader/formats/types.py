@@ -1,7 +1,7 @@
 """What the table layer hands to the rest of remoteloader: files, their read units, errors."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class TableError(ValueError):
@@ -29,9 +29,16 @@ class DataFile:
     nbytes: int  # file size
     units: tuple[Unit, ...]
     # A digest of the file's last bytes (its footer: stripe or row-group offsets and
-    # statistics), taken when the table is listed. With path and size it is the file's
-    # identity for the block cache: a file rewritten with the same size has another tail.
+    # statistics), taken when the table is listed. With path, size and ``identity`` it is
+    # the file's identity for the block cache: a file rewritten with the same size has
+    # another tail, unless values only moved within a stripe (statistics unchanged).
     tail_digest: str = ""
+    # What the filesystem says of this version of the file, taken once when the table is
+    # listed (``formats.table.file_identity``): on a local or POSIX filesystem its inode and
+    # modification and change times in nanoseconds, which any rewrite in place changes; on
+    # an object store its modification time. "" for a file journaled by an older master.
+    # Not part of equality: it describes when the file was seen, not what it holds.
+    identity: str = field(default="", compare=False)
 
     def unit_range(self, first: int, stop: int) -> tuple[Unit, ...]:
         """Units ``[first, stop)`` by index, or () if the file does not list all of them. A

@@ -23,8 +23,8 @@ import zmq
 
 from .. import __version__
 from ..core.cache.janitor import CacheJanitor
-from ..core.cache.location import (ENV_ALLOW_CACHE, ENV_CACHE, ENV_CACHE_MAX_BYTES, CacheRefused, allowed_caches,
-                                   open_cache)
+from ..core.cache.location import (ENV_ALLOW_CACHE, ENV_CACHE, ENV_CACHE_MAX_BYTES, ENV_CACHE_SHARED, CacheRefused,
+                                   allowed_caches, open_cache, shared_from_env)
 from ..core.procs import die_with_parent
 from ..core.redact import ENV_ALLOW_TABLE, allowlist_env, allowlist_from_env, log_to_stderr, redact_text
 from ..core.sizing import parse_size, warm_up
@@ -106,8 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-cache", action="append", default=None, metavar="PREFIX",
                    help="--cache must be under one of these prefixes (repeatable; also $REMOTELOADER_ALLOW_CACHE)")
     p.add_argument("--cache-max-bytes", type=_size, default=None, metavar="BYTES",
-                   help="keep the cache under this size (least recently used splits go first); the auto policy "
-                        "plans within it")
+                   help="keep the cache under this size (least recently used splits go first): every write of the "
+                        "workers it starts evicts first or is dropped, and a gc pass runs at start and every 5 "
+                        "minutes; the auto policy plans within it")
+    p.add_argument("--cache-shared", action="store_true", default=shared_from_env(),
+                   help="the cache location is shared with other users (it need not be this user's, and may be "
+                        f"writable by others); needs --auth; passed on to the workers it starts (also "
+                        f"${ENV_CACHE_SHARED}=1). Without it a local location must be this user's and writable by "
+                        "nobody else")
     p.add_argument("--worker-args", default="", help="extra arguments for launched local workers (one string)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without heartbeat before a worker is dead")
@@ -127,13 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cache_env(uri: Optional[str], allowed: Optional[Sequence[str]], max_bytes: Optional[int]) -> dict[str, str]:
+def _cache_env(uri: Optional[str], allowed: Optional[Sequence[str]], max_bytes: Optional[int],
+               shared: bool = False) -> dict[str, str]:
     """The cache settings of the workers this master starts, in their environment (a cache
     URI may hold a credential, and command lines are public): the same location, checked
-    against the same prefixes (the location itself when none were given)."""
+    against the same prefixes (the location itself when none were given), the same bound
+    and the same choice of a shared location (``0`` too: a worker never inherits one)."""
     if uri is None:
         return {}
-    env = {ENV_CACHE: uri, ENV_ALLOW_CACHE: os.pathsep.join(allowed if allowed is not None else [uri])}
+    env = {ENV_CACHE: uri, ENV_ALLOW_CACHE: os.pathsep.join(allowed if allowed is not None else [uri]),
+           ENV_CACHE_SHARED: "1" if shared else "0"}
     if max_bytes is not None:
         env[ENV_CACHE_MAX_BYTES] = str(max_bytes)
     return env
@@ -177,7 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         allowed_cache = allowed_caches(args.allow_cache)
-        cache = None if args.cache is None else open_cache(args.cache, allowed_cache, creds)
+        # Its own store writes only the rate probe, removed at once: the bound is the janitor's and the workers'.
+        cache = None if args.cache is None else open_cache(args.cache, allowed_cache, creds, shared=args.cache_shared)
     except (CacheRefused, TableError, OSError) as e:
         print(f"remoteloader-master: --cache: {redact_text(str(e))}", file=sys.stderr)
         return 2
@@ -232,7 +242,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                worker_args=shlex.split(args.worker_args), buffer_batches=args.worker_buffer,
                                buffer_bytes=args.buffer_bytes, max_message_bytes=args.max_message_bytes,
                                worker_env={**(allowlist_env(served) if served else {}),
-                                           **_cache_env(args.cache, allowed_cache, args.cache_max_bytes)},
+                                           **_cache_env(args.cache, allowed_cache, args.cache_max_bytes,
+                                                        args.cache_shared)},
                                auth_dir=creds.directory if creds is not None else None, insecure=args.insecure)
     except (ValueError, ImportError, ConnectionError) as e:
         print(f"remoteloader-master: {e}", file=sys.stderr)

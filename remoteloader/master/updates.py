@@ -34,12 +34,14 @@ class Update(msgspec.Struct, frozen=True, tag_field="u", tag=True):
 # -- records nested in updates and in the snapshot (the wire's, where they coincide) --------
 def file_record(f: DataFile) -> FileRecord:
     return FileRecord(f.path, f.format, f.partition, f.num_rows, f.nbytes,
-                      [UnitRecord(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units], f.tail_digest)
+                      [UnitRecord(u.index, u.first_row, u.num_rows, u.nbytes) for u in f.units], f.tail_digest,
+                      f.identity)
 
 
 def data_file(r: FileRecord) -> DataFile:
     return DataFile(r.path, r.format, r.partition, r.num_rows, r.nbytes,
-                    tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in r.units), r.tail_digest)
+                    tuple(Unit(u.index, u.first_row, u.num_rows, u.nbytes) for u in r.units), r.tail_digest,
+                    r.identity)
 
 
 # A job has up to ~100,000 base splits and an epoch as many progress entries: those two

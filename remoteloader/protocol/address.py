@@ -58,13 +58,17 @@ def _check_ipc(path: str, fail: Callable[[str], "AddressError"]) -> None:
 
 
 IPC_BASES = ("XDG_RUNTIME_DIR",)  # then /tmp: short paths, cleaned by the system
+# Set by the embedded loader for the master it starts: the private directory it made for
+# it, which that master then owns (removes when it exits) as if it had made it itself.
+ENV_IPC_HANDOVER = "REMOTELOADER_IPC_HANDOVER"
+IPC_NAME_ATTEMPTS = 16  # fresh names tried when each is found taken
 
 
 def new_ipc_directory() -> str:
     """A fresh, unpredictable path for a one-host cluster's private directory (not made
-    here: the master that binds in it makes it, 0700, and removes it at exit). Under
-    ``$XDG_RUNTIME_DIR`` when set (the user's own 0700 directory, emptied at logout), else
-    ``/tmp``; either only if the worker sockets' paths fit a Unix socket."""
+    here: ``make_ipc_directory`` makes one). Under ``$XDG_RUNTIME_DIR`` when set (the
+    user's own 0700 directory, emptied at logout), else ``/tmp``; either only if the worker
+    sockets' paths fit a Unix socket."""
     name = "rl-" + secrets.token_hex(6)
     for base in [os.environ.get(v) for v in IPC_BASES] + ["/tmp"]:
         if base and os.path.isabs(base) and os.path.isdir(base) \
@@ -97,10 +101,40 @@ def check_ipc_directory(directory: str) -> None:
                            f"bit: they could swap the directory; refusing it")
 
 
+def make_ipc_directory(attempts: int = IPC_NAME_ATTEMPTS) -> str:
+    """Make a fresh private directory for a one-host cluster and return its path, before its
+    name appears anywhere (a command line is every local user's to read): one atomic
+    ``mkdir(0700)`` of a ``new_ipc_directory`` name, then ``check_ipc_directory``. A name
+    that exists already, as anything (a directory another user made first, a symlink, a
+    file), is never adopted nor touched: the next fresh name is tried, up to ``attempts``."""
+    taken = []
+    for _ in range(attempts):
+        directory = new_ipc_directory()
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            taken.append(directory)
+            continue
+        except OSError as e:
+            raise AddressError(f"cannot make ipc directory {directory}: {e.strerror}") from None
+        try:
+            check_ipc_directory(directory)  # ours and 0700 (a umask only removes bits), in a safe parent
+        except AddressError:
+            os.rmdir(directory)
+            raise
+        return directory
+    raise AddressError(f"cannot make a private ipc directory: {attempts} fresh names were taken already "
+                       f"({', '.join(taken[:3])}, ...): another user may be creating them")
+
+
 def prepare_ipc_directory(directory: str) -> bool:
     """Make ``directory`` (0700) if it does not exist, then ``check_ipc_directory`` it.
-    True when it was made here (its maker removes it)."""
-    made = False
+    True when it was made here, or made for this process by the one that started it
+    (``$REMOTELOADER_IPC_HANDOVER`` names it): its owner removes it."""
+    handed = os.environ.get(ENV_IPC_HANDOVER) == directory
+    if handed:
+        os.environ.pop(ENV_IPC_HANDOVER)  # taken over once: not passed on to this process's children
+    made = handed
     try:
         os.mkdir(directory, 0o700)  # atomic: an existing path (anyone's) is checked, never adopted blindly
         made = True

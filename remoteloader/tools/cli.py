@@ -1,4 +1,4 @@
-"""``remoteloader``: the operator's command line (gen-data, validate, status, keygen, cache)."""
+"""``remoteloader``: the operator's command line (gen-data, validate, status, report, keygen, cache)."""
 from __future__ import annotations
 
 import argparse
@@ -104,7 +104,8 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
+def _ask_status(args: argparse.Namespace, history: bool = False, rpc=None) -> dict:
+    """The master's status (``history``: with the run over time); ``rpc``: a client to reuse."""
     import zmq
 
     from ..protocol import auth as cluster_auth
@@ -112,16 +113,49 @@ def _status(args: argparse.Namespace) -> int:
     from ..protocol.rpc import MasterUnavailable, RpcClient
 
     creds = cluster_auth.from_option(args.auth)  # AuthError is a ValueError: one line, exit 1
-    rpc = RpcClient(zmq.Context.instance(), args.master, args.timeout, auth=creds)
+    own = rpc is None
+    rpc = rpc or RpcClient(zmq.Context.instance(), args.master, args.timeout, auth=creds)
     try:
-        status = rpc.call(Status()).status
+        return rpc.call(Status(history=history)).status
     except MasterUnavailable as e:
         hint = ("" if creds is not None else
                 f" (a master started with --auth answers only peers holding its keys: pass --auth DIR "
                 f"or set {cluster_auth.ENV_AUTH})")
         raise MasterUnavailable(f"{e}{hint}") from None
     finally:
+        if own:
+            rpc.close()
+
+
+def _watch(args: argparse.Namespace) -> int:
+    import zmq
+
+    from ..protocol import auth as cluster_auth
+    from ..protocol.rpc import RpcClient
+    from .watch import watch
+
+    rpc = RpcClient(zmq.Context.instance(), args.master, args.timeout, auth=cluster_auth.from_option(args.auth))
+    try:
+        return watch(lambda: _ask_status(args, rpc=rpc), args.master, interval_s=args.interval)
+    finally:
         rpc.close()
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    status = _ask_status(args, history=True)
+    size = write_report(status, args.out)
+    samples = len((status.get("history") or {}).get("time", []))
+    print(f"wrote {args.out} ({size / (1 << 20):.1f} MiB, {samples} samples): one page, charts inlined; "
+          "open it in a browser, it needs no network")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    if args.watch:
+        return _watch(args)
+    status = _ask_status(args)
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -189,11 +223,21 @@ def _size(text: str) -> int:
 
 
 def _cache_store(args: argparse.Namespace):
+    """The store at ``args.uri``, held to the same rules as a master's or worker's (this
+    user's, writable by nobody else) unless ``--shared``; never made if missing. Every name
+    goes through ``core/cache/fs.py``: a planted link is skipped and counted, never followed."""
     from ..core.cache.segments import BlockSigner
     from ..core.cache.store import BlockStore
     from ..protocol import auth as cluster_auth
 
-    return BlockStore(args.uri, BlockSigner.for_credentials(cluster_auth.from_option(args.auth)))
+    return BlockStore(args.uri, BlockSigner.for_credentials(cluster_auth.from_option(args.auth)),
+                      shared=args.shared, create=False)
+
+
+def _skipped_line(skipped: int) -> None:
+    if skipped:
+        print(f"{skipped} entries skipped (symlinks, non-regular files, or other users' in a private cache): "
+              "never followed, read or deleted")
 
 
 def _cache_ls(args: argparse.Namespace) -> int:
@@ -201,13 +245,15 @@ def _cache_ls(args: argparse.Namespace) -> int:
 
     from ..core.sizing import format_size
 
-    entries = _cache_store(args).entries()
+    store = _cache_store(args)
+    entries = store.entries()
     print(f"{'split':<40} {'segments':>8} {'blocks':>7} {'bytes':>12}  last used (UTC)")
     for e in entries:
         used = datetime.datetime.fromtimestamp(e.last_used, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         print(f"{e.split_key:<40} {e.segments:>8} {e.blocks:>7} {e.bytes:>12,}  {used}")
     print(f"{len(entries)} splits, {sum(e.segments for e in entries)} segments, {sum(e.blocks for e in entries)} "
           f"blocks, {format_size(sum(e.bytes for e in entries))}")
+    _skipped_line(store.skipped)
     return 0
 
 
@@ -218,6 +264,7 @@ def _cache_gc(args: argparse.Namespace) -> int:
     print(f"deleted {result.deleted_splits} splits ({format_size(result.deleted_bytes)}) and "
           f"{result.deleted_temps} stale temp files; {format_size(result.remaining_bytes)} left "
           f"(bound {format_size(args.max_bytes)})")
+    _skipped_line(result.skipped)
     return 0
 
 
@@ -230,6 +277,7 @@ def _cache_verify(args: argparse.Namespace) -> int:
     hint = " (pass --auth DIR to check keyed segments)" if result.unverifiable and not args.auth else ""
     print(f"{result.segments} segments, {result.blocks} blocks verified; {len(result.corrupt)} corrupt, "
           f"{len(result.unverifiable)} unverifiable{hint}")
+    _skipped_line(result.skipped)
     return 1 if result.corrupt else 0
 
 
@@ -292,7 +340,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the master's answer")
     s.add_argument("--auth", metavar="DIR",
                    help="key directory of a master started with --auth (without it: $REMOTELOADER_AUTH, else none)")
+    s.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval s (Ctrl-C exits)")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between redraws of --watch")
     s.set_defaults(run=_status)
+
+    rp = command("report", "write one self-contained HTML page of a running master's history (charts; no network "
+                 "needed to open it)")
+    rp.add_argument("--master", required=True, type=address_type(), metavar="tcp://HOST:PORT",
+                    help="the master's address, as it printed it")
+    rp.add_argument("--out", required=True, metavar="FILE", help="the page to write (e.g. run.html)")
+    rp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the master's answer")
+    rp.add_argument("--auth", metavar="DIR",
+                    help="key directory of a master started with --auth (without it: $REMOTELOADER_AUTH, else none)")
+    rp.set_defaults(run=_report)
 
     k = command("keygen", "write a cluster key directory for --auth (CURVE keys; 0700/0600)")
     k.add_argument("directory", metavar="DIR", help="directory to write (created; refuses to overwrite a key)")
@@ -307,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("uri", metavar="URI", help="the cache location (the --cache of masters and workers)")
         a.add_argument("--auth", metavar="DIR", help="key directory of a cluster run with --auth, so its keyed "
                        "blocks verify (without it: $REMOTELOADER_AUTH, else none)")
+        a.add_argument("--shared", action="store_true",
+                       help="the location is shared with other users (the --cache-shared of masters and workers): "
+                            "it need not be this user's or closed to others. Without it a local location must be "
+                            "this user's (or root's) and writable by nobody else")
         a.set_defaults(run=run)
         return a
 

@@ -16,7 +16,8 @@ import zmq
 
 from .. import __version__
 from ..core.cache.janitor import CacheJanitor
-from ..core.cache.location import ENV_CACHE, ENV_CACHE_MAX_BYTES, CacheRefused, allowed_caches, open_cache
+from ..core.cache.location import (ENV_CACHE, ENV_CACHE_MAX_BYTES, ENV_CACHE_SHARED, CacheRefused, allowed_caches,
+                                   open_cache, shared_from_env)
 from ..core.procs import die_with_parent
 from ..core.redact import ENV_ALLOW_TABLE, allowlist_from_env, log_to_stderr, redact_text
 from ..core.sizing import parse_size
@@ -68,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-cache", action="append", default=None, metavar="PREFIX",
                    help="--cache must be under one of these prefixes (repeatable; also $REMOTELOADER_ALLOW_CACHE)")
     p.add_argument("--cache-max-bytes", type=_size, default=os.environ.get(ENV_CACHE_MAX_BYTES), metavar="BYTES",
-                   help="keep the cache under this size, least recently used splits removed first (e.g. 500G)")
+                   help="keep the cache under this size (e.g. 500G): a write first evicts least recently used "
+                        "splits, or is dropped if it cannot fit; a gc pass runs at start and every 5 minutes")
+    p.add_argument("--cache-shared", action="store_true", default=shared_from_env(),
+                   help="the cache location is shared with other users (it need not be this user's, and may be "
+                        f"writable by others); needs --auth (also ${ENV_CACHE_SHARED}=1). Without it a local "
+                        "location must be this user's and writable by nobody else")
     p.add_argument("--client-timeout", type=float, default=30.0,
                    help="seconds a rank may send no request before the batches held for it are released "
                         "(re-produced if it returns); keep below the master's --split-timeout")
@@ -139,7 +145,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"remoteloader-worker: {e}", file=sys.stderr)
         return 2
     try:
-        cache = None if args.cache is None else open_cache(args.cache, allowed_caches(args.allow_cache), creds)
+        cache = None if args.cache is None else open_cache(args.cache, allowed_caches(args.allow_cache), creds,
+                                                           shared=args.cache_shared, max_bytes=args.cache_max_bytes)
     except (CacheRefused, TableError, OSError) as e:
         print(f"remoteloader-worker: --cache: {redact_text(str(e))}", file=sys.stderr)
         return 2

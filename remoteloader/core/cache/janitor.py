@@ -1,6 +1,10 @@
 """Keeping the cache under ``--cache-max-bytes``: a daemon thread that runs the store's
-least-recently-used GC every few minutes. Several processes may run one against the same
-store: a split removed under a reader is a miss there, never an error."""
+least-recently-used GC as soon as it starts (a cache left over the bound by an earlier run,
+or by a smaller bound, is brought under it at start) and then every few minutes. Writes
+keep the bound themselves (``BlockStore(max_bytes=...)``); the janitor also removes the
+temp files of killed writers and splits left with only a marker. Several processes may
+run one against the same store: a split removed under a reader is a miss there, never an
+error. gc goes through ``fs``, so a link planted in the cache is never followed."""
 from __future__ import annotations
 
 import logging
@@ -22,13 +26,15 @@ class CacheJanitor:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:  # the first pass at once, then one every interval
             try:
                 result = self.store.gc(self.max_bytes)
             except Exception as e:  # noqa: BLE001 - a GC failure must not take a worker or master down
                 log.warning("cache gc of %s failed: %s", self.store.uri, e)
-                continue
-            log.info("cache gc: %s", result)
+            else:
+                log.info("cache gc: %s", result)
+            if self._stop.wait(self.interval_s):
+                return
 
     def close(self) -> None:
         self._stop.set()

@@ -1,12 +1,19 @@
 """Content-addressed names of cache blocks: no stale block can ever be served.
 
 A block is (split key, block key). The **split key** names the stored rows: the file's
-identity (path, size and the digest of its tail, so a file rewritten with the same size
+identity (path, size, the digest of its tail, and what the filesystem says of the file
+version, ``DataFile.identity``: on a local or POSIX filesystem its inode, modification and
+change times in nanoseconds, so a file rewritten in place with the same size and tail
 misses), the unit range, and table-level sampling (rate, seed, label filter, and the
 canonical position its hashes use). The **block key** names what was computed from those
 rows: for a feature, its whole transform closure (``FeaturePipeline.closure``: sources
 with their types, scores, null default, every step's op, op version and normalized
 parameters, input features recursively); for a raw block, the column and its type.
+
+Three namespaces of block keys never meet, whatever a table's columns are called:
+features (``"feature"``), table columns as read (``"raw"``, the column's name and type)
+and the cache's own internal blocks (``"internal"``: the per-row sampling weights), so a
+column named ``weights``, ``label`` or ``row_id`` is just a column.
 
 ``KERNEL_VERSION`` is bumped whenever any op's semantics change (a fixed bug included),
 which retires every feature block at once; an op's own ``version`` retires only its
@@ -25,8 +32,9 @@ from ...formats import DataFile
 from ...transforms import FeaturePipeline
 
 KERNEL_VERSION = 1
-FORMAT_VERSION = 1
-SAMPLING_WEIGHTS = "weights"  # the raw block of per-row sampling weights (sampling.weight: true)
+# 2: split keys name the file's version (DataFile.identity); raw blocks and internal blocks
+# in namespaces of their own; segments of format 2 (a footer MAC checked before parsing).
+FORMAT_VERSION = 2
 
 
 def _canonical(value: Any) -> Any:
@@ -50,7 +58,10 @@ def split_key(file: DataFile, first_unit: int, stop_unit: int, position: int, sa
     """The stored rows of units ``[first_unit, stop_unit)`` of ``file``, after ``sampling``."""
     if not file.tail_digest:
         raise ValueError(f"{file.path}: no tail digest (the file was not listed by this version)")
-    rows = ["rows", FORMAT_VERSION, file.path, file.nbytes, file.tail_digest, file.format, first_unit, stop_unit]
+    # ``identity`` is "" only for a file journaled by an older master (listed before identities
+    # existed): its key then rests on path, size and tail alone, as that master's did.
+    rows = ["rows", FORMAT_VERSION, file.path, file.nbytes, file.tail_digest, file.identity, file.format,
+            first_unit, stop_unit]
     if sampling is None:
         return digest(*rows)
     # The position only matters to sampling, whose hashes it seeds.
@@ -62,5 +73,11 @@ def feature_key(pipeline: FeaturePipeline, feature: str) -> str:
 
 
 def raw_key(column: str, kind: str) -> str:
-    """A table column as read (label, passthrough, a cached source), or the sampling weights."""
-    return digest("raw", FORMAT_VERSION, column, kind)
+    """A table column as read (label, passthrough, a cached source), whatever its name."""
+    return digest("raw", FORMAT_VERSION, "column", column, kind)
+
+
+def sampling_weights_key() -> str:
+    """The per-row sampling weights (``sampling.weight: true``): an internal block, in a
+    namespace no table column's raw key can reach."""
+    return digest("internal", FORMAT_VERSION, "sampling-weights")

@@ -2,8 +2,10 @@
 
 Layout: each block's arrays back to back (every array 64-byte aligned, so a decoded
 array is an aligned view of the fetched bytes), then an index footer (JSON, utf-8,
-sorted keys), then the footer's length (u32 little endian) and the magic ``RLSEG001``.
-A reader fetches the tail once, then only the byte ranges of the blocks it wants.
+sorted keys), then a fixed trailer: the footer's length and block count (u32 little
+endian each), the MAC scheme and key id, the footer's own MAC, and the magic
+``RLSEG002``. A reader fetches the tail once, then only the byte ranges of the blocks it
+wants.
 
 Every block carries a MAC over the split key, the block key, its canonical descriptor
 (kind, rows, arrays' names, dtypes and shapes; not the file offsets, which may move
@@ -14,7 +16,13 @@ read little); with it, HMAC-SHA256 (truncated to 128 bits) under a key derived f
 cluster secret (a block written without the key is rejected). Both run at the speed of
 the CPU's own instructions (SHA-NI, CLMUL), about twice blake2b's here. Segments are
 read from a shared location others may write, so nothing in a footer is trusted before it
-is checked: sizes, dtypes, shapes, offsets and, after the MAC, the sparse offsets' structure.
+is checked, and nothing is parsed before it is bounded: from the trailer alone, the
+footer's length (at most 512 bytes plus 1 KiB per block, 4 MiB in all) and block count
+(at most 4,096) and whether this reader can vouch for the scheme and key (a keyed reader
+refuses a plain segment, any reader one keyed by another key, both unread); then the
+footer's MAC over its bytes; then its nesting (at most the containers its block count
+allows) before the JSON parser sees it; then sizes, dtypes, shapes, offsets and, after
+each block's MAC, the sparse offsets' structure.
 """
 from __future__ import annotations
 
@@ -23,7 +31,10 @@ import hmac
 import json
 import re
 import struct
+import sys
+import threading
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional, Union
 
@@ -34,14 +45,25 @@ from ...columns import Column, DenseColumn, SparseColumn
 if TYPE_CHECKING:
     from ...protocol.auth import Credentials
 
-MAGIC = b"RLSEG001"
-VERSION = 1
-TRAILER = 4 + len(MAGIC)  # footer length (u32 LE) + magic
+MAGIC = b"RLSEG002"
+OLD_MAGICS = (b"RLSEG001",)  # format 1: its footer was parsed before its MAC scheme was known
+VERSION = 2
+# footer length, block count (u32 LE each), scheme, 3 zero bytes, key id (8 bytes, zero
+# for a plain segment), the footer's MAC (16 bytes: a CRC-32 and 12 zero bytes, or a
+# truncated HMAC-SHA256), then the magic.
+_TRAILER = struct.Struct("<IIB3x8s16s")
+TRAILER = _TRAILER.size + len(MAGIC)
 ALIGN = 64
-MAX_FOOTER = 16 << 20  # a footer longer than this is refused unread
-MAX_BLOCKS = 100_000
+MAX_BLOCKS = 4096  # blocks in one segment (a job's put of more is cut into several segments)
+MAX_ENTRY = 1024  # footer bytes one block's entry may take (its largest is under 900)
+FOOTER_BASE = 512  # footer bytes besides the entries (under 300)
+MAX_FOOTER = FOOTER_BASE + MAX_BLOCKS * MAX_ENTRY  # 4 MiB: a footer longer than this is refused unread
+_CONTAINERS = 2 + MAX_BLOCKS * 10  # a footer's JSON objects and arrays: 2, and per block at most 2 + 4 x 2
 MAX_DIMS = 2
 PLAIN, KEYED = "crc32", "hmac-sha256"
+_SCHEME_CODES = {PLAIN: 1, KEYED: 2}
+_SCHEMES = {code: scheme for scheme, code in _SCHEME_CODES.items()}
+_FOOTER_DOMAIN = b"rlseg footer v2\0"  # a footer MAC never equals a block MAC
 _HKDF_INFO = b"remoteloader block cache v1"
 _DIGEST = 16  # bytes of the keyed MAC kept
 _HEX_MAC = re.compile(r"[0-9a-f]{8}|[0-9a-f]{%d}" % (2 * _DIGEST))  # a CRC-32, or a truncated HMAC
@@ -55,6 +77,7 @@ _BLOCK_FIELDS = {"key", "kind", "rows", "mac", "arrays"}
 _ARRAY_FIELDS = {"name", "dtype", "shape", "offset", "length"}
 _DENSE_ARRAYS = ("values", "valid")  # the order arrays are written in
 _SPARSE_ARRAYS = ("values", "offsets", "weights", "valid")
+_SHARED = {x: x for x in (*_SPARSE_ARRAYS, *DTYPES, "dense", "sparse")}
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -105,12 +128,30 @@ class BlockSigner:
         """Whether this signer can vouch for ``footer``'s blocks: ``CorruptBlock`` for a
         plain segment under a keyed signer, ``Unverifiable`` for a segment keyed with
         another key (or any key, under a plain signer)."""
-        if footer.scheme == self.scheme and footer.key_id == self.key_id:
+        self.check_scheme(footer.scheme, footer.key_id, footer.path)
+
+    def check_scheme(self, scheme: str, key_id: Optional[str], path: str) -> None:
+        """``check`` from a segment's trailer, before its footer is read."""
+        if scheme == self.scheme and key_id == self.key_id:
             return
-        if self.scheme == KEYED and footer.scheme == PLAIN:
-            raise CorruptBlock(f"{footer.path}: written without the cluster key (plain checksums), rejected")
-        raise Unverifiable(f"{footer.path}: blocks keyed with {'another' if self._key else 'a'} key "
-                           f"({footer.key_id}), cannot be checked here")
+        if self.scheme == KEYED and scheme == PLAIN:
+            raise CorruptBlock(f"{path}: written without the cluster key (plain checksums), rejected")
+        raise Unverifiable(f"{path}: blocks keyed with {'another' if self._key else 'a'} key "
+                           f"({key_id}), cannot be checked here")
+
+    def footer_mac(self, trailer_fields: bytes, footer: Buffer) -> bytes:
+        """16 bytes over the trailer's fields and the footer's bytes: a CRC-32 (then zeros)
+        without a key, a truncated HMAC-SHA256 with one."""
+        if self._key is None:
+            return struct.pack("<I", zlib.crc32(footer, zlib.crc32(trailer_fields, zlib.crc32(_FOOTER_DOMAIN)))) \
+                + bytes(_DIGEST - 4)
+        h = hmac.new(self._key, _FOOTER_DOMAIN, hashlib.sha256)
+        h.update(trailer_fields)
+        h.update(footer)
+        return h.digest()[:_DIGEST]
+
+    def _key_id_bytes(self) -> bytes:
+        return bytes(8) if self.key_id is None else bytes.fromhex(self.key_id)
 
     def mac(self, split_key: str, block: "BlockDesc", data: list[Buffer]) -> str:
         descriptor = json.dumps([split_key, block.key, block.kind, block.rows,
@@ -128,7 +169,11 @@ class BlockSigner:
         return h.hexdigest()[:2 * _DIGEST]
 
 
-@dataclass(frozen=True)
+_PLAIN = BlockSigner.plain()  # checks a plain footer's checksum, which anyone can compute
+_FOOTER_OVERHEAD = 512  # a Footer object, its attribute dict and its key id
+
+
+@dataclass(frozen=True, slots=True)
 class ArrayDesc:
     name: str
     dtype: str  # numpy dtype.str, little endian
@@ -137,7 +182,7 @@ class ArrayDesc:
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlockDesc:
     key: str
     kind: str  # "dense" | "sparse"
@@ -162,6 +207,7 @@ class Footer:
     key_id: Optional[str]
     blocks: dict[str, BlockDesc]
     nbytes: int  # footer JSON + trailer
+    memory: int = 0  # bytes its objects take in memory (what the footer cache's budget counts)
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -215,13 +261,27 @@ def encode_segment(split_key: str, blocks: Mapping[str, Column], signer: BlockSi
             pos += buf.nbytes
         desc = BlockDesc(key, kind, len(column), tuple(arrays), "")
         descs.append(BlockDesc(key, kind, desc.rows, desc.arrays, signer.mac(split_key, desc, data)))
+    if len(descs) > MAX_BLOCKS:
+        raise ValueError(f"{len(descs)} blocks in one segment: at most {MAX_BLOCKS} (write several segments)")
     footer = {"version": VERSION, "split": split_key, "mac": signer.scheme, "key_id": signer.key_id,
               "blocks": [{"key": d.key, "kind": d.kind, "rows": d.rows, "mac": d.mac,
                           "arrays": [{"name": a.name, "dtype": a.dtype, "shape": list(a.shape), "offset": a.offset,
                                       "length": a.length} for a in d.arrays]} for d in descs]}
     raw = json.dumps(footer, sort_keys=True, separators=(",", ":")).encode()
-    pieces += [raw, struct.pack("<I", len(raw)), MAGIC]
+    if len(raw) > _footer_bound(len(descs)):  # cannot happen with checked keys; never write what readers refuse
+        raise ValueError(f"a footer of {len(raw)} bytes for {len(descs)} blocks is over the bound readers enforce")
+    fields = _trailer_fields(len(raw), len(descs), signer.scheme, signer._key_id_bytes())
+    pieces += [raw, fields, signer.footer_mac(fields, raw), MAGIC]
     return pieces
+
+
+def _trailer_fields(length: int, blocks: int, scheme: str, key_id: bytes) -> bytes:
+    """The trailer but its MAC and magic: what the footer MAC covers besides the footer."""
+    return _TRAILER.pack(length, blocks, _SCHEME_CODES[scheme], key_id, b"")[:-_DIGEST]
+
+
+def _footer_bound(blocks: int) -> int:
+    return FOOTER_BASE + blocks * MAX_ENTRY
 
 
 def check_key(key: str, what: str) -> None:
@@ -233,49 +293,110 @@ def check_key(key: str, what: str) -> None:
 # -- reading ---------------------------------------------------------------------------
 
 
-def footer_length(tail: Buffer, size: int, path: str) -> int:
-    """How many bytes at the end of the file the footer and trailer take, from the
-    file's last bytes ``tail`` (at least ``TRAILER`` of them)."""
+@dataclass(frozen=True)
+class Trailer:
+    """A segment's fixed trailer, read before anything else of it."""
+
+    length: int  # footer bytes
+    blocks: int
+    scheme: str
+    key_id: Optional[str]
+    mac: bytes  # the footer's
+    fields: bytes  # what the footer MAC covers besides the footer
+
+    @property
+    def total(self) -> int:
+        """Bytes at the end of the file that footer and trailer take."""
+        return self.length + TRAILER
+
+
+def read_trailer(tail: Buffer, size: int, path: str, signer: Optional[BlockSigner] = None) -> Trailer:
+    """The trailer of a segment of ``size`` bytes from its last bytes ``tail`` (at least
+    ``TRAILER`` of them), bounded and, given a ``signer``, checked to be one it can vouch
+    for, all before a byte of the footer is read: ``CorruptBlock`` for anything out of
+    bounds or a plain segment under a keyed signer, ``Unverifiable`` for another key."""
     tail = memoryview(tail)
-    if size < TRAILER or len(tail) < TRAILER or bytes(tail[-len(MAGIC):]) != MAGIC:
+    if size < TRAILER or len(tail) < TRAILER:
+        raise CorruptBlock(f"{path}: not a segment (shorter than its trailer)")
+    magic = bytes(tail[-len(MAGIC):])
+    if magic in OLD_MAGICS:
+        raise CorruptBlock(f"{path}: a segment of an older format ({magic.decode()}), not read")
+    if magic != MAGIC:
         raise CorruptBlock(f"{path}: not a segment (no {MAGIC.decode()} trailer)")
-    (length,) = struct.unpack("<I", tail[-TRAILER:-len(MAGIC)])
-    if length > MAX_FOOTER or length + TRAILER > size:
-        raise CorruptBlock(f"{path}: footer of {length} bytes does not fit (file {size} bytes, at most {MAX_FOOTER})")
-    return length + TRAILER
+    raw = bytes(tail[-TRAILER:-len(MAGIC)])
+    length, blocks, code, key_bytes, mac = _TRAILER.unpack(raw)
+    scheme = _SCHEMES.get(code)
+    if scheme is None or (scheme == PLAIN) != (key_bytes == bytes(8)):
+        raise CorruptBlock(f"{path}: bad MAC scheme in the trailer")
+    if blocks > MAX_BLOCKS or length > min(MAX_FOOTER, _footer_bound(blocks)) or length + TRAILER > size:
+        raise CorruptBlock(f"{path}: a footer of {length} bytes for {blocks} blocks is refused unread (file {size} "
+                           f"bytes; at most {MAX_BLOCKS} blocks and {FOOTER_BASE} + {MAX_ENTRY} bytes a block)")
+    key_id = None if scheme == PLAIN else key_bytes.hex()
+    if signer is not None:
+        signer.check_scheme(scheme, key_id, path)
+    return Trailer(length, blocks, scheme, key_id, mac, raw[:-_DIGEST])
 
 
-def read_footer(tail: Buffer, size: int, path: str) -> Footer:
+def footer_length(tail: Buffer, size: int, path: str, signer: Optional[BlockSigner] = None) -> int:
+    """How many bytes at the end of the file the footer and trailer take, from the
+    file's last bytes ``tail`` (``read_trailer``'s checks first)."""
+    return read_trailer(tail, size, path, signer).total
+
+
+def read_footer(tail: Buffer, size: int, path: str, signer: Optional[BlockSigner] = None) -> Footer:
     """The checked footer of a segment of ``size`` bytes from its last bytes ``tail``
-    (at least ``footer_length`` of them). Offsets and lengths are checked to lie in the
-    data part of the file; MACs are checked per block by ``decode_block``."""
-    total = footer_length(tail, size, path)
+    (at least ``footer_length`` of them). In order, each before the next is looked at:
+    the trailer (``read_trailer``: bounds, and whether ``signer`` can vouch for the
+    scheme); the footer's MAC over its bytes (with ``signer``; without one, only a plain
+    segment's checksum, which anyone can compute); the nesting the block count allows;
+    then the JSON and every field. Offsets and lengths are checked to lie in the data part
+    of the file; block MACs are checked per block by ``decode_block``."""
+    trailer = read_trailer(tail, size, path, signer)
+    total = trailer.total
     tail = memoryview(tail)
     if len(tail) < total:
         raise CorruptBlock(f"{path}: footer needs {total} bytes, given {len(tail)}")
+    raw = tail[len(tail) - total:len(tail) - TRAILER]
+    checker = signer if signer is not None else (_PLAIN if trailer.scheme == PLAIN else None)
+    if checker is not None and not hmac.compare_digest(checker.footer_mac(trailer.fields, raw), trailer.mac):
+        raise CorruptBlock(f"{path}: footer MAC mismatch")
+    data = bytes(raw)
+    if data.count(b"{") + data.count(b"[") > 2 + 10 * trailer.blocks:  # nesting and containers, unparsed
+        raise CorruptBlock(f"{path}: footer has more objects and arrays than {trailer.blocks} blocks need")
     try:
-        doc = json.loads(bytes(tail[len(tail) - total:len(tail) - TRAILER]).decode("utf-8"))
-        return _footer(doc, size - total, path, total)
+        doc = json.loads(data.decode("utf-8"))
+        return _footer(doc, trailer, size - total, path, total)
     except CorruptBlock:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:  # RecursionError: [[[[...
         raise CorruptBlock(f"{path}: bad footer: {e}") from None
 
 
-def _footer(doc: dict, data_end: int, path: str, nbytes: int) -> Footer:
+def _footer(doc: dict, trailer: Trailer, data_end: int, path: str, nbytes: int) -> Footer:
     _expect(isinstance(doc, dict) and doc.keys() == _FOOTER_FIELDS and doc["version"] == VERSION, path, "",
-            "not a version 1 footer")
+            f"not a version {VERSION} footer")
     split_key, scheme, key_id, entries = doc["split"], doc["mac"], doc["key_id"], doc["blocks"]
     _expect(isinstance(split_key, str) and KEY_PATTERN.fullmatch(split_key) is not None, path, "", "bad split key")
-    _expect(scheme in (PLAIN, KEYED) and (key_id is None) == (scheme == PLAIN)
-            and (key_id is None or isinstance(key_id, str)), path, "", "bad MAC scheme")
-    _expect(isinstance(entries, list) and len(entries) <= MAX_BLOCKS, path, "", "bad block list")
+    _expect(scheme == trailer.scheme and key_id == trailer.key_id, path, "", "MAC scheme differs from the trailer's")
+    _expect(isinstance(entries, list) and len(entries) == trailer.blocks, path, "", "bad block list")
     blocks: dict[str, BlockDesc] = {}
     for entry in entries:
         desc = _block(entry, data_end, path)
         _expect(desc.key not in blocks, path, desc.key, "listed twice")
         blocks[desc.key] = desc
-    return Footer(path, split_key, scheme, key_id, blocks, nbytes)
+    return Footer(path, split_key, trailer.scheme, trailer.key_id, blocks, nbytes, _memory(path, blocks))
+
+
+def _memory(path: str, blocks: dict[str, BlockDesc]) -> int:
+    """What a footer's objects take in memory (``sys.getsizeof`` of each object it alone
+    holds; names, dtypes and kinds are shared constants): its budget in the footer cache."""
+    size = sys.getsizeof
+    total = _FOOTER_OVERHEAD + size(path) + size(blocks)
+    for key, desc in blocks.items():
+        total += size(desc) + size(key) + size(desc.mac) + size(desc.rows) + size(desc.arrays)
+        for a in desc.arrays:
+            total += size(a) + size(a.shape) + size(a.offset) + size(a.length) + sum(size(n) for n in a.shape)
+    return total
 
 
 def _block(entry: dict, data_end: int, path: str) -> BlockDesc:
@@ -290,7 +411,7 @@ def _block(entry: dict, data_end: int, path: str) -> BlockDesc:
     allowed = _DENSE_ARRAYS if kind == "dense" else _SPARSE_ARRAYS
     _expect(names == [n for n in allowed if n in names] and "values" in names
             and (kind == "dense" or "offsets" in names), path, key, f"bad arrays {names} for a {kind} block")
-    desc = BlockDesc(key, kind, rows, descs, mac)
+    desc = BlockDesc(key, _SHARED[kind], rows, descs, mac)
     _check_shapes(desc, path)
     return desc
 
@@ -300,6 +421,7 @@ def _array(entry: dict, data_end: int, path: str, key: str) -> ArrayDesc:
     name, dtype, shape, offset, length = (entry["name"], entry["dtype"], entry["shape"], entry["offset"],
                                           entry["length"])
     _expect(name in _SPARSE_ARRAYS and dtype in DTYPES, path, key, f"array {name!r}: dtype {dtype!r} not allowed")
+    name, dtype = _SHARED[name], _SHARED[dtype]  # one string of each, not one per entry
     _expect(isinstance(shape, list) and 1 <= len(shape) <= MAX_DIMS and all(_is_count(n) for n in shape),
             path, key, f"array {name!r}: bad shape")
     _expect(_is_count(offset) and _is_count(length) and offset + length <= data_end, path, key,
@@ -358,3 +480,66 @@ def decode_block(footer: Footer, key: str, data: Buffer, signer: BlockSigner) ->
             and not bool(np.any(offsets[1:] < offsets[:-1])), footer.path, key,
             "offsets are not non-decreasing from 0 to len(values)")
     return SparseColumn(arrays["values"], offsets, arrays.get("weights"), valid)
+
+
+# -- the footer cache ------------------------------------------------------------------
+
+
+Refusal = Union[CorruptBlock, Unverifiable]
+
+
+class FooterCache:
+    """Parsed footers by (cache location, segment path), and the segments refused, least
+    recently used out past a budget of the bytes their objects take in memory
+    (``Footer.memory``; a refusal: its message and a little more), not of their JSON.
+    Segments are immutable and never renamed, so a path's footer never changes; a refusal
+    is kept per signer (another key may vouch for what this one cannot) and file size, so
+    a planted segment costs its trailer's or footer's read once per process, not once per
+    lookup."""
+
+    def __init__(self, budget: int):
+        self._budget = budget
+        self._used = 0
+        self._items: OrderedDict[tuple, tuple[Union[Footer, Refusal], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        """Bytes held, as the budget counts them."""
+        with self._lock:
+            return self._used
+
+    def get(self, key: tuple[str, str]) -> Optional[Footer]:
+        item = self._get(key)
+        return item if isinstance(item, Footer) else None
+
+    def put(self, key: tuple[str, str], footer: Footer) -> None:
+        self._put(key, footer, footer.memory or footer.nbytes)
+
+    def refusal(self, key: tuple[str, str], signer: BlockSigner, size: int) -> Optional[Refusal]:
+        """The error that refused this segment (of this size) under this signer before, if any."""
+        item = self._get((*key, signer.scheme, signer.key_id, size))
+        # A fresh instance to raise: one raised again and again would grow its traceback.
+        return type(item)(*item.args) if isinstance(item, (CorruptBlock, Unverifiable)) else None
+
+    def refuse(self, key: tuple[str, str], signer: BlockSigner, size: int, error: Refusal) -> None:
+        kept = type(error)(*error.args)  # without the traceback (and the frames it holds)
+        self._put((*key, signer.scheme, signer.key_id, size), kept, 256 + sys.getsizeof(str(kept)))
+
+    def _get(self, key: tuple) -> Union[Footer, Refusal, None]:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
+
+    def _put(self, key: tuple, value: Union[Footer, Refusal], cost: int) -> None:
+        with self._lock:
+            if key in self._items or cost > self._budget:  # what alone exceeds the budget is not kept
+                return
+            self._items[key] = (value, cost)
+            self._used += cost
+            while self._used > self._budget:
+                _, (_, old) = self._items.popitem(last=False)
+                self._used -= old

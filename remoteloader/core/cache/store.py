@@ -11,6 +11,14 @@ deleted mid-read, a bad footer or MAC, or storage slower than ``timeout_s`` make
 counted, and the caller computes the blocks. Writes are atomic (temp + rename on a local
 filesystem, one complete object on an object store), so a reader sees a whole segment or
 none; a killed writer leaves at most a temp file, which readers skip and ``gc`` removes.
+
+Every name is used through ``fs`` (``LocalTree`` on this machine's disk, ``RemoteTree`` on an
+object store): relative to the root, never through a symlink, so a link or a non-regular
+file planted in the cache is skipped and counted (``skipped``), never followed, listed,
+read, touched or deleted; a private cache (the default) also skips another user's entries.
+A split's ``used`` marker is touched only once one of its blocks has verified. With
+``max_bytes`` (``--cache-max-bytes``) a write first evicts least recently used splits to
+fit under the bound, under the root's lock, or is dropped (counted) when it cannot fit.
 """
 from __future__ import annotations
 
@@ -21,19 +29,19 @@ import queue
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field, fields
-from typing import Callable, Collection, Mapping, Optional, TypeVar
+from typing import Callable, Collection, Mapping, Optional, Sequence, TypeVar, Union
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 
 from ...columns import Column
 from ...formats import DEFAULT_COALESCE_GAP, IOStats, open_filesystem
 from ...formats.fs import target
 from ...formats.prefetch import PrefetchedFile, merge_ranges
-from .segments import (BlockSigner, CorruptBlock, Footer, Unverifiable, check_key, decode_block, encode_segment,
-                       footer_length, read_footer)
+from ...formats.slowfs import is_slow_uri, split_slow_uri
+from .fs import Entry, LocalTree, RemoteTree, Skipped
+from .segments import (BlockSigner, CorruptBlock, Footer, FooterCache, Unverifiable, check_key, decode_block,
+                       encode_segment, footer_length, read_footer)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,9 @@ USED = "used"
 TAIL_GUESS = 64 << 10  # one request reads the footer of a segment of up to ~1000 blocks
 TOUCH_INTERVAL_S = 3600.0  # a split's `used` marker is rewritten at most this often per process
 TEMP_MAX_AGE_S = 3600.0  # older temp files are a killed writer's: gc deletes them
+USAGE = ".usage"  # v1/.usage: the bytes the cache holds as bounded writers and gc last counted (local)
+USAGE_BYTES = 32  # what v1/.usage may take ("<bytes> <unix s>\n"): kept free under the bound
+RESCAN_S = 60.0  # a bounded writer trusts that count this long, then lists the cache again
 _FOOTER_CACHE_BYTES = 32 << 20
 _LOOKUP_THREADS = 4
 
@@ -110,6 +121,7 @@ class GcResult:
     deleted_bytes: int
     deleted_temps: int
     remaining_bytes: int
+    skipped: int = 0  # entries set aside (links, non-regular files, other users' in a private cache): kept
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,7 @@ class VerifyResult:
     corrupt: list[tuple[str, str]]  # (segment path, reason)
     unverifiable: list[tuple[str, str]]
     deleted: list[str]
+    skipped: int = 0  # entries set aside, never read or deleted (see GcResult)
 
 
 @dataclass
@@ -126,45 +139,18 @@ class _Split:
     """One split directory as a listing shows it (no file read)."""
 
     directory: str
-    segments: list[pafs.FileInfo] = field(default_factory=list)
-    temps: list[pafs.FileInfo] = field(default_factory=list)
+    segments: list[Entry] = field(default_factory=list)
+    temps: list[Entry] = field(default_factory=list)
     used: Optional[float] = None  # marker mtime
     nbytes: int = 0
 
     @property
     def last_used(self) -> float:
-        return max([self.used or 0.0, *(_mtime(s) for s in self.segments)])
+        return max([self.used or 0.0, *(s.mtime for s in self.segments)])
 
 
-class _FooterCache:
-    """Parsed footers by segment path, least recently used out past a byte budget.
-    Segments are immutable and never renamed, so a path's footer never changes."""
-
-    def __init__(self, budget: int):
-        self._budget = budget
-        self._used = 0
-        self._items: OrderedDict[tuple[str, str], Footer] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, str]) -> Optional[Footer]:
-        with self._lock:
-            footer = self._items.get(key)
-            if footer is not None:
-                self._items.move_to_end(key)
-            return footer
-
-    def put(self, key: tuple[str, str], footer: Footer) -> None:
-        with self._lock:
-            if key in self._items:
-                return
-            self._items[key] = footer
-            self._used += footer.nbytes
-            while self._used > self._budget and len(self._items) > 1:
-                _, old = self._items.popitem(last=False)
-                self._used -= old.nbytes
-
-
-FOOTERS = _FooterCache(_FOOTER_CACHE_BYTES)
+# Parsed footers and refused segments, within a budget of the memory they hold (segments.py).
+FOOTERS = FooterCache(_FOOTER_CACHE_BYTES)
 
 
 class _Deadline:
@@ -204,21 +190,44 @@ class _Deadline:
 
 
 class BlockStore:
-    """Segments of blocks under ``uri``, checked with ``signer`` (see the module docstring)."""
+    """Segments of blocks under ``uri``, checked with ``signer`` (see the module docstring).
+
+    ``shared``: the location may be shared with other users (``--cache-shared``): it need
+    not be this user's, and others' entries are used (their blocks still verify or not);
+    otherwise a local location must be this user's and writable by nobody else
+    (``fs.LocationRefused``). ``create``: make a missing local location (0700); without
+    it a missing location is an empty cache. ``max_bytes``: every write keeps the cache
+    under it (evicting least recently used splits first, or dropping the write).
+    ``private_levels``: the project's own directories above the location, tightened."""
 
     def __init__(self, uri: str, signer: BlockSigner, *, timeout_s: float = 10.0,
-                 coalesce_gap: int = DEFAULT_COALESCE_GAP):
+                 coalesce_gap: int = DEFAULT_COALESCE_GAP, shared: bool = False, create: bool = True,
+                 max_bytes: Optional[int] = None, private_levels: Sequence[str] = ()):
         self.uri = uri
         self.signer = signer
         self.timeout_s = timeout_s
         self.coalesce_gap = coalesce_gap
+        self.max_bytes = max_bytes
         self.counters = CacheCounters()
-        self._fs, root = open_filesystem(uri)
-        self._local = target(uri).local  # temp + rename; an object store needs neither directories nor renames
-        self._base = posixpath.join(root.rstrip("/") or "/", LAYOUT)
+        where = target(uri)
+        self._tree: Union[LocalTree, RemoteTree]
+        if where.local:  # held open by descriptor; a slow+file:// location keeps its simulated slowness
+            self._tree = LocalTree(where.path, shared=shared, create=create, private_levels=private_levels,
+                                   slowness=split_slow_uri(uri)[1] if is_slow_uri(uri) else None)
+        else:
+            fs, root = open_filesystem(uri)
+            self._tree = RemoteTree(fs, root)
+        self._tree.tighten((LAYOUT,))
+        self._base = posixpath.join(self._tree.path, LAYOUT)
         self._deadline = _Deadline(_LOOKUP_THREADS)
         self._touched: dict[str, float] = {}
         self._touch_lock = threading.Lock()
+        self._usage: tuple[Optional[int], float] = (None, 0.0)  # bytes held, when last listed (see _make_room)
+
+    @property
+    def skipped(self) -> int:
+        """Entries set aside so far: links, non-regular files, other users' in a private cache."""
+        return self._tree.skipped
 
     def close(self) -> None:
         """Stop the lookup threads (a hung one ends with its request)."""
@@ -227,6 +236,18 @@ class BlockStore:
     def split_directory(self, split_key: str) -> str:
         check_key(split_key, "split key")
         return posixpath.join(self._base, split_key[:2], split_key)
+
+    @staticmethod
+    def _parts(split_key: str) -> tuple[str, ...]:
+        check_key(split_key, "split key")
+        return (LAYOUT, split_key[:2], split_key)
+
+    def _parts_of(self, directory: str) -> tuple[str, ...]:
+        """The parts under the root of a split directory named by ``split_directory``."""
+        prefix = self._base.rstrip("/") + "/"
+        if not directory.startswith(prefix):
+            raise ValueError(f"{directory!r} is not a split directory of {self._base!r}")
+        return (LAYOUT, *directory[len(prefix):].split("/"))
 
     # -- lookup -----------------------------------------------------------------------
 
@@ -265,8 +286,6 @@ class BlockStore:
     def _lookup(self, directory: str, split_key: str, wanted: set[str], stats: IOStats) -> Lookup:
         result = Lookup()
         segments = self._list(directory).segments
-        if segments:
-            self._touch(split_key, directory)
         for info in sorted(segments, key=lambda i: posixpath.basename(i.path), reverse=True):  # newest first
             todo = wanted - result.found.keys()
             if not todo:
@@ -276,17 +295,26 @@ class BlockStore:
             except (CorruptBlock, Unverifiable, OSError, ValueError, pa.ArrowException) as e:
                 _count(result, e)
                 log.info("cache segment %s set aside: %s", info.path, e)
+        if result.found:  # only once a block of the split has verified: nothing planted is touched first
+            self._touch(split_key, directory)
         return result
 
-    def _read_segment(self, info: pafs.FileInfo, split_key: str, todo: set[str], stats: IOStats,
+    def _read_segment(self, info: Entry, split_key: str, todo: set[str], stats: IOStats,
                       result: Lookup) -> None:
         """Adds to ``result`` the blocks of ``todo`` this segment holds and that verify."""
         cache_key = (self.uri, info.path)
+        refused = FOOTERS.refusal(cache_key, self.signer, info.size)
+        if refused is not None:  # refused before (bounds, scheme, footer MAC): not read again
+            raise refused
         footer = FOOTERS.get(cache_key)
-        with self._fs.open_input_file(info.path) as source:
+        with self._tree.open_read(info) as source:
             file = PrefetchedFile(source, info.size, stats)
             if footer is None:
-                footer = _fetch_footer(file, info.path)
+                try:
+                    footer = _fetch_footer(file, info.path, self.signer)
+                except (CorruptBlock, Unverifiable) as e:
+                    FOOTERS.refuse(cache_key, self.signer, info.size, e)
+                    raise
                 FOOTERS.put(cache_key, footer)
             if footer.split_key != split_key:
                 raise CorruptBlock(f"{info.path}: a segment of split {footer.split_key!r} in {split_key!r}'s directory")
@@ -319,40 +347,84 @@ class BlockStore:
             if len(self._touched) > 100_000:  # forget splits whose interval has passed
                 self._touched = {k: t for k, t in self._touched.items() if now - t < TOUCH_INTERVAL_S}
         try:
-            with self._fs.open_output_stream(posixpath.join(directory, USED)) as out:
-                out.write(b"")
-        except (OSError, pa.ArrowException) as e:
+            self._tree.touch((*self._parts_of(directory), USED))
+        except (OSError, pa.ArrowException) as e:  # a link or another user's marker: Skipped, counted
             log.info("cache: cannot mark split %s used: %s", split_key, e)
 
     # -- write ------------------------------------------------------------------------
 
     def write(self, split_key: str, blocks: Mapping[str, Column]) -> int:
         """Writes ``blocks`` as one new segment of ``split_key``, atomically; the bytes
-        written. Raises on a write failure (the background writer counts it)."""
-        directory = self.split_directory(split_key)
+        written. Raises on a write failure (the background writer counts it). With
+        ``max_bytes``, least recently used splits are evicted first so that the cache stays
+        under it; a segment that cannot fit (larger than the bound, or the lock not had
+        within ``timeout_s``) is not written: 0, counted as ``dropped``."""
+        parts = self._parts(split_key)
         start = time.perf_counter()  # encoding and checksums count: they are what a put costs a worker
         pieces = encode_segment(split_key, blocks, self.signer)
         name = f"{time.time_ns() // 1_000_000:015d}-{secrets.token_hex(8)}{SUFFIX}"
-        final = posixpath.join(directory, name)
-        if self._local:
-            self._fs.create_dir(directory, recursive=True)
-            temp = posixpath.join(directory, TEMP_PREFIX + name)
-            try:
-                nbytes = self._write_object(temp, pieces)
-                self._fs.move(temp, final)
-            except BaseException:
-                _delete_quietly(self._fs, temp)
-                raise
+        if self.max_bytes is None:
+            nbytes = self._tree.write_new(parts, name, TEMP_PREFIX + name, pieces)
         else:
-            nbytes = self._write_object(final, pieces)
+            size = sum(memoryview(p).nbytes for p in pieces)
+            with self._tree.lock(self.timeout_s) as held:  # one bounded writer at a time on this host
+                room = held and self._make_room(size)
+                if room:
+                    nbytes = self._tree.write_new(parts, name, TEMP_PREFIX + name, pieces)
+                    total, scanned = self._usage
+                    self._save_usage(total + nbytes, scanned)
+            if not room:
+                self.counters.add(dropped=1)
+                log.info("cache write of split %s (%d bytes) dropped: %s", split_key, size,
+                         "no room under --cache-max-bytes" if held else "the cache's lock was busy")
+                return 0
         self.counters.add(puts=1, put_bytes=nbytes, write_seconds=time.perf_counter() - start)
         return nbytes
 
-    def _write_object(self, path: str, pieces: list) -> int:
-        with self._fs.open_output_stream(path) as out:
-            for piece in pieces:
-                out.write(piece)
-        return sum(memoryview(p).nbytes for p in pieces)
+    def _make_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit under ``max_bytes``, after evicting least recently used
+        splits if they would not (the caller holds the lock). The bytes held are counted in
+        ``v1/.usage``, which every bounded writer and gc on this host updates under the lock,
+        and counted afresh (one listing of the cache) when that count is missing, older than
+        ``RESCAN_S`` (writers without a bound, deletions by hand) or says the write would
+        not fit. Eviction then goes a tenth of the bound further, so that the writes after
+        it need no listing."""
+        bound = self.max_bytes - (USAGE_BYTES if self._tree.local else 0)
+        if nbytes > bound:
+            return False
+        total, scanned = self._load_usage()
+        now = time.time()
+        if total is None or not 0 <= now - scanned <= RESCAN_S or total + nbytes > bound:
+            target = bound - nbytes
+            if total is not None and total + nbytes > bound and target >= bound // 10:
+                target -= bound // 10
+            total, scanned = self._gc(target).remaining_bytes, now
+            self._save_usage(total, scanned)
+        return total + nbytes <= bound
+
+    def _load_usage(self) -> tuple[Optional[int], float]:
+        """(bytes, when they were last listed) from ``v1/.usage`` on a local cache (else this
+        process's own count); (None, 0) when there is none or it does not parse."""
+        data = self._tree.read_small((LAYOUT, USAGE), USAGE_BYTES) if self._tree.local else None
+        if data is not None:
+            try:
+                total, scanned = (float(x) for x in data.decode("ascii").split())
+                if total >= 0:
+                    self._usage = (int(total), scanned)
+            except ValueError:
+                return None, 0.0
+        elif self._tree.local:
+            return None, 0.0
+        return self._usage
+
+    def _save_usage(self, total: int, scanned: float) -> None:
+        self._usage = (total, scanned)
+        if self._tree.local:
+            try:
+                tag = secrets.token_hex(8)
+                self._tree.write_new((LAYOUT,), USAGE, f"{USAGE}.{tag}", [f"{total} {int(scanned)}\n".encode()])
+            except OSError as e:  # the next bounded write lists the cache again
+                log.info("cache: cannot record its size: %s", e)
 
     # -- operations -------------------------------------------------------------------
 
@@ -372,22 +444,32 @@ class BlockStore:
 
     def remove(self, split_key: str) -> None:
         """Deletes every segment of ``split_key`` (the master's rate probe cleans up after itself)."""
-        try:
-            self._fs.delete_dir(self.split_directory(split_key))
-        except FileNotFoundError:
-            pass
+        self._tree.remove_dir(self._parts(split_key))
 
     def gc(self, max_bytes: int) -> GcResult:
         """Deletes whole splits, least recently used first, until the cache holds at most
         ``max_bytes``; first the temp files of writers killed over an hour ago, and
-        directories left with no segment (only a `used` marker)."""
+        directories left with no segment (only a `used` marker). Takes the root's lock
+        when it can within ``timeout_s`` (bounded writers wait), and runs anyway otherwise:
+        it only ever deletes the cache's own regular files."""
+        with self._tree.lock(self.timeout_s) as held:
+            # Bounded writers keep v1/.usage on a local cache: room for it too, and its count renewed.
+            ledger = self._tree.local and (self.max_bytes is not None or
+                                           self._tree.read_small((LAYOUT, USAGE), USAGE_BYTES) is not None)
+            result = self._gc(max(0, max_bytes - USAGE_BYTES) if ledger else max_bytes)
+            if held and (ledger or self.max_bytes is not None):  # the count bounded writers trust, as of now
+                self._save_usage(result.remaining_bytes, time.time())
+            return result
+
+    def _gc(self, max_bytes: int) -> GcResult:
+        skipped = self._tree.skipped
         splits = self._scan()
         now = time.time()
         temps = 0
         for split in splits.values():
-            stale = [t for t in split.temps if now - _mtime(t) > TEMP_MAX_AGE_S]
+            stale = [t for t in split.temps if now - t.mtime > TEMP_MAX_AGE_S]
             for info in stale:
-                _delete_quietly(self._fs, info.path)
+                self._delete_quietly(info)
                 split.nbytes -= info.size
             split.temps = [t for t in split.temps if t not in stale]
             temps += len(stale)
@@ -397,14 +479,11 @@ class BlockStore:
             if total <= max_bytes and (split.segments or split.temps):  # a bare marker goes anyway
                 continue
             nbytes = split.nbytes
-            try:
-                self._fs.delete_dir(split.directory)
-            except FileNotFoundError:  # another gc got there first
-                pass
+            self._tree.remove_dir(self._parts_of(split.directory))  # another gc got there first: nothing
             total -= nbytes
             deleted += 1
             deleted_bytes += nbytes
-        return GcResult(deleted, deleted_bytes, temps, total)
+        return GcResult(deleted, deleted_bytes, temps, total, self._tree.skipped - skipped)
 
     def verify(self, delete: bool = False) -> VerifyResult:
         """Reads and checks every block of every segment (the footer parsed afresh, not
@@ -414,6 +493,7 @@ class BlockStore:
         corrupt: list[tuple[str, str]] = []
         unverifiable: list[tuple[str, str]] = []
         deleted: list[str] = []
+        skipped = self._tree.skipped
         for split_key, split in sorted(self._scan().items()):
             for info in split.segments:
                 segments += 1
@@ -421,17 +501,18 @@ class BlockStore:
                     blocks += self._verify_segment(info, split_key)
                 except Unverifiable as e:
                     unverifiable.append((info.path, str(e)))
+                except Skipped:  # swapped for a link since the listing: never read, never deleted
+                    segments -= 1
                 except (CorruptBlock, OSError, ValueError, pa.ArrowException) as e:
                     corrupt.append((info.path, str(e)))
-                    if delete:
-                        _delete_quietly(self._fs, info.path)
+                    if delete and self._delete_quietly(info):
                         deleted.append(info.path)
-        return VerifyResult(segments, blocks, corrupt, unverifiable, deleted)
+        return VerifyResult(segments, blocks, corrupt, unverifiable, deleted, self._tree.skipped - skipped)
 
-    def _verify_segment(self, info: pafs.FileInfo, split_key: str) -> int:
-        with self._fs.open_input_file(info.path) as source:
+    def _verify_segment(self, info: Entry, split_key: str) -> int:
+        with self._tree.open_read(info) as source:
             data = source.read_at(info.size, 0)
-        footer = read_footer(data, info.size, info.path)
+        footer = read_footer(data, info.size, info.path, self.signer)
         if footer.split_key != split_key:
             raise CorruptBlock(f"{info.path}: a segment of split {footer.split_key!r} in {split_key!r}'s directory")
         self.signer.check(footer)
@@ -439,10 +520,10 @@ class BlockStore:
             decode_block(footer, key, memoryview(data)[desc.start:desc.end], self.signer)
         return len(footer.blocks)
 
-    def _footer(self, info: pafs.FileInfo) -> Footer:
+    def _footer(self, info: Entry) -> Footer:
         footer = FOOTERS.get((self.uri, info.path))
         if footer is None:
-            with self._fs.open_input_file(info.path) as source:
+            with self._tree.open_read(info) as source:
                 footer = _fetch_footer(PrefetchedFile(source, info.size, IOStats()), info.path)
             FOOTERS.put((self.uri, info.path), footer)
         return footer
@@ -451,47 +532,56 @@ class BlockStore:
 
     def _list(self, directory: str) -> _Split:
         split = _Split(directory)
-        for info in self._fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
+        for info in self._tree.list_files(self._parts_of(directory)):
             _classify(split, info)
         return split
 
     def _scan(self) -> dict[str, _Split]:
-        """Every split directory with its files, from one recursive listing."""
+        """Every split directory with its files (``v1/<xx>/<split>/``), each level opened
+        without following a link: what ls, gc and verify see."""
         splits: dict[str, _Split] = {}
-        prefix = self._base.rstrip("/") + "/"
-        for info in self._fs.get_file_info(pafs.FileSelector(self._base, allow_not_found=True, recursive=True)):
-            parts = info.path[len(prefix):].split("/") if info.path.startswith(prefix) else []
-            if len(parts) != 3 or info.type != pafs.FileType.File:
-                continue
-            split_key = parts[1]
-            split = splits.setdefault(split_key, _Split(posixpath.dirname(info.path)))
-            _classify(split, info)
+        for parts, files in self._tree.leaf_dirs((LAYOUT,), 2):
+            split_key = parts[-1]
+            if not files:
+                continue  # an empty directory holds nothing to count (gc would keep it)
+            split = splits.setdefault(split_key, _Split(posixpath.join(self._base, *parts[1:])))
+            for info in files:
+                _classify(split, info)
         return splits
 
+    def _delete_quietly(self, info: Entry) -> bool:
+        """Deletes the cache's own regular file ``info`` (never a link); whether it went."""
+        try:
+            self._tree.unlink(info.parts)
+            return True
+        except (OSError, pa.ArrowException):
+            return False
 
-def _classify(split: _Split, info: pafs.FileInfo) -> None:
-    if info.type != pafs.FileType.File:
-        return
-    name = info.base_name
+
+def _classify(split: _Split, info: Entry) -> None:
+    name = info.name
     split.nbytes += info.size
     if name.startswith(TEMP_PREFIX):
         split.temps.append(info)
     elif name.endswith(SUFFIX):
         split.segments.append(info)
     elif name == USED:
-        split.used = _mtime(info)
+        split.used = info.mtime
 
 
-def _fetch_footer(file: PrefetchedFile, path: str) -> Footer:
-    """The footer, with one request for a footer within ``TAIL_GUESS`` bytes, two otherwise."""
+def _fetch_footer(file: PrefetchedFile, path: str, signer: Optional[BlockSigner] = None) -> Footer:
+    """The footer, with one request for a footer within ``TAIL_GUESS`` bytes, two otherwise;
+    the trailer is bounded and its scheme checked against ``signer`` before any more is read
+    (``segments.read_footer``; without a signer, as ``ls`` counts blocks, a keyed footer is
+    parsed unverified, within the same bounds)."""
     size = file.size
     first = min(size, TAIL_GUESS)
     file.fetch([(size - first, size)])
-    length = footer_length(file.view(size - first, size), size, path)
+    length = footer_length(file.view(size - first, size), size, path, signer)
     if length > first:
         file.fetch([(size - length, size - first)])
     file.stats.bytes_needed += length
-    return read_footer(file.view(size - length, size), size, path)
+    return read_footer(file.view(size - length, size), size, path, signer)
 
 
 def _count(result: Lookup, error: BaseException, blocks: int = 1) -> None:
@@ -504,12 +594,3 @@ def _count(result: Lookup, error: BaseException, blocks: int = 1) -> None:
         result.faults += blocks
 
 
-def _mtime(info: pafs.FileInfo) -> float:
-    return info.mtime.timestamp() if info.mtime is not None else 0.0
-
-
-def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
-    try:
-        fs.delete_file(path)
-    except (OSError, pa.ArrowException):
-        pass

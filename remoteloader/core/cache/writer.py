@@ -4,7 +4,9 @@ Writing a segment costs encoding, MACs and a storage round trip; a split must no
 any of it, nor fail when it fails. ``submit`` only queues (the blocks are immutable
 columns, so they are queued by reference, not copied); past ``max_pending_bytes`` of
 queued blocks it drops the write and counts it, so a slow cache costs some puts, never
-the worker's memory or time.
+the worker's memory or time. With ``--cache-max-bytes`` the store itself evicts least
+recently used splits before each write, or drops (and counts) one that cannot fit: that
+happens here, on the writer's thread, never on the split's.
 """
 from __future__ import annotations
 
