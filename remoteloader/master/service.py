@@ -31,6 +31,7 @@ from ..spec import DatasetSpec, SpecError, spec_differences
 from . import updates as U
 from ..core.allowlist import TableAllowlist
 from .cache_plan import CachePlanner
+from .history import History
 from .journal import Journal
 from .metrics import RateWindow
 from .state import JobState
@@ -171,6 +172,7 @@ class MasterService:
         self.state = JobState()
         self.rates = RateWindow(config.rate_window_s)
         self.cache = CachePlanner(cache, config.cache_max_bytes, config.popularity_log)
+        self.history = History()  # a bounded picture of the run over time (status with history: true)
         self.decision_log: Callable[[], list[dict]] = list  # the autoscaler's recent decisions, for status (set by it)
         # Workers launched and not yet registered (a Ray actor waiting for room, a process
         # starting), for status: not counted among the workers (set by remoteloader-master).
@@ -286,6 +288,29 @@ class MasterService:
         plan = self.cache.decide(self.state, self.bound, lambda: self.rates.group_totals().get("w", {}), now)
         if plan is not None:
             self._commit(plan)
+        if self.history.due(now):
+            self._sample_history(now)
+
+    def _sample_history(self, now: float) -> None:
+        """One sample of the run for ``history`` (once a second, from the tick)."""
+        st, rates = self.state, self.rates
+        workers = list(st.workers.values())
+        stall: dict[int, float] = {}
+        client_rows, reported = 0.0, False
+        for cid, rank in st.clients.items():
+            stall[rank] = max(stall.get(rank, 0.0), self.client_stall(cid))
+            if "rows" in st.client_stats.get(cid, {}):
+                client_rows, reported = client_rows + rates.rate("c:" + cid, "rows"), True
+        totals = rates.group_totals().get("w", {})
+        self.history.record(
+            now, workers=len(workers), draining=sum(1 for w in workers if w.draining), pending=self.pending_workers(),
+            held_bytes=float(sum(w.stats.get("held_bytes", 0) or 0 for w in workers)),
+            budget_bytes=float(sum(w.stats.get("budget_bytes", 0) or 0 for w in workers)),
+            rows_per_s=sum(rates.rate("w:" + w.worker_id, "rows") for w in workers),
+            client_rows_per_s=client_rows if reported else None, stall=stall,
+            epoch=max((run.epoch for run in st.ranks.values()), default=None),
+            cache_hits=totals.get("cache.hits", 0.0), cache_misses=totals.get("cache.misses", 0.0))
+        self.history.decisions(now, self.decision_log())
 
     def _require_job(self) -> None:
         if self.state.job is None:
@@ -623,7 +648,7 @@ class MasterService:
         return [a for a in acks if a[0] in current.splits]
 
     def _on_status(self, m: M.Status) -> Reply:
-        return M.StatusReply(status=self.status())
+        return M.StatusReply(status=self.status(history=m.history))
 
     def client_stall(self, session: str) -> float:
         """Share of the window the client's training loop spent waiting for batches, the
@@ -647,7 +672,8 @@ class MasterService:
             return None
         return min(1.0, self.rates.rate("w:" + worker_id, "busy_s"))
 
-    def status(self) -> dict:
+    def status(self, history: bool = False) -> dict:
+        """What ``remoteloader status --json`` prints; with ``history``, the run over time too."""
         st, now = self.state, self.clock()
         job = st.job
         ranks = {}
@@ -681,6 +707,7 @@ class MasterService:
             "cache": self.cache.status(self.state, self.bound, self.rates.group_totals().get("w", {})),
             "ranks": ranks,
             "errors": [dict(e, message=redact_text(e["message"])) for e in st.errors[-20:]],  # they name files
+            **({"history": self.history.to_dict()} if history else {}),
         }
 
 
