@@ -15,6 +15,7 @@ from typing import Mapping, Optional, Sequence
 from ..formats import (
     DataFile,
     TableError,
+    Skipped,
     list_table,
     read_schema,
     virtual_column_kind,
@@ -43,6 +44,7 @@ class BoundDataset:
     read_columns: list[str]  # every table column a worker reads: features, label, passthrough
     files: Optional[list[DataFile]] = None  # the master's view; workers get files per split
     skipped: list[str] = field(default_factory=list)  # files left out by on_error: skip, with the reason
+    ignored: list[str] = field(default_factory=list)  # files under the table's path of another format
 
     @property
     def sparse_keys(self) -> list[str]:
@@ -56,14 +58,19 @@ def bind(spec: DatasetSpec) -> BoundDataset:
     unrelated column is fine. A file that lacks a read column or has it with another
     type fails the bind (``on_error: fail``) or is left out and reported (``skip``).
     """
+    left_out = Skipped()
     try:
-        files = list_table(spec.table.path, spec.table.format, spec.table.partitions)
+        files = list_table(spec.table.path, spec.table.format, spec.table.partitions, skipped=left_out)
         with ThreadPoolExecutor(8) as pool:
             schemas = list(pool.map(read_schema, files))
     except TableError as e:
         raise SpecError(f"table: {e}") from None
+    if left_out.unreadable and spec.on_error != "skip":
+        more = f" (and {len(left_out.unreadable) - 1} more)" if len(left_out.unreadable) > 1 else ""
+        raise SpecError(f"table: data file {left_out.unreadable[0]}{more}: fix or remove it, or set on_error: skip "
+                        "to leave it out (reported)")
     bound = bind_schema(spec, _majority_schema(schemas))
-    kept, skipped = [], []
+    kept, skipped = [], [f"{u} skipped (on_error: skip)" for u in left_out.unreadable]
     for f, schema in zip(files, schemas):
         stored = sorted({_stored_column(c) for c in bound.read_columns})
         problem = next((f"column {c!r} is {schema.get(c, 'missing')} in {f.path}, "
@@ -77,7 +84,7 @@ def bind(spec: DatasetSpec) -> BoundDataset:
             raise SpecError(f"table: {problem}")
     if not kept:
         raise SpecError(f"table: no readable file left in {spec.table.path!r}: {'; '.join(skipped)[:2000]}")
-    bound.files, bound.skipped = kept, skipped
+    bound.files, bound.skipped, bound.ignored = kept, skipped, left_out.ignored
     return bound
 
 

@@ -14,7 +14,7 @@ from .maps import flat_name, virtual_column_kind
 from .prefetch import DEFAULT_COALESCE_GAP, clear_tail_cache
 from .slowfs import PROFILES, SLOW_IO
 from .split import read_split, read_units
-from .table import list_table, read_schema, table_schema
+from .table import Skipped, list_table, read_schema, table_schema
 from .types import DataFile, IOStats, TableError, Unit
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "clear_tail_cache",
     "column_kind",
     "flat_name",
+    "Skipped",
     "list_table",
     "open_filesystem",
     "read_schema",

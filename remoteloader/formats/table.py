@@ -10,6 +10,7 @@ import hashlib
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
@@ -39,10 +40,23 @@ def format_module(fmt: str, where: str) -> ModuleType:
         raise TableError(f"{where}: unknown format {fmt!r} (orc | parquet)") from None
 
 
-def list_table(path: str, format: Optional[str] = None, partitions: Optional[Sequence[str]] = None) -> list[DataFile]:
+@dataclass
+class Skipped:
+    """What a listing left out, each entry ``PATH: why``: ``unreadable`` data files (a
+    dangling symlink, a file this user may not read: local paths) and ``ignored`` files
+    that are not of the table's format."""
+
+    unreadable: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+
+def list_table(path: str, format: Optional[str] = None, partitions: Optional[Sequence[str]] = None,
+               skipped: Optional[Skipped] = None) -> list[DataFile]:
     """The table's data files sorted by path (the canonical row order), each with its
     units read from the footer. ``partitions`` keeps the files whose partition dir equals
-    an entry or lies under it; an entry that matches nothing is an error."""
+    an entry or lies under it; an entry that matches nothing is an error. Nothing is left
+    out in silence: an unreadable data file is a ``TableError`` naming it, unless
+    ``skipped`` is given, which then receives it (and the files of another format)."""
     if format is not None:
         format_module(format, f"table {path}")
     if isinstance(partitions, str):
@@ -63,9 +77,20 @@ def list_table(path: str, format: Optional[str] = None, partitions: Optional[Seq
             raise TableError(f"cannot tell the format of {path} from its suffix: give the format (orc | parquet)")
         found = [("", info)]
     else:
-        fmt, found = _find_files(fs, root, path, format)
+        report = Skipped()
+        fmt, found = _find_files(fs, root, path, format, report, local)
         if partitions is not None:
             found = _select_partitions(found, partitions, path)
+            wanted = [p.strip("/") for p in partitions]
+            report.unreadable = [u for u in report.unreadable if _in_partitions(u, wanted)]
+            report.ignored = [u for u in report.ignored if _in_partitions(u, wanted)]
+        if skipped is not None:
+            skipped.unreadable += [f"{path.rstrip('/')}/{u}" for u in report.unreadable]
+            skipped.ignored += [f"{path.rstrip('/')}/{u}" for u in report.ignored]
+        elif report.unreadable:
+            more = f" (and {len(report.unreadable) - 1} more)" if len(report.unreadable) > 1 else ""
+            raise TableError(f"table {path}: data file {report.unreadable[0]}{more}: fix or remove it (a spec's "
+                             "on_error: skip leaves it out, reported)")
     root_name = table_root(path)
 
     def describe(item: tuple[str, pafs.FileInfo]) -> DataFile:
@@ -108,10 +133,40 @@ def table_schema(files: Sequence[DataFile]) -> dict[str, str]:
     return expected
 
 
-def _find_files(fs: pafs.FileSystem, root: str, path: str, format: Optional[str]) -> tuple[str, list[tuple[str, pafs.FileInfo]]]:
+def _in_partitions(entry: str, wanted: Sequence[str]) -> bool:
+    directory = posixpath.dirname(entry.split(": ", 1)[0])
+    return any(directory == w or directory.startswith(w + "/") for w in wanted)
+
+
+def _is_data_name(relative: str, format: str) -> bool:
+    """A name a table of ``format`` reads: its suffix, or none (Hive's ``000000_0``)."""
+    return SUFFIXES.get(posixpath.splitext(relative)[1].lower()) == format or "." not in posixpath.basename(relative)
+
+
+def _unreadable(root: str, format: str) -> list[str]:
+    """Local data files pyarrow's listing does not show or cannot open: dangling symlinks
+    (it leaves them out of a listing without a word) and files this user may not read."""
+    out = []
+    for directory, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d[:1] not in (".", "_"))
+        for name in sorted(names):
+            full = os.path.join(directory, name)
+            relative = os.path.relpath(full, root).replace(os.sep, "/")
+            if name[:1] in (".", "_") or not _is_data_name(relative, format):
+                continue
+            if os.path.islink(full) and not os.path.exists(full):
+                out.append(f"{relative}: a dangling symlink (to {os.readlink(full)!r})")
+            elif os.path.isfile(full) and not os.access(full, os.R_OK):
+                out.append(f"{relative}: not readable by this user")
+    return out
+
+
+def _find_files(fs: pafs.FileSystem, root: str, path: str, format: Optional[str], report: Skipped,
+                local: bool) -> tuple[str, list[tuple[str, pafs.FileInfo]]]:
     """(format, [(path relative to root, info)]) of the data files under a directory,
     sorted. Names starting with '.' or '_' (``_SUCCESS``, ``.crc``, ``_temporary/``) are
-    writer bookkeeping, as in Hive and Spark, and skipped."""
+    writer bookkeeping, as in Hive and Spark, and skipped; files of another format and
+    (local paths) unreadable data files go to ``report``."""
     try:
         infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
     except (OSError, pa.ArrowException) as e:
@@ -130,10 +185,11 @@ def _find_files(fs: pafs.FileSystem, root: str, path: str, format: Optional[str]
             raise TableError(f"no .orc, .parquet or .pq files under table path {path}")
         format = found.pop()
     # Hive writes data files without a suffix (``000000_0``): with a known format they count.
-    files = [
-        (r, i) for r, i in files
-        if SUFFIXES.get(posixpath.splitext(r)[1].lower()) == format or "." not in posixpath.basename(r)
-    ]
+    report.ignored += [f"{r}: not a {format} file (suffix {posixpath.splitext(r)[1]!r})" for r, _ in files
+                       if not _is_data_name(r, format)]
+    files = [(r, i) for r, i in files if _is_data_name(r, format)]
+    if local:
+        report.unreadable += _unreadable(root, format)
     if not files:
         raise TableError(f"no {format} files under table path {path}")
     files.sort(key=lambda item: item[0])

@@ -83,6 +83,8 @@ def _validate(args: argparse.Namespace) -> int:
         "sparse_features": bound.sparse_keys,
         "transformed_bytes_per_row": None if per_row is None else round(per_row, 1),
         "largest_split_bytes": None if per_row is None else int(largest * per_row),
+        "files_skipped": [redact(m) for m in bound.skipped],  # on_error: skip, with why
+        "files_ignored": [redact(m) for m in bound.ignored],  # under the path, of another format
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -101,6 +103,8 @@ def _validate(args: argparse.Namespace) -> int:
             print(f"  held         about {format_size(per_row)} a row once transformed: the largest split "
                   f"({largest:,} rows) about {format_size(largest * per_row)} in a worker (a master plans splits "
                   f"within half its --buffer-bytes)")
+        for line in report["files_skipped"] + report["files_ignored"]:
+            print(f"  not read     {line}")
     return 0
 
 
