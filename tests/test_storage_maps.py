@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.orc as paorc
 import pytest
 
 from remoteloader.columns import DenseColumn, SparseColumn
@@ -14,6 +15,7 @@ from remoteloader.formats import (TableError, column_kind, flat_name, list_table
 from remoteloader.formats import maps
 from remoteloader.storage import flatten_table
 from remoteloader.storage import flatten as flatten_module
+from remoteloader.storage import orc_stripes
 
 GEN = dict(rows=3000, partitions=2, dense=4, sparse=5, scored=2, seed=9, stripe_rows=500, row_group_rows=500,
            progress=False)
@@ -211,3 +213,52 @@ def test_extraction_matches_a_per_row_reference(kind):
             else:
                 assert np.array_equal(np.diff(column.offsets), [len(e or []) for e in expected])
                 np.testing.assert_allclose(column.values, [x for e in expected for x in e or []])
+
+
+def test_flatten_progress_advances_per_stripe(tables, tmp_path, monkeypatch):
+    """Each bar moves once per stripe / row group: keys scanned per source unit, then per
+    file each output unit as it is written and each written unit as it is verified."""
+    _, _, map_table, _ = tables
+    bars: list[list[int]] = []
+
+    class Bar:
+        def __init__(self, total: int, desc: str, enabled: bool):
+            self.total, self.updates = total, []
+            bars.append(self.updates)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n: int) -> None:
+            self.updates.append(n)
+
+    monkeypatch.setattr(flatten_module, "progress_bar", Bar)
+    flatten_table(str(map_table), str(tmp_path / "kept"))  # 2 files of 3 units of 500 rows
+    flatten_table(str(map_table), str(tmp_path / "big"), stripe_rows=1000)  # 1000 + 500 rows a file
+    assert bars == [[500] * 6, [500] * 3 * 2 * 2, [500] * 6, [1000, 500] * 2 * 2]
+
+
+def test_flatten_encodes_each_row_once_in_bounded_batches(tables, tmp_path, monkeypatch):
+    """The growth's cause, checked without timings (issue 38): whatever the stripe size,
+    the ORC encoder gets batches of at most BATCH_ROWS rows (Arrow's adapter copies a
+    batch's list values on every row it adds), one encoder per output stripe, each row once."""
+    _, _, map_table, _ = tables
+    encoders: list[dict] = []
+
+    class Recording(paorc.ORCWriter):
+        def __init__(self, where, **options):
+            encoders.append({"batch_size": options["batch_size"], "rows": 0})
+            super().__init__(where, **options)
+
+        def write(self, table):
+            encoders[-1]["rows"] += table.num_rows
+            super().write(table)
+
+    monkeypatch.setattr(paorc, "ORCWriter", Recording)
+    report = flatten_table(str(map_table), str(tmp_path / "out"), progress=False, format="orc", stripe_rows=1500)
+    assert [[u.num_rows for u in f.units] for f in list_table(str(tmp_path / "out"))] == [[1500], [1500]]
+    assert encoders == [{"batch_size": orc_stripes.BATCH_ROWS, "rows": 1500}] * 2 and 1500 > orc_stripes.BATCH_ROWS
+    assert sum(e["rows"] for e in encoders) == report.rows

@@ -1,6 +1,10 @@
 """The shared driver of table rewrites (flatten, reorder): file by file, unit by unit, so
 memory holds one source stripe / row group and the writer's current unit; the output
-mirrors the source's partitions and file names."""
+mirrors the source's partitions and file names.
+
+Every output unit is encoded once and written once (``UnitWriter``): ORC units go through
+``orc_stripes.OrcStripeWriter`` (one stripe each, encoded in small batches: time linear
+in the rows), Parquet units are one row group each. Progress advances per unit written."""
 from __future__ import annotations
 
 import posixpath
@@ -16,6 +20,7 @@ from ..formats import DataFile, TableError, list_table
 from ..formats.fs import child_name, open_filesystem, relative_name, table_root
 from ..formats.split import read_units
 from ..formats.writer import SUFFIX, TableWriter, check_no_stale_files
+from .orc_stripes import OrcStripeWriter
 
 
 @dataclass(frozen=True)
@@ -71,21 +76,66 @@ def source_units(file: DataFile, columns: Sequence[str]) -> Iterator[tuple[int, 
 def write_file(fs: pafs.FileSystem, target: Target, schema: pa.Schema, tables: Iterator[pa.Table],
                rows: Optional[int], done: Callable[[int], object]) -> DataFile:
     """Write ``tables`` to ``target`` (units of ``rows`` rows, None: one per table) and
-    return the new file as listed; a failed write leaves no file behind."""
+    return the new file as listed; ``done(n)`` follows each unit written (its rows). A
+    failed write leaves no file behind."""
     fs.create_dir(posixpath.dirname(target.path), recursive=True)
     try:
         with fs.open_output_stream(target.path) as sink:
-            writer = TableWriter(sink, target.format, schema, unit_rows=rows,
-                                 max_unit_rows=max([u.num_rows for u in target.source.units] + [1]))
+            writer = UnitWriter(sink, target.format, schema, rows, done)
             for table in tables:
                 writer.write(table)
-                done(table.num_rows)
             writer.close()
     except BaseException:
         remove(fs, target)
         raise
     (written,) = list_table(target.name, format=target.format)
     return written
+
+
+class UnitWriter:
+    """One output file, unit by unit: ``unit_rows`` rows per unit (the last one fewer),
+    or None: every ``write`` call is one unit. Each unit is handed to the format's writer
+    once, as soon as it is complete, and then reported to ``done`` (its rows)."""
+
+    def __init__(self, sink: pa.NativeFile, format: str, schema: pa.Schema, unit_rows: Optional[int],
+                 done: Callable[[int], object] = lambda rows: None):
+        self.schema, self.unit_rows, self.done = schema, unit_rows, done
+        self._orc = OrcStripeWriter(sink) if format == "orc" else None
+        self._parquet = TableWriter(sink, format, schema) if self._orc is None else None
+        self._pending: list[pa.Table] = []
+        self._rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        if not self.unit_rows:
+            self._unit(table)
+            return
+        self._pending.append(table)
+        self._rows += table.num_rows
+        if self._rows >= self.unit_rows:
+            pending = pa.concat_tables(self._pending)
+            full = self._rows - self._rows % self.unit_rows
+            for start in range(0, full, self.unit_rows):
+                self._unit(pending.slice(start, self.unit_rows))
+            rest = pending.slice(full)
+            self._pending, self._rows = ([rest] if rest.num_rows else []), rest.num_rows
+
+    def close(self) -> None:
+        if self._pending:
+            self._unit(pa.concat_tables(self._pending))
+            self._pending, self._rows = [], 0
+        if self._orc is not None:
+            self._orc.close(self.schema)
+        else:
+            self._parquet.close()
+
+    def _unit(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        if self._orc is not None:
+            self._orc.write(table)
+        else:
+            self._parquet.write(table)
+        self.done(table.num_rows)
 
 
 def remove(fs: pafs.FileSystem, target: Target) -> None:
