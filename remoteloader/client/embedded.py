@@ -27,6 +27,7 @@ may hold a credential, and any local user can read a process's command line.
 from __future__ import annotations
 
 import os
+import secrets
 import select
 import shutil
 import stat
@@ -42,14 +43,46 @@ from ..protocol.address import ENV_IPC_HANDOVER, make_ipc_directory
 from ..protocol.auth import ENV_AUTH
 
 ENV_MASTER = "REMOTELOADER_MASTER"
+# Where the embedded master and its workers write their logs: "stderr" keeps them on the
+# trainer's console; else a directory (default $XDG_STATE_HOME/remoteloader/logs, 0700).
+ENV_EMBEDDED_LOG = "REMOTELOADER_EMBEDDED_LOG"
+LOGS_KEPT = 20  # the newest embedded clusters' log files kept in that directory
+
+
+def new_log_file() -> Optional[str]:
+    """A fresh private log file (0600, in a 0700 directory of this user's) for an embedded
+    cluster, the oldest beyond ``LOGS_KEPT`` removed; None: logs stay on stderr."""
+    setting = os.environ.get(ENV_EMBEDDED_LOG, "")
+    if setting == "stderr":
+        return None
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    directory = setting or os.path.join(base, "remoteloader", "logs")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"log directory {directory} must be a directory of this user's with mode 0700 "
+                           f"(set {ENV_EMBEDDED_LOG} to another, or to 'stderr')")
+    old = sorted(n for n in os.listdir(directory) if n.startswith("embedded-") and n.endswith(".log"))
+    for name in old[:max(0, len(old) - LOGS_KEPT + 1)]:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    path = os.path.join(directory, f"embedded-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}.log")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    return path
 
 
 class EmbeddedCluster:
     def __init__(self, num_workers: int, start_timeout: float = 60.0, extra_args: tuple = (),
-                 auth_dir: Optional[str] = None, allowed_tables: Sequence[str] = (), cache: Optional[str] = None) -> None:
+                 auth_dir: Optional[str] = None, allowed_tables: Sequence[str] = (), cache: Optional[str] = None,
+                 log_file: Optional[str] = None) -> None:
         """``auth_dir``: the user's key directory (CURVE on the ipc sockets too); without it, no keys.
         ``allowed_tables``: the prefixes the master may serve (none: no client spec). ``cache``:
-        the block cache of the master and its workers (told in the environment, like the table)."""
+        the block cache of the master and its workers (told in the environment, like the table).
+        ``log_file``: where the master and its workers log (``new_log_file``; None: stderr),
+        so the trainer's console shows only what the loader raises or warns about."""
+        self.log_file = log_file
         self.auth_dir = os.path.abspath(auth_dir) if auth_dir is not None else None
         # Made here (0700, checked) before its name is published on the master's command
         # line, where any local user could read it and make it first; the master takes it
@@ -63,10 +96,15 @@ class EmbeddedCluster:
         if cache is not None:
             env[ENV_CACHE] = cache
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "remoteloader.master", "--bind", f"ipc://{self.ipc_dir}/master",
-                 "--workers", str(num_workers), "--die-with-parent", *extra_args],
-                stdout=subprocess.PIPE, text=True, env=env)
+            log = open(log_file, "a") if log_file is not None else None  # its workers inherit it
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "remoteloader.master", "--bind", f"ipc://{self.ipc_dir}/master",
+                     "--workers", str(num_workers), "--die-with-parent", *extra_args],
+                    stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            finally:
+                if log is not None:
+                    log.close()
             self.addr = self._read_address(start_timeout)
         except BaseException:
             self.close()
@@ -76,7 +114,8 @@ class EmbeddedCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the embedded remoteloader master exited with code {self.proc.returncode} at start")
+                raise RuntimeError(f"the embedded remoteloader master exited with code {self.proc.returncode} at "
+                                   f"start{self._log_tail()}")
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
             if ready:
                 line = self.proc.stdout.readline()
@@ -84,6 +123,16 @@ class EmbeddedCluster:
                     self.proc.stdout.close()
                     return line.rsplit("listening on ", 1)[1].strip()
         raise TimeoutError(f"the embedded remoteloader master did not start within {timeout:g} s")
+
+    def _log_tail(self, lines: int = 12) -> str:
+        if self.log_file is None:
+            return ""
+        try:
+            with open(self.log_file, errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError:
+            return f" (log: {self.log_file})"
+        return f"; the end of its log ({self.log_file}):\n" + "".join(tail).rstrip()
 
     def close(self) -> None:
         if self.proc is not None:

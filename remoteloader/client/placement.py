@@ -15,9 +15,10 @@ import weakref
 from typing import Any, Optional
 
 from ..core.cache.location import ENV_CACHE, user_cache_dir
+from ..core.procs import kernels_cached
 from ..core.redact import redact
 from ..spec import DatasetSpec
-from .embedded import ENV_MASTER, EmbeddedCluster
+from .embedded import ENV_MASTER, EmbeddedCluster, new_log_file
 from .ranks import Published, RankStore, default_store, find_master
 
 log = logging.getLogger(__name__)
@@ -72,14 +73,16 @@ def _start_embedded(spec: DatasetSpec, num_workers: Optional[int], auth_dir: Opt
     extra = () if scaling is None else ("--autoscale", "--min-workers", str(scaling.get("min_workers", 1)),
                                        "--max-workers", str(scaling.get("max_workers", os.cpu_count() or 1)))
     workers = num_workers or os.cpu_count() or 1
+    log_file = new_log_file()
     if not os.environ.get("REMOTELOADER_QUIET"):
-        # One line rather than seconds of silence: a first start compiles the kernels.
+        # One line rather than seconds of silence, saying why when a first start compiles the kernels.
+        compiling = "" if kernels_cached() else "; a first start on this machine compiles the transform kernels"
         print(f"remoteloader: starting an embedded master and {workers} local workers for "
-              f"{redact(spec.table.path)} (a first start on this machine compiles the transform kernels; "
-              "later ones load them from the cache)", file=sys.stderr, flush=True)
+              f"{redact(spec.table.path)}{compiling}" + (f" (their log: {log_file})" if log_file else ""),
+              file=sys.stderr, flush=True)
     # The embedded master serves this table only (told in its environment, off the command line).
     return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir, allowed_tables=[spec.table.path],
-                           cache=_embedded_cache(spec))
+                           cache=_embedded_cache(spec), log_file=log_file)
 
 
 def _embedded_cache(spec: DatasetSpec) -> Optional[str]:

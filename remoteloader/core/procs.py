@@ -20,6 +20,16 @@ def kernel_cache_dir() -> str:
     return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(base, "remoteloader", "numba")
 
 
+def kernels_cached() -> bool:
+    """Whether compiled kernels are in the cache already (an index of numba's there), so a
+    start loads them rather than compiling: what a first start on a machine lacks."""
+    root = kernel_cache_dir()
+    for _, _, names in os.walk(root):
+        if any(n.endswith(".nbi") for n in names):
+            return True
+    return False
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send this process ``sig`` when its parent dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):
