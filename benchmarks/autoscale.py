@@ -6,11 +6,13 @@ Goal: no stall after convergence, worker-seconds within 15% of the oracle, bette
 than the CPU policy on time and worker-seconds.
 
 Run: ``.venv/bin/python -m benchmarks.autoscale --sim [--scenario NAME] [--duration S] [--exact-ticks]``,
-or ``--real [--scenario io-bound|slow-down] [--policy NAME]`` for real master and worker
-processes on this machine. Real scenarios: ``io-bound`` (I/O-bound workers, a trainer at
-a fixed rate; about 3 x ``--duration`` seconds) and ``slow-down`` (a trainer flat out for
-``--flat-s``, then 128 rows/s for ``--slow-s``: does the fleet go back to 1 worker, and
-how fast; about 3 x (flat + slow) seconds).
+or ``--real [--scenario io-bound|slow-down|trainers-leave] [--policy NAME]`` for real master
+and worker processes on this machine. Real scenarios: ``io-bound`` (I/O-bound workers, a
+trainer at a fixed rate; about 3 x ``--duration`` seconds), ``slow-down`` (a trainer flat
+out for ``--flat-s``, then 128 rows/s for ``--slow-s``: does the fleet go back to 1 worker,
+and how fast; about 3 x (flat + slow) seconds) and ``trainers-leave`` (a trainer flat out
+for ``--flat-s``, then it closes its loader and the master runs on for ``--away-s`` with no
+trainer: back to ``--min-workers`` 1, and when; autoscale only, flat + away seconds).
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ SLOW_WORKER = 640.0
 SLOWDOWN = Scenario("slow-down", ((0, 10 * SLOW_WORKER), (90, 128.0)), duration_s=390, worker_rate=SLOW_WORKER,
                     batch_rows=64, buffer_batches=8, window_batches=16, clients=1, startup_s=3.0, max_workers=3)
 SCENARIOS.append(SLOWDOWN)
+# Issue 38: the same trainer and workers, grown to 3 = max_workers while it starves, then it
+# exits at 90 s and no trainer connects for five minutes: back to min_workers (1) or not.
+TRAINERS_LEAVE = replace(SLOWDOWN, name="trainers-leave", demand=((0, 10 * SLOW_WORKER),), away=(90.0, math.inf))
+SCENARIOS.append(TRAINERS_LEAVE)
 
 
 def policies(sc: Scenario, oracle: int) -> dict[str, Callable[[], Policy]]:
@@ -60,12 +66,21 @@ def policies(sc: Scenario, oracle: int) -> dict[str, Callable[[], Policy]]:
     }
 
 
-def scale_down_s(sc: Scenario, r: SimResult) -> Optional[float]:
-    """Seconds from the last demand drop to the last removal after it (None: no drop in the
-    scenario, or nothing removed after it)."""
+def _drop_at(sc: Scenario) -> Optional[float]:
+    """When the scenario's demand last drops: a lower last demand, or all trainers leaving."""
+    if sc.away is not None:
+        return sc.away[0]
     if len(sc.demand) < 2 or sc.demand[-1][1] >= sc.demand[-2][1]:
         return None
-    drop = sc.demand[-1][0]
+    return sc.demand[-1][0]
+
+
+def scale_down_s(sc: Scenario, r: SimResult) -> Optional[float]:
+    """Seconds from the last demand drop (or the trainers leaving) to the last removal after
+    it (None: no drop in the scenario, or nothing removed after it)."""
+    drop = _drop_at(sc)
+    if drop is None:
+        return None
     removals = [d.time for d in r.actions if d.action == "remove" and d.time >= drop]
     return removals[-1] - drop if removals else None
 
@@ -99,7 +114,7 @@ class Row:
 
     @classmethod
     def of(cls, sc: Scenario, r: SimResult, oracle: int, wall: float) -> "Row":
-        drop = len(sc.demand) > 1 and sc.demand[-1][1] < sc.demand[-2][1]
+        drop = _drop_at(sc) is not None
         return cls(r.scenario, r.policy, oracle, r.time_to_stall_free, r.stall_after, r.worker_seconds,
                    r.decisions, r.direction_changes, r.final_workers, wall, scale_down_s(sc, r), drop)
 
@@ -180,9 +195,10 @@ def _real_table(rows: int):
 
 
 def _run_master(table, spec: dict, flags: list[str], seconds: float,
-                step_s: Callable[[float], float]) -> tuple[_StatusPoller, float]:
+                step_s: Callable[[float], float], linger_s: float = 0.0) -> tuple[_StatusPoller, float]:
     """One master with ``flags`` and one trainer for ``seconds``, sleeping ``step_s(t)`` after
-    each batch (0: flat out); the master's status polled all along."""
+    each batch (0: flat out), then the master alone for ``linger_s`` (the trainer closed its
+    loader); the master's status polled all along."""
     import subprocess
     import sys
 
@@ -206,6 +222,7 @@ def _run_master(table, spec: dict, flags: list[str], seconds: float,
                     pause = step_s(now)
                     if pause > 0:
                         time.sleep(pause)
+        time.sleep(linger_s)
     finally:
         if poller is not None:
             poller.done.set()
@@ -335,6 +352,39 @@ def report_slowdown(rows: list[SlowRow], flat_s: float, slow_s: float) -> str:
     return "\n".join(out)
 
 
+def run_real_leave(flat_s: float, away_s: float) -> str:
+    """Issue 38 on real processes: master ``--autoscale --min-workers 1 --max-workers 3
+    --launcher local``, one trainer flat out for ``flat_s`` (1 -> 3 while it starves), then it
+    closes its loader and the master runs on alone for ``away_s``. Markdown: workers when it
+    left, seconds until 1 worker took splits for good, worker-seconds while no trainer was
+    connected (against 1 worker), the workers' rows/s in status 2 s and 12 s after it left
+    (the rate window is 10 s), and the autoscaler's decisions after it left."""
+    table, spec = _real_table(max(300_000, int(1.5 * 3 * SLOW_WORKER * flat_s)))
+    flags = ["--autoscale", "--min-workers", "1", "--max-workers", "3", "--launcher", "local"]
+    poller, _ = _run_master(table, spec, flags, flat_s, lambda t: 0.0, linger_s=away_s)
+    samples = poller.samples
+    left = [s for s in samples if s["t"] >= flat_s]
+    before = [s for s in samples if s["t"] < flat_s]
+    down = next((s["t"] - flat_s for i, s in enumerate(left) if all(x["active"] == 1 for x in left[i:])), None)
+    times = [s["t"] for s in left]
+    dts = np.diff([flat_s, *times]) if times else np.empty(0)
+    worker_s = float(sum(dt * (s["active"] + s["draining"]) for dt, s in zip(dts, left)))
+    def shown(at: float) -> str:
+        rates = next((s["rows_per_s"] for s in left if s["t"] >= flat_s + at), [])
+        return ", ".join(f"{r:,.0f}" for r in rates)
+
+    after = [d for d in poller.decisions if d.get("time", 0.0) - poller.t0 >= flat_s]
+    out = [f"Real trainers-leave: trainer flat out for {flat_s:.0f} s, then no trainer for {away_s:.0f} s "
+           "(master --autoscale --min-workers 1 --max-workers 3).", "",
+           "| workers when it left | back to 1 after (s) | worker-s with no trainer | vs 1 worker "
+           "| workers' rows/s 2 s after | 12 s after |", "|---:|---:|---:|---:|---|---|",
+           f"| {before[-1]['active'] if before else '?'} | {_t(down)} | {worker_s:,.0f} "
+           f"| {worker_s / max(away_s, 1e-9):.2f}x | {shown(2)} | {shown(12)} |", ""]
+    out += [f"* t={d.get('time', math.nan) - poller.t0 - flat_s:+.0f} s after it left: {d['action']} "
+            f"-> {d.get('workers')}: {d.get('reason', '')}" for d in after]
+    return "\n".join(out)
+
+
 def _t(x: Optional[float]) -> str:
     return "never" if x is None else f"{x:.0f}"
 
@@ -383,6 +433,8 @@ def main() -> None:
     p.add_argument("--policy", action="append", help="--real: run only these policies (repeatable)")
     p.add_argument("--flat-s", type=float, default=90.0, help="--real slow-down: seconds the trainer runs flat out")
     p.add_argument("--slow-s", type=float, default=240.0, help="--real slow-down: seconds at 128 rows/s after that")
+    p.add_argument("--away-s", type=float, default=60.0,
+                   help="--real trainers-leave: seconds the master runs on after the trainer left")
     args = p.parse_args()
     if args.real:
         names = args.scenario or ["io-bound", "slow-down"]
@@ -391,6 +443,8 @@ def main() -> None:
         if "slow-down" in names:
             print(report_slowdown(run_real_slowdown(args.flat_s, args.slow_s, args.policy), args.flat_s,
                                   args.slow_s), flush=True)
+        if "trainers-leave" in names:
+            print(run_real_leave(args.flat_s, args.away_s), flush=True)
         return
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
     if args.duration:

@@ -17,6 +17,9 @@ Model (all rates in rows/s), as a real cluster streams under credit:
   queue fills evenly).
 * Trainers want ``demand(t)`` rows/s split evenly over ``clients``, each with its own
   AR(1) jitter (so the aggregate jitter shrinks as 1/sqrt(clients)).
+* Trainers may leave (``away``: from, until): all their sessions end, the pieces held
+  for them (credit windows, worker buffers) are thrown away, and until they come back
+  no client is connected (the policy sees none) and workers have nothing to produce.
 * Bottlenecks beyond the workers: ``storage_cap`` (all workers share a read
   bandwidth: more workers just wait longer, and waiting burns no CPU, though the
   worker counts as busy) and ``client_cap`` (trainers cannot ingest faster: windows
@@ -81,6 +84,7 @@ class Scenario:
     tick_drift_s: float = 0.002     # ... and always this much later: the loop's own latency
     seed: int = 0
     max_workers: int = 2000         # bound the benchmark gives every policy
+    away: Optional[tuple[float, float]] = None  # (from, until) s: no trainer connected (all sessions ended)
 
     def demand_at(self, t: float) -> float:
         rate = self.demand[0][1]
@@ -99,8 +103,14 @@ class Scenario:
         return float(worker_capacities(self, self.max_workers).sum())
 
     def phases(self) -> list[tuple[float, float]]:
-        starts = [s for s, _ in self.demand] + [self.duration_s]
+        """Demand phases; trainers leaving and coming back start phases too."""
+        starts = sorted({s for s, _ in self.demand} | {x for x in (self.away or ()) if 0 < x < self.duration_s})
+        starts.append(self.duration_s)
         return [(a, b) for a, b in zip(starts, starts[1:]) if b > a]
+
+    def away_at(self, t: float) -> bool:
+        """No trainer connected at ``t``."""
+        return self.away is not None and self.away[0] <= t < self.away[1]
 
     def exact(self) -> "Scenario":
         """The same scenario with ticks exactly ``tick_s`` apart (no jitter, no drift)."""
@@ -283,6 +293,15 @@ def simulate(sc: Scenario, policy: Policy, name: str = "") -> SimResult:
             t += dt
             if fleet.starting_until <= t:
                 fleet.promote(t)
+            if sc.away_at(t):
+                # No session: what was held for the trainers that left is thrown away, and no
+                # split is handed out (a master with no client has no run). Workers wait.
+                win[:] = 0.0
+                fleet.buf = np.zeros_like(fleet.buf)
+                ws += len(fleet.ids) * dt
+                if fleet.draining:
+                    fleet.retire(t)
+                continue
             prod = fleet.production(sc.storage_cap)   # cached between fleet changes
             avail = fleet.buf + prod * dt             # what each worker can hand out this step
             jit = a * jit + math.sqrt(1 - a * a) * sc.demand_jitter * rng.standard_normal(nc)
@@ -335,7 +354,7 @@ def simulate(sc: Scenario, policy: Policy, name: str = "") -> SimResult:
         rstarved = np.clip(cstarved * noise, 0.0, rstall)
         crows = got / length * (1 + 0.02 * rng.standard_normal(nc))
         clients = _signals(ClientSignal, client_ids, rstall.tolist(), (crows / sc.batch_rows).tolist(),
-                           rstarved.tolist(), crows.tolist())
+                           rstarved.tolist(), crows.tolist()) if not sc.away_at(t) else ()
         pending = int((fleet.state == STARTING).sum())
         d = policy.observe(Observation(t, workers, clients, pending))
         if d is not None and d.count > 0:

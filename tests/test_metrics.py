@@ -318,3 +318,34 @@ def test_client_wait_histogram_from_what_the_loader_reports(service):
     assert samples[("remoteloader_client_batch_wait_seconds_count", None)] == 7
     assert samples[("remoteloader_client_batch_wait_seconds_bucket", str(WAIT_BUCKETS_S[0]))] == 5
     assert samples[("remoteloader_client_batch_wait_seconds_bucket", "+Inf")] == 7
+
+
+def test_worker_rates_drop_with_the_job_run_when_the_last_client_leaves(service):
+    """Issue 38, finding 2: after the trainer left, per-worker ``rows_per_second`` (and the
+    busy share) went on showing the run's rate. When the last client session ends, each
+    worker's rate window starts afresh: 0 at once, then only what the worker did since."""
+    metrics = MasterMetrics(service, process_metrics=False)
+    ids = _report(service)
+
+    def gauges() -> dict[tuple[str, str], float]:
+        parsed = _parse(generate_latest(metrics.registry).decode())
+        return {(name, s.labels["slot"]): s.value for name in ("remoteloader_worker_rows_per_second",
+                                                               "remoteloader_worker_busy_ratio")
+                for s in parsed[name].samples}
+
+    during = gauges()
+    assert during[("remoteloader_worker_rows_per_second", "0")] == 100.0 and during[
+        ("remoteloader_worker_busy_ratio", "1")] == 0.5
+    ask(service, {"t": "goodbye", "session": service.session})
+    service.tick()                       # the master's periodic duties: the run has ended
+    assert set(gauges().values()) == {0.0}, "no trainer, no rate: not the run's last value"
+    # A worker finishing the piece it was cutting: what it does from now on counts, as a rate.
+    service.now[0] += 2
+    for wid, rows, busy in ((ids[0], 400, 2.0), (ids[1], 300, 1.5)):
+        ask(service, {"t": "heartbeat", "worker_id": wid, "token": service.keys.worker_token(wid), "buffered": 0,
+                      "stats": {"rows": rows, "batches": 3, "busy_s": busy, "cpu": 0.25, "capacity": 16}})
+    after = gauges()   # from its last report of the run (3 s before the client's last, 5 s ago)
+    assert after[("remoteloader_worker_rows_per_second", "0")] == 20.0      # 100 rows in 5 s
+    assert after[("remoteloader_worker_busy_ratio", "0")] == 0.1            # 0.5 s busy in 5 s
+    assert after[("remoteloader_worker_rows_per_second", "1")] == 0.0
+    assert service.rates.group_totals()["w"]["rows"] == 700, "totals keep counting through the restart"

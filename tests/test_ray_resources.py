@@ -13,14 +13,19 @@ in a child process (``drive``), so no Ray state stays in pytest's process.
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -184,6 +189,195 @@ def test_max_message_bytes_reaches_the_worker_command_line(fake_ray):
                                max_message_bytes=8 << 20).start(1)
     worker_args = ray.actors[0].args[1]
     assert worker_args[:4] == ["--buffer-bytes", str(1 << 20), "--max-message-bytes", str(8 << 20)]
+
+
+# -- fast: connect_ray's checks against a fake ``ray`` module (issue 38, finding 4) ----------------
+
+class FakeRayModule(types.ModuleType):
+    """What ``connect_ray`` calls of the ``ray`` module itself: ``init`` raises ``error``, or
+    connects to a cluster whose head (the node with Ray's head resource) and other nodes
+    are at the given addresses. ``init_env``: this process's settings when ``init`` ran."""
+
+    def __init__(self, head: str = "127.0.0.1", nodes: tuple = (), error: Optional[BaseException] = None,
+                 swaps_loopback: bool = False) -> None:
+        super().__init__("ray")
+        self.head, self.node_addrs, self.error = head, nodes, error
+        self.initialized = self.shut = False
+        self.init_env: Optional[dict] = None
+        self.actors: list[FakeActor] = []
+        self.options: dict = {}
+        # Ray's ENABLE_RAY_CLUSTER, read from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import
+        self._private = types.SimpleNamespace(ray_constants=types.SimpleNamespace(ENABLE_RAY_CLUSTER=swaps_loopback))
+
+    remote = FakeRay.remote   # what a RayLauncher does once connected
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, **kwargs) -> None:
+        self.init_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
+        if self.error is not None:
+            raise self.error
+        self.initialized = True
+
+    def get_runtime_context(self):
+        return types.SimpleNamespace(gcs_address=f"{self.head}:6379")
+
+    def nodes(self) -> list[dict]:
+        head = {"NodeID": "head", "NodeManagerAddress": self.head, "Alive": True,
+                "Resources": {"CPU": 2.0, "node:__internal_head__": 1.0}}
+        return [head, *({"NodeID": f"n{i}", "NodeManagerAddress": a, "Alive": True, "Resources": {"CPU": 2.0}}
+                        for i, a in enumerate(self.node_addrs))]
+
+    def shutdown(self) -> None:
+        self.shut, self.initialized = True, False
+
+
+@pytest.fixture
+def ray_env(monkeypatch, tmp_path):
+    """A process that has not imported ray, with no Ray settings in its environment and a
+    home without ~/.ray/auth_token; ``install(fake)`` makes ``import ray`` import ``fake``.
+    Whatever connect_ray sets (the environment, sys.modules) is undone after the test."""
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        monkeypatch.setenv(name, "")   # recorded, so that the delenv and connect_ray's own setting are undone
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setitem(sys.modules, "ray", None)  # recorded likewise: the import below is undone too
+    monkeypatch.delitem(sys.modules, "ray")
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        fake: Optional[FakeRayModule] = None
+
+        def find_spec(self, name, path=None, target=None):
+            return importlib.util.spec_from_loader(name, self) if name == "ray" and self.fake else None
+
+        def create_module(self, spec):
+            return self.fake
+
+        def exec_module(self, module) -> None:
+            pass
+
+    finder = Finder()
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+
+    def install(fake: FakeRayModule) -> FakeRayModule:
+        sys.modules.pop("ray", None)   # a new process, as far as Ray is concerned
+        finder.fake = fake
+        return fake
+
+    return install
+
+
+def test_a_loopback_master_refuses_a_ray_head_that_is_not_on_loopback(ray_env):
+    """``ray start --head --node-ip-address 127.0.0.1`` without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0:
+    Ray swaps the address for the machine's and listens everywhere; the master hung."""
+    fake = ray_env(FakeRayModule(head="192.0.2.2"))
+    with pytest.raises(ValueError) as refused:
+        launcher_mod.make_launcher("ray", "tcp://127.0.0.1:5555", ray_address="127.0.0.1:6379")
+    message = str(refused.value)
+    assert "192.0.2.2" in message and "loopback" in message and "tcp://127.0.0.1:5555" in message
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address 127.0.0.1" in message
+    assert fake.shut, "the connection it made is closed again"
+    # A worker node off loopback is refused too; a master bound where nodes reach it is not.
+    ray_env(FakeRayModule(nodes=("127.0.0.1", "10.0.0.7")))
+    with pytest.raises(ValueError, match="nodes at 10.0.0.7"):
+        RayLauncher("tcp://localhost:5555", "127.0.0.1:6379")
+    ray_env(FakeRayModule(head="192.0.2.2"))
+    assert RayLauncher("tcp://192.0.2.2:5555", "192.0.2.2:6379").running() == 0
+    ray_env(FakeRayModule(nodes=("127.0.0.1",)))
+    assert RayLauncher("tcp://127.0.0.1:5555", "127.0.0.1:6379").running() == 0   # one machine, on loopback
+
+
+def test_a_loopback_ray_address_is_kept_as_given(ray_env):
+    """A driver given 127.0.0.1:PORT without the setting connected to the machine's address
+    instead, where a loopback head does not listen, and waited: the master hung."""
+    fake = ray_env(FakeRayModule())
+    launcher_mod.connect_ray("127.0.0.1:6379")
+    assert fake.init_env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0", "set before ray was imported"
+    other = ray_env(FakeRayModule(head="10.0.0.5"))
+    os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    launcher_mod.connect_ray("10.0.0.5:6379")
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in other.init_env, "a cluster address is left alone"
+    # Ray imported earlier without the setting would swap the address: said, not waited on.
+    ray_env(FakeRayModule(swaps_loopback=True))
+    import ray  # noqa: F401  (the fake: imported before connect_ray, as another module could)
+
+    with pytest.raises(ValueError, match="RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"):
+        launcher_mod.connect_ray("127.0.0.1:6379")
+
+
+def _refused_token(address: str = "127.0.0.1:6379") -> ConnectionError:
+    """What ``ray.init`` raises when the cluster refuses the driver's token (Ray 2.60)."""
+    error = ConnectionError(f"Failed to connect to Ray cluster at {address}")
+    error.__cause__ = RuntimeError(
+        "Failed to connect to GCS. Last connection error: Traceback (most recent call last): ... "
+        "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token is missing "
+        "or incorrect.")
+    return error
+
+
+SECRET = "0123456789abcdef-not-for-messages"
+
+
+@pytest.mark.parametrize("setting, told", [
+    ("none", ["sent no token", "RAY_AUTH_MODE is unset", "--ray-auth-token-file"]),
+    ("flag", ["--ray-auth-token-file", "auth_token_given"]),
+    ("variable", ["environment variable RAY_AUTH_TOKEN"]),
+    ("mode only", ["had no token", "RAY_AUTH_TOKEN_PATH", ".ray/auth_token does not exist"]),
+    ("default file", ["Ray's default file", "home/.ray/auth_token"]),
+])
+def test_a_refused_ray_token_is_named_with_where_it_came_from(ray_env, monkeypatch, tmp_path, setting, told):
+    """Ray's own last line was "Failed to connect to Ray cluster", nothing about the token."""
+    token_file = None
+    if setting == "flag":
+        token_file = tmp_path / "auth_token_given"
+        token_file.write_text(SECRET)
+    elif setting == "variable":
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        monkeypatch.setenv("RAY_AUTH_TOKEN", SECRET)
+    elif setting == "mode only":
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    elif setting == "default file":
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        default = tmp_path / "home" / ".ray" / "auth_token"
+        default.parent.mkdir(parents=True)
+        default.write_text(SECRET)
+    ray_env(FakeRayModule(error=_refused_token()))
+    with pytest.raises(ConnectionError) as refused:
+        launcher_mod.make_launcher("ray", "tcp://127.0.0.1:5555", ray_address="127.0.0.1:6379",
+                                   ray_auth_token_path=None if token_file is None else str(token_file))
+    message = str(refused.value)
+    assert "refused this master's token" in message and "127.0.0.1:6379" in message
+    assert all(part in message for part in told), message
+    assert SECRET not in message
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__, "Ray's traceback is not repeated"
+
+
+def test_other_ray_connection_failures_pass_through(ray_env):
+    down = ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:6379")
+    down.__cause__ = RuntimeError("Failed to connect to GCS within 20 seconds")
+    ray_env(FakeRayModule(error=down))
+    with pytest.raises(ConnectionError) as failed:
+        launcher_mod.connect_ray("127.0.0.1:6379")
+    assert failed.value is down
+
+
+def test_the_readme_s_one_machine_ray_lines_keep_ray_on_loopback():
+    """The README's Ray-on-one-machine lines: the head with the setting and a loopback node
+    address (as the slow tests start theirs), the master with its token file; every master
+    flag exists."""
+    from remoteloader.master.__main__ import build_parser
+
+    lines = (REPO / "README.md").read_text().splitlines()
+    head = [line for line in lines if " ray start --head" in line]
+    assert len(head) == 1, head
+    assert head[0].startswith(launcher_mod.RAY_ONE_MACHINE + " "), head[0]
+    master = [line.split("#")[0].split() for line in lines
+              if line.startswith("remoteloader-master ") and "--ray-address 127.0.0.1:" in line]
+    assert len(master) == 1, master
+    args = build_parser().parse_args(master[0][1:])
+    assert args.launcher == "ray" and args.ray_auth_token_file and args.bind.startswith("tcp://127.0.0.1:")
+    assert args.ray_address.split(":")[1] == head[0].split("--port ")[1].split()[0], "the master finds the head"
 
 
 # -- slow: a real Ray head on 127.0.0.1 ---------------------------------------------------------

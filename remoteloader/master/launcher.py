@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol, Sequence
 
 from ..core.redact import ENV_ALLOW_TABLE
+from ..protocol.auth import is_loopback
 from .forkserver import ForkServerHandle
 
 log = logging.getLogger(__name__)
@@ -298,15 +299,137 @@ class WorkerProcessActor:
         return self.master_addr
 
 
-def connect_ray(address: str, auth_token_path: Optional[str] = None):
-    """The ``ray`` module, connected to the cluster at ``address`` in remoteloader's namespace."""
+# Unless this is 0, Ray swaps a loopback address for the machine's own: a head started with
+# ``--node-ip-address 127.0.0.1`` gets the machine's address and listens on every interface,
+# and a driver given ``--ray-address 127.0.0.1:PORT`` connects to the machine's address instead
+# (and waits there for a control store that is not there). The setting that keeps a
+# one-machine Ray on 127.0.0.1.
+RAY_LOOPBACK_SETTING = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+RAY_ONE_MACHINE = f"{RAY_LOOPBACK_SETTING}=0 ray start --head --node-ip-address 127.0.0.1"
+_RAY_HEAD_RESOURCE = "node:__internal_head__"  # in the head node's resources (ray.nodes())
+
+
+def connect_ray(address: str, auth_token_path: Optional[str] = None, master_addr: Optional[str] = None):
+    """The ``ray`` module, connected to the cluster at ``address`` in remoteloader's namespace.
+
+    * A loopback ``address`` is kept as given: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set
+      for this process before Ray is imported (ValueError if Ray was imported without it).
+    * A connection Ray refuses for want of the right token raises ConnectionError saying
+      so, and where this process's token came from (a file or a variable's name, never the
+      token).
+    * With ``master_addr`` (the master's own address) on loopback, a cluster whose head or
+      any node is not on loopback is refused (ValueError naming the setting): its workers
+      would bind that address, and nodes elsewhere could not reach the master.
+    """
     if auth_token_path is not None:
         _use_ray_token_file(auth_token_path)
+    loopback = is_loopback(_ray_host(address))
+    if loopback and "ray" not in sys.modules:
+        os.environ.setdefault(RAY_LOOPBACK_SETTING, "0")  # read once, when ray is imported
     import ray
 
+    connected_here = False
     if not ray.is_initialized():
-        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+        if loopback and getattr(constants, "ENABLE_RAY_CLUSTER", False):
+            raise ValueError(f"--ray-address {address} is on loopback, but this process's Ray would swap it for "
+                             f"this machine's address and wait there: set {RAY_LOOPBACK_SETTING}=0 in the "
+                             "environment (Ray reads it when first imported)")
+        try:
+            ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        except Exception as e:
+            if _token_refused(e):
+                raise ConnectionError(f"Ray at {address} refused this master's token (InvalidAuthToken): "
+                                      f"{_ray_token_source(auth_token_path)}. Give the master the token the Ray "
+                                      "cluster was started with: --ray-auth-token-file FILE, or RAY_AUTH_MODE=token "
+                                      "and RAY_AUTH_TOKEN_PATH=FILE in its environment") from None
+            raise
+        connected_here = True
+    if master_addr is not None and is_loopback(master_addr):
+        try:
+            _check_loopback_cluster(ray, address, master_addr)
+        except ValueError:
+            if connected_here:
+                ray.shutdown()
+            raise
     return ray
+
+
+def _ray_host(address: str) -> str:
+    """The host of a Ray address (``HOST:PORT``, ``[V6]:PORT``, ``ray://HOST:PORT``; ``auto``)."""
+    host = address.split("://", 1)[-1]
+    if host.count(":") == 1 or host.startswith("["):
+        host = host.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+def _token_refused(error: BaseException) -> bool:
+    """Did Ray fail for its token (missing or wrong)? Ray raises ``AuthenticationError``, or
+    a ConnectionError ("Failed to connect to Ray cluster") whose cause's text names it."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in text or "AuthenticationError" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _ray_token_source(auth_token_path: Optional[str]) -> str:
+    """Where this process's Ray driver took its token from, as Ray looks (RAY_AUTH_TOKEN,
+    then RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token), by name only: never the token."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if (mode or "").lower() != "token":
+        said = "unset" if mode is None else repr(mode)
+        return (f"it sent no token, as RAY_AUTH_MODE is {said}, not 'token' (a master given --ray-address "
+                "turns Ray's token mode on only when told)")
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        unread = f"; Ray reads it before any file, so {auth_token_path} was not used" if auth_token_path else ""
+        return f"it sent the token in the environment variable RAY_AUTH_TOKEN{unread}"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        named = "--ray-auth-token-file" if auth_token_path is not None else "RAY_AUTH_TOKEN_PATH"
+        missing = "" if os.path.isfile(path) else ", which does not exist"
+        return f"it sent the token in {path} ({named}{missing})"
+    default = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    if os.path.isfile(default):
+        return (f"it sent the token in {default}, Ray's default file (neither RAY_AUTH_TOKEN nor "
+                "RAY_AUTH_TOKEN_PATH is set)")
+    return (f"it had no token: RAY_AUTH_MODE is 'token', but neither RAY_AUTH_TOKEN nor RAY_AUTH_TOKEN_PATH is set "
+            f"and {default} does not exist")
+
+
+def _check_loopback_cluster(ray, address: str, master_addr: str) -> None:
+    """A master on loopback is reachable from this machine only: every Ray node its workers
+    may run on must be this machine, on loopback. The head is the node holding Ray's head
+    resource (else the one whose address the control store has)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    heads = [n.get("NodeManagerAddress") or "?" for n in alive if _RAY_HEAD_RESOURCE in (n.get("Resources") or {})]
+    if heads:
+        head = heads[0]
+    else:
+        try:
+            gcs = ray.get_runtime_context().gcs_address or ""
+        except Exception:  # an older Ray: the nodes still tell
+            gcs = ""
+        head = gcs.rsplit(":", 1)[0].strip("[]") or None
+    outside = sorted({n.get("NodeManagerAddress") or "?" for n in alive} - {head})
+    outside = [a for a in outside if not is_loopback(a)]
+    if head is not None and not is_loopback(head):
+        where = f"the Ray head at {address} has node address {head}"
+    elif outside:
+        where = f"the Ray cluster at {address} has nodes at {', '.join(outside)}"
+    else:
+        return
+    raise ValueError(
+        f"--launcher ray: {where}, not on loopback, while this master listens on loopback ({master_addr}): "
+        "its workers would bind that address and nodes elsewhere could not reach this master. For Ray on one "
+        f"machine, start the head with {RAY_ONE_MACHINE} ({RAY_LOOPBACK_SETTING}=0 keeps it on 127.0.0.1: "
+        "without it Ray swaps a loopback --node-ip-address for this machine's address and listens on every "
+        "interface); across machines, bind the master to an address the nodes reach (--bind tcp://HOST:PORT "
+        "with --auth DIR)")
 
 
 def request_ray_resources(bundles: list[dict[str, float]]) -> None:
@@ -365,7 +488,7 @@ class RayLauncher:
                  max_message_bytes: Optional[int] = None) -> None:
         already = sys.modules.get("ray")  # not imported here: the token must be set first
         self._owns_ray = already is None or not already.is_initialized()
-        self._ray = ray = connect_ray(address, auth_token_path)
+        self._ray = ray = connect_ray(address, auth_token_path, master_addr)
         # remoteloader's own CURVE keys (not Ray's token): the key directory's path goes to each actor
         # in its runtime environment, so the directory must be readable at the same path on every
         # node (shared storage, or copied there with mode 0700/0600). Its contents never travel

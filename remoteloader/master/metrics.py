@@ -81,7 +81,12 @@ class RateWindow:
     """Per reporter (``key``, e.g. ``w:<worker id>``, ``c:<client id>``): rates over a
     window, and monotonic totals summed per group (``group_of(key)``, by default the
     key's kind; the metrics use the client's rank). A reporter's totals outlive it: when
-    it is forgotten they stay in its group, so a group's totals never go down."""
+    it is forgotten they stay in its group, so a group's totals never go down.
+
+    A worker's rates are those of the job's run: when the last client goes (``forget``
+    sees no client key live any more), every worker's window starts afresh, so its
+    ``rows_per_s`` and busy share read 0 at once instead of the run's last rate, and then
+    only what it did since (a split it was cutting). Totals are not touched."""
 
     def __init__(self, window_s: float = 10.0, group_of: Optional[Callable[[str], str]] = None) -> None:
         self.window_s = window_s
@@ -92,6 +97,7 @@ class RateWindow:
         self._group: dict[str, str] = {}  # key -> its group, fixed at its first report
         self._retired: dict[str, dict[str, float]] = {}  # group -> totals of forgotten keys
         self._changed: dict[str, dict[str, float]] = {}  # key -> counter -> time it last changed (or first came)
+        self._clients_live = False  # a client has reported since the last ``forget`` that saw none
 
     def update(self, key: str, time: float, counters: dict) -> None:
         samples = self._samples.setdefault(key, deque())
@@ -102,6 +108,7 @@ class RateWindow:
             samples.popleft()
         if key not in self._group:
             self._group[key] = self.group_of(key)
+            self._clients_live = self._clients_live or _kind(key) == "c"
         last, totals = self._last.setdefault(key, {}), self._totals.setdefault(key, {})
         for name, value in _flatten(counters):
             if not _is_cumulative(name):
@@ -132,6 +139,13 @@ class RateWindow:
         return None if since is None else max(0.0, now - since)
 
     def forget(self, live: set) -> None:
+        """Drop the reporters not in ``live`` (their totals stay in their group). When no
+        client is live any more where one was, the job's run has ended: the workers'
+        windows restart (``restart("w")``)."""
+        clients = any(_kind(k) == "c" for k in live)
+        if self._clients_live and not clients:
+            self.restart("w")
+        self._clients_live = clients
         for key in [k for k in self._samples if k not in live]:
             del self._samples[key]
             self._last.pop(key, None)
@@ -142,6 +156,15 @@ class RateWindow:
                 retired = self._retired.setdefault(group, {})
                 for name, value in totals.items():
                     retired[name] = retired.get(name, 0.0) + value
+
+    def restart(self, kind: str) -> None:
+        """Start the window of every reporter of ``kind`` afresh from its latest report: its
+        rates read 0 until it reports again, then cover only what it did since."""
+        for key, samples in self._samples.items():
+            if _kind(key) == kind and len(samples) > 1:
+                latest = samples[-1]
+                samples.clear()
+                samples.append(latest)
 
     def group_totals(self) -> dict[str, dict[str, float]]:
         """Group -> counter -> total increase, over live and forgotten reporters."""

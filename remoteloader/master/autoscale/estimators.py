@@ -34,6 +34,8 @@ class _Sample(NamedTuple):
     # Rows/s the trainers would take if never blocked (consumption, scaled up while they
     # starve); None where it cannot be told (no buffer delta yet, trainers mostly blocked).
     wanted: Optional[float] = None
+    # Live client sessions (trainers connected) at this tick; None: not told.
+    sessions: Optional[int] = None
 
 
 @dataclass

@@ -3,7 +3,9 @@
 ``observe`` keeps the measurement window (samples, demand, learned capacity); once a
 clean window exists, ``_decide`` runs the rules of docs/autoscaling.md as phases:
 0. ceiling bookkeeping, 1. judge the last addition, 2. forget or re-check a plateau,
-3. scale up, 4. scale down. The first phase that concludes returns the decision.
+3. scale up, 4. scale down, or, with no trainer connected at all, 6. trim to
+``min_workers`` once none has been for ``down_window_s``. The first phase that
+concludes returns the decision.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class AutoscalePolicy:
         self._probe = 0.0                       # > 0 while re-checking a plateau (its interval)
         self._demand = _DemandTracker(self.config.demand_block_s, self.config.confidence_z)
         self._last_hold: tuple[str, float] = ("", -math.inf)
+        self._alone_since: Optional[float] = None  # no client session live since then (None: one is)
 
     # ------------------------------------------------------------------ public
 
@@ -75,6 +78,10 @@ class AutoscalePolicy:
         "hold" saying why not; None otherwise. Never acts within `cooldown_s` of an action."""
         c, now = self.config, obs.time
         self._sync(obs)
+        if obs.clients:
+            self._alone_since = None
+        elif self._alone_since is None:
+            self._alone_since = now
         self._estimator.learn(now, self._rates, self._fill, self._busy)
         n, pending = len(obs.workers), obs.pending_workers
 
@@ -183,7 +190,7 @@ class AutoscalePolicy:
         consumed = float(sum(rows)) if rows and None not in rows else None
         return _Sample(now, float(self._rates.sum()), float(bps.sum()), demand,
                        float(stall.mean()) if len(stall) else 0.0, fill, int(self._buffered.sum()), starved,
-                       float(self._busy.sum()), consumed)
+                       float(self._busy.sum()), consumed, sessions=len(obs.clients))
 
     def _drained(self, s: _Sample) -> bool:
         """Trainers wait on the workers in this sample: clients say no worker held a batch
@@ -200,7 +207,11 @@ class AutoscalePolicy:
         trainers batches: production minus the growth of the buffers is consumption.
         Scaled by the trainers' demand/consumption ratio it is demand. Every sample counts
         (selecting, say, full-buffer moments would pick the moments of low demand and bias
-        the estimate low)."""
+        the estimate low). With no trainer connected there is no demand to measure, and
+        what the last trainers wanted says nothing of the next ones: the tracker starts over."""
+        if s.sessions == 0:
+            self._demand.reset()
+            return s
         if s.batches > 0:
             ratio = s.rows / s.batches
             self._rpb = ratio if self._rpb is None else self._rpb + 0.05 * (ratio - self._rpb)
@@ -253,7 +264,9 @@ class AutoscalePolicy:
         verdict = self._judge_addition(now, n, w)               # 1. did the last addition pay?
         if verdict is None:
             self._revisit_plateau(now, w)                       # 2. forget or re-check a plateau
-            if w.worker_bound:
+            if self._alone_since is not None:
+                verdict = self._no_trainer(now, n, w)           # 6. nobody to serve: min_workers
+            elif w.worker_bound:
                 verdict = self._scale_up(now, n, w)             # 3. trainers stall, workers drained
             else:
                 verdict = self._scale_down(now, n, w)           # 4. fewer workers would do (or hold)
@@ -289,7 +302,7 @@ class AutoscalePolicy:
             worker_bound = stall >= c.stall_threshold and fill < c.low_fill
         busy = float(np.mean([s.busy for s in up])) / n if n else math.nan
         caps = self._estimates()
-        mean_cap = float(caps.mean()) if caps is not None else 0.0
+        mean_cap = float(caps.mean()) if caps is not None and len(caps) else 0.0
         numbers = (f"stall {stall:.1%}" + ("" if starved is None else f" ({starved:.1%} with nothing held)")
                    + ("" if math.isnan(busy) else f", workers busy {busy:.0%}")
                    + f", buffers {fill:.0%} full, {rows:,.0f} rows/s from {n} workers")
@@ -433,6 +446,25 @@ class AutoscalePolicy:
                          f"workers at ~{w.mean_cap:,.0f} rows/s each (utilization "
                          f"{level / float(caps.sum()):.0%} of {n}); {w.numbers}",
                          self._least_useful(n - target))
+
+    def _no_trainer(self, now: float, n: int, w: _Window) -> _Verdict:
+        """6. No client session is live: no trainer is there to be served, and none says what
+        the next one will want (the demand the other rules size a trim by). Once none has been
+        for `down_window_s` (the scale-down's own patience: a trainer restarting, or the next
+        job of a sequence, reconnects well within it), trim straight to `min_workers`, in one
+        step: no estimate can be wrong by much, and a trainer that comes back is grown for
+        as after any start. Until then, and at `min_workers`, hold and say so."""
+        c = self.config
+        alone = now - self._alone_since
+        where = f"no trainer connected for {alone:.0f} s"
+        if n <= c.min_workers:
+            return _Hold("no-trainer", f"{where}; at min_workers {c.min_workers}; {w.numbers}")
+        if alone < c.down_window_s - 1e-9:
+            return _Hold("no-trainer", f"{where}: trimming to min_workers {c.min_workers} once none has been "
+                                       f"for {c.down_window_s:.0f} s; {w.numbers}")
+        return self._act(now, "remove", n - c.min_workers, c.min_workers,
+                         f"{where}: trimming to min_workers {c.min_workers}; {w.numbers}",
+                         self._least_useful(n - c.min_workers))
 
     def _idle(self, down: list[_Sample]) -> bool:
         """No trainer waited on the workers over the window. Where workers report how busy
