@@ -66,7 +66,7 @@ class Tail:
 
 # -- protobuf wire format ----------------------------------------------------------------
 
-def _varint(buf: Bytes, pos: int) -> tuple[int, int]:
+def read_varint(buf: Bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if pos >= len(buf):
@@ -79,27 +79,33 @@ def _varint(buf: Bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: Bytes) -> Iterator[tuple[int, Union[int, Bytes]]]:
-    """(field number, value) of a message: ints for varints, slices for length-delimited
-    fields; fixed-width fields (unused by the messages read here) are skipped."""
-    buf = memoryview(buf)
+def read_fields(buf: Bytes) -> Iterator[tuple[int, int, Union[int, Bytes]]]:
+    """(field number, wire type, value) of a message: ints for varints, slices for
+    length-delimited and fixed-width (8 or 4 bytes) fields; bounds checked."""
+    buf = memoryview(buf).cast("B")
     pos = 0
     while pos < len(buf):
-        key, pos = _varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         wire = key & 7
         if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
+            value, pos = read_varint(buf, pos)
+        elif wire in (1, 2, 5):
+            if wire == 2:
+                size, pos = read_varint(buf, pos)
+            else:
+                size = 8 if wire == 1 else 4
             value, pos = buf[pos:pos + size], pos + size
             if pos > len(buf):
                 raise TableError("truncated ORC metadata (field runs past the end)")
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-            continue
         else:
             raise TableError(f"corrupt ORC metadata (wire type {wire})")
-        yield key >> 3, value
+        yield key >> 3, wire, value
+
+
+def _fields(buf: Bytes) -> Iterator[tuple[int, Union[int, Bytes]]]:
+    """(field number, value) of a message's varint and length-delimited fields (the
+    fixed-width ones are unused by the messages read here)."""
+    return ((field, value) for field, wire, value in read_fields(buf) if wire in (0, 2))
 
 
 def _uints(value: Union[int, Bytes]) -> list[int]:
@@ -108,7 +114,7 @@ def _uints(value: Union[int, Bytes]) -> list[int]:
         return [value]
     out, pos = [], 0
     while pos < len(value):
-        v, pos = _varint(value, pos)
+        v, pos = read_varint(value, pos)
         out.append(v)
     return out
 
@@ -141,7 +147,7 @@ def _decompress_chunk(chunk: memoryview, compression: str, block_size: int) -> b
     if compression == "zlib":
         return zlib.decompress(chunk, -15)  # raw deflate, no zlib header
     if compression == "snappy":
-        return pa.Codec("snappy").decompress(chunk, _varint(chunk, 0)[0], asbytes=True)
+        return pa.Codec("snappy").decompress(chunk, read_varint(chunk, 0)[0], asbytes=True)
     if compression == "zstd":
         return pa.Codec("zstd").decompress(chunk, _zstd_content_size(chunk), asbytes=True)
     if compression == "lz4":

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.orc as paorc
 
 from ..formats.orc_layout import COMPRESSION as COMPRESSION_KINDS
-from ..formats.orc_layout import decompress
+from ..formats.orc_layout import decompress, read_fields, read_varint
 from ..formats.types import TableError
 from ..formats.writer import COMPRESSION, ORC_FILE_VERSION
 
@@ -140,36 +140,14 @@ class _Tail:
 
 # -- protobuf wire format: messages as {field: [values]}, varints as ints, the rest as bytes --
 
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
 def _fields(buf: Union[bytes, memoryview]) -> Iterator[tuple[int, int, Value]]:
-    buf = memoryview(buf).cast("B")
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        wire = key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
-            value, pos = bytes(buf[pos:pos + size]), pos + size
+    """``orc_layout.read_fields`` with values kept: length-delimited as bytes, fixed-width as ``_Fixed``."""
+    for field, wire, value in read_fields(buf):
+        if wire == 2:
+            value = bytes(value)
         elif wire in (1, 5):
-            size = 8 if wire == 1 else 4
-            value, pos = _Fixed(bytes(buf[pos:pos + size])), pos + size
-        else:
-            raise TableError(f"corrupt ORC metadata written (wire type {wire})")
-        if pos > len(buf):
-            raise TableError("truncated ORC metadata written")
-        yield key >> 3, wire, value
+            value = _Fixed(value)
+        yield field, wire, value
 
 
 class _Fixed(bytes):
@@ -332,7 +310,7 @@ def _unpack(value: Value) -> list[int]:
         return [value]
     buf, pos, out = memoryview(value), 0, []
     while pos < len(buf):
-        v, pos = _varint(buf, pos)
+        v, pos = read_varint(buf, pos)
         out.append(v)
     return out
 
