@@ -283,3 +283,24 @@ def service(tables):
     service.submit(spec)
     service.now, service.spec = now, spec
     return service
+
+
+@pytest.fixture
+def orc_encoders(monkeypatch) -> list[dict]:
+    """pyarrow's ORC encoders made while the test runs, each ``{"batch_size", "rows"}``
+    (the rows written through it): what the offline tools' linear time is checked by."""
+    import pyarrow.orc as paorc
+
+    encoders: list[dict] = []
+
+    class Recording(paorc.ORCWriter):
+        def __init__(self, where, **options):
+            encoders.append({"batch_size": options["batch_size"], "rows": 0})
+            super().__init__(where, **options)
+
+        def write(self, table):
+            encoders[-1]["rows"] += table.num_rows
+            super().write(table)
+
+    monkeypatch.setattr(paorc, "ORCWriter", Recording)
+    return encoders

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.orc as paorc
 import pytest
 
 from remoteloader.columns import DenseColumn, SparseColumn
@@ -241,23 +240,12 @@ def test_flatten_progress_advances_per_stripe(tables, tmp_path, monkeypatch):
     assert bars == [[500] * 6, [500] * 3 * 2 * 2, [500] * 6, [1000, 500] * 2 * 2]
 
 
-def test_flatten_encodes_each_row_once_in_bounded_batches(tables, tmp_path, monkeypatch):
+def test_flatten_encodes_each_row_once_in_bounded_batches(tables, tmp_path, orc_encoders):
     """The growth's cause, checked without timings (issue 38): whatever the stripe size,
     the ORC encoder gets batches of at most BATCH_ROWS rows (Arrow's adapter copies a
     batch's list values on every row it adds), one encoder per output stripe, each row once."""
     _, _, map_table, _ = tables
-    encoders: list[dict] = []
-
-    class Recording(paorc.ORCWriter):
-        def __init__(self, where, **options):
-            encoders.append({"batch_size": options["batch_size"], "rows": 0})
-            super().__init__(where, **options)
-
-        def write(self, table):
-            encoders[-1]["rows"] += table.num_rows
-            super().write(table)
-
-    monkeypatch.setattr(paorc, "ORCWriter", Recording)
+    encoders = orc_encoders
     report = flatten_table(str(map_table), str(tmp_path / "out"), progress=False, format="orc", stripe_rows=1500)
     assert [[u.num_rows for u in f.units] for f in list_table(str(tmp_path / "out"))] == [[1500], [1500]]
     assert encoders == [{"batch_size": orc_stripes.BATCH_ROWS, "rows": 1500}] * 2 and 1500 > orc_stripes.BATCH_ROWS

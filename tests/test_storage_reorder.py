@@ -187,23 +187,13 @@ def test_stripe_writer_exact_units_other_types_and_empty_files():
 
 
 @pytest.mark.parametrize("source", ["orc"], indirect=True)
-def test_rewrite_encodes_each_row_once_in_bounded_batches(source, tmp_path, monkeypatch):
+def test_rewrite_encodes_each_row_once_in_bounded_batches(source, tmp_path, monkeypatch, orc_encoders):
     """What kept the rewrites quadratic, checked without timing them: the ORC encoder's
     batches (Arrow's adapter grows list buffers row by row within a batch, a copy per row)
     stay at BATCH_ROWS rows whatever the stripe size; every row is encoded once, one
     encoder per stripe; each stripe's bytes are written to the file once."""
     _, src = source
-    encoders: list[dict] = []
-
-    class Recording(paorc.ORCWriter):
-        def __init__(self, where, **options):
-            encoders.append({"batch_size": options["batch_size"], "rows": 0})
-            super().__init__(where, **options)
-
-        def write(self, table):
-            encoders[-1]["rows"] += table.num_rows
-            super().write(table)
-
+    encoders = orc_encoders
     writes: list[list[int]] = []
 
     class Counted(OrcStripeWriter):
@@ -218,7 +208,6 @@ def test_rewrite_encodes_each_row_once_in_bounded_batches(source, tmp_path, monk
 
             super().__init__(Sink(), **options)
 
-    monkeypatch.setattr(paorc, "ORCWriter", Recording)
     monkeypatch.setattr(rewrite, "OrcStripeWriter", Counted)
     columns = list(read_schema(list_table(str(src))[0]))
     report = reorder_table(str(src), str(tmp_path / "r"), columns[::-1], stripe_rows=1200, progress=False)
