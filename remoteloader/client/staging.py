@@ -365,14 +365,9 @@ class Stager:
         self._ahead = 0  # device batches copied and not yet taken (or dropped)
         self._failure: Optional[BaseException] = None
         self._closed = False
-        self.last_copy_event: Any = None
         self.stats = stats if stats is not None else StagingStats()  # the loader's: summed over epochs
         self._thread = threading.Thread(target=self._run, name="remoteloader-pin", daemon=True)
         self._thread.start()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def alive(self) -> bool:
@@ -486,7 +481,7 @@ class Stager:
         weakref.finalize(ticket, self._free_slot, slot).atexit = False  # a batch dropped untaken frees it too
         ticket.result, event = self._copier.start(pinned)
         slab.fence = event  # set before the pinned copy dies below: its slab is reused only after the copy
-        ticket.event = self.last_copy_event = event
+        ticket.event = event
         self.stats.device_copies += 1
 
     def _build(self, pieces: list) -> tuple[Batch, Slab]:
