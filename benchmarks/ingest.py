@@ -49,16 +49,33 @@ from benchmarks.client_cpu import COLUMNS, SHORT, dlrm_spec, dlrm_table, job_arg
 from benchmarks.pinning import mock_pinning
 from benchmarks.trainer_cost import measure
 from remoteloader import RemoteDataLoader
+from remoteloader.client import fetch
+from remoteloader.protocol.arena import ENV_ARENA
 from remoteloader.protocol import auth
 from remoteloader.protocol.address import new_ipc_directory
 
 
-def run_variant(cap: str, pin: bool, table: Path, cache: Path, args: argparse.Namespace) -> dict:
+def run_variant(cap: str, pin: bool, arenas: str, table: Path, cache: Path, args: argparse.Namespace) -> dict:
     spec = dlrm_spec(table, args.dense, args.sparse, args.batch_size, epochs=args.epochs + args.warm_epochs)
     master_args = ["--cache", str(cache), *([] if cap == "default" else ["--max-message-bytes", cap])]
-    with tcp_master(table, None, args.workers, args=master_args, bind=f"ipc://{new_ipc_directory()}/master") as addr:
-        with RemoteDataLoader(spec, master=addr, timeout=120, pin_memory=pin) as loader:
-            return measure(loader, args.epochs, args.warm_epochs)
+    os.environ[ENV_ARENA] = arenas  # the client's choice: the workers offer arenas either way
+    fetchers: list = []
+    original = fetch.WorkerFetcher.__init__
+
+    def recorded(self, *a, **kw):
+        original(self, *a, **kw)
+        fetchers.append(self)
+
+    fetch.WorkerFetcher.__init__ = recorded
+    try:
+        with tcp_master(table, None, args.workers, args=master_args, bind=f"ipc://{new_ipc_directory()}/master") as addr:
+            with RemoteDataLoader(spec, master=addr, timeout=120, pin_memory=pin) as loader:
+                result = measure(loader, args.epochs, args.warm_epochs)
+    finally:
+        fetch.WorkerFetcher.__init__ = original
+    in_arena = sum(f.arena_messages for f in fetchers)
+    result["arena_share"] = in_arena / max(1, in_arena + sum(f.frame_messages for f in fetchers))
+    return result
 
 
 def main() -> None:
@@ -66,6 +83,8 @@ def main() -> None:
     p.add_argument("--caps", nargs="+", default=["default"], metavar="BYTES",
                    help="workers' --max-message-bytes to compare (default: none given)")
     p.add_argument("--pin", choices=("both", "off", "on"), default="both", help="pin_memory variants")
+    p.add_argument("--arenas", nargs="+", choices=("on", "off"), default=["on", "off"],
+                   help="shared-memory arenas (protocol/arena.py) or frames over the ipc socket")
     args = p.parse_args()
     os.environ.pop(auth.ENV_AUTH, None)
     os.environ.setdefault("REMOTELOADER_QUIET", "1")
@@ -74,20 +93,21 @@ def main() -> None:
     pins = {"both": (False, True), "off": (False,), "on": (True,)}[args.pin]
     if True in pins and not cuda:
         mock_pinning()
-    variants = [(cap, pin) for cap in args.caps for pin in pins]
-    results: dict[tuple[str, bool], list[dict]] = {v: [] for v in variants}
+    variants = [(cap, pin, arenas) for cap in args.caps for pin in pins for arenas in args.arenas]
+    results: dict[tuple[str, bool, str], list[dict]] = {v: [] for v in variants}
     copies = [memcpy_baseline()]
     tmp = Path(tempfile.mkdtemp(prefix="rl-ingest-"))
     start = time.perf_counter()
     try:
         dlrm_table(tmp / "t", args.rows, args.dense, args.sparse)
         for i in range(args.rounds):
-            for cap, pin in variants[i % len(variants):] + variants[:i % len(variants)]:
-                r = run_variant(cap, pin, tmp / "t", tmp / "cache", args)
+            for cap, pin, arenas in variants[i % len(variants):] + variants[:i % len(variants)]:
+                r = run_variant(cap, pin, arenas, tmp / "t", tmp / "cache", args)
                 if r["rows"] != args.rows * args.epochs:
                     raise AssertionError(f"{cap}, pin {pin}: {r['rows']} rows, expected {args.rows * args.epochs}")
-                results[(cap, pin)].append(r)
-                print(f"# round {i + 1} cap {cap:>7} pin {'on' if pin else 'off':>3}: {r['gb_s']:.3f} GB/s, "
+                results[(cap, pin, arenas)].append(r)
+                print(f"# round {i + 1} cap {cap:>7} pin {'on' if pin else 'off':>3} arenas {arenas:>3}: "
+                      f"{r['gb_s']:.3f} GB/s ({r['arena_share']:.0%} of messages in arenas), "
                       f"client {r['cpu_s_gb']:.3f} CPU s/GB ({r['cores']:.2f} cores), {r['faults_gb']:,.0f} faults/GB; "
                       + ", ".join(f"{SHORT[g]} {r['threads_s_gb'][g]:.3f}" for g in COLUMNS),
                       file=sys.stderr, flush=True)
@@ -110,13 +130,15 @@ def main() -> None:
           "(median of before and after)")
     print("medians over rounds; client CPU = this process, all threads (less the sampler); per thread in CPU s/GB")
     print()
-    print("| max message | pin_memory | GB/s delivered | client CPU s/GB | x memcpy | 1 core GB/s | / memcpy GB/s "
-          "| faults/GB | " + " | ".join(SHORT[g] for g in COLUMNS) + " |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(COLUMNS))
-    for (cap, pin), rs in results.items():
+    print("| max message | pin_memory | arenas (messages in them) | GB/s delivered | client CPU s/GB | x memcpy "
+          "| 1 core GB/s | / memcpy GB/s | faults/GB | " + " | ".join(SHORT[g] for g in COLUMNS) + " |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(COLUMNS))
+    for (cap, pin, arenas), rs in results.items():
         cpu = statistics.median(r["cpu_s_gb"] for r in rs)
         per = " | ".join(f"{statistics.median(r['threads_s_gb'][g] for r in rs):.3f}" for g in COLUMNS)
-        print(f"| {cap} | {'on' if pin else 'off'} | {statistics.median(r['gb_s'] for r in rs):.3f} | {cpu:.3f} | "
+        share = statistics.median(r["arena_share"] for r in rs)
+        print(f"| {cap} | {'on' if pin else 'off'} | {arenas} ({share:.0%}) | "
+              f"{statistics.median(r['gb_s'] for r in rs):.3f} | {cpu:.3f} | "
               f"{cpu / copy_s_gb:.1f} | {1 / cpu:.2f} | {1 / cpu / copy_gb_s:.2f} | "
               f"{statistics.median(r['faults_gb'] for r in rs):,.0f} | {per} |")
 

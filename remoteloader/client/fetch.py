@@ -20,12 +20,15 @@ from typing import Optional
 import numpy as np
 import zmq
 
+from .. import jagged
 from ..protocol import wire
+from ..protocol.arena import ArenaError, arena_socket_path, arenas_wanted
 from ..protocol.messages import Batch as BatchHeader, Credit
 from ..protocol.address import AddressError, validate_address
 from ..protocol.auth import Credentials, secure_client
 from ..protocol.rpc import has_message
 from ..protocol.seal import Peer, SealError, data_curve
+from .arena import ArenaLink
 from .batch import Batch
 from .credit import CreditWindow
 from .session import RunId
@@ -60,6 +63,10 @@ class WorkerFetcher:
         self.refused = 0  # sealed batches refused (counted in the client's stats)
         self.lost = False  # a refused batch claimed the current run: a genuine one may be lost
         self.sender_of: dict[int, str] = {}  # split id -> the worker whose pieces of it came last
+        # Workers on this host (ipc, no keys): their shared-memory arenas (protocol/arena.py).
+        self._arenas: dict[str, ArenaLink] = {}
+        self._use_arenas = auth is None and arenas_wanted()
+        self.arena_messages = self.frame_messages = 0  # batch messages by how they came (benchmarks)
 
     def retarget(self, run: RunId) -> None:
         """Follow a rejoin: credit totals count anew for the new run (the worker knows nothing of it)."""
@@ -87,6 +94,9 @@ class WorkerFetcher:
             del self.streams[wid]
             self._peers.pop(wid, None)
             self._keys.pop(wid, None)
+            link = self._arenas.pop(wid, None)
+            if link is not None:
+                link.close()
         for wid, addr in wanted.items():
             if wid not in self.sockets:
                 self._connect(wid, addr, keys[wid])
@@ -119,6 +129,12 @@ class WorkerFetcher:
         self.sockets[wid], self._worker_of[sock] = sock, wid
         self.streams[wid] = Stream()
         self.poller.register(sock, zmq.POLLIN)
+        path = arena_socket_path(addr) if self._use_arenas else None
+        if path is not None:
+            try:
+                self._arenas[wid] = ArenaLink(path)
+            except OSError:
+                pass  # a worker without arenas (--arena-bytes 0): its batches come as frames
 
     def top_up(self, queued: int, urgent: Optional[str] = None, waiting: int = 0) -> None:
         """Grant each worker credit up to its even share of the window, less what the loop
@@ -137,6 +153,7 @@ class WorkerFetcher:
         now = time.monotonic()
         for wid, sock in self.sockets.items():
             stream = self.streams[wid]
+            arena = self._arena(wid)
             pieces = max(0, min(share - stream.in_flight, free))
             low_bytes = stream.in_flight_bytes <= byte_share // 2
             must = wid == urgent and stream.in_flight == 0
@@ -149,7 +166,8 @@ class WorkerFetcher:
             stream.granted_bytes = stream.received_bytes + byte_share
             stream.last_grant = now
             credit = Credit(session=self.run.session, token=self.run.token, seq=self.run.seq, pieces=stream.granted,
-                            bytes=stream.granted_bytes, key=self.run.seals.pair.public_hex if self.run.seals else "")
+                            bytes=stream.granted_bytes, key=self.run.seals.pair.public_hex if self.run.seals else "",
+                            arena=arena)
             peer = self._peers.get(wid)
             if peer is None:
                 sock.send_multipart(wire.encode(credit))
@@ -184,10 +202,16 @@ class WorkerFetcher:
                 if not isinstance(header, BatchHeader) or header.session != self.run.session \
                         or header.seq != self.run.seq:
                     continue
-                if self.auth is not None:
+                if header.arena is not None:
+                    frames = self._arena_frames(wid, header, frames)
+                    if frames is None:
+                        continue
+                elif self.auth is not None:
                     frames = self._open(wid, parts[0].bytes, header, frames)
                     if frames is None:
                         continue
+                else:
+                    self.frame_messages += 1
                 # Counted as received before it is checked: the worker has charged it to our credit.
                 self.streams[wid].arrived(len(header.rows), sum(len(f) for f in frames), header.held, self.window)
                 try:
@@ -200,6 +224,41 @@ class WorkerFetcher:
                 out.extend(batches)
                 for split_id, _, _ in batches:
                     self.sender_of[split_id] = wid
+        return out
+
+    def _arena(self, wid: str) -> Optional[str]:
+        """The id of worker ``wid``'s arena once mapped (credit names it), after sending the
+        releases queued for it; None without one."""
+        link = self._arenas.get(wid)
+        if link is None:
+            return None
+        try:
+            if not link.try_open():
+                return None
+        except ArenaError as e:
+            log.warning("rank %d: not using worker %s's arena: %s", self.rank, wid, e)
+            link.close()
+            del self._arenas[wid]
+            return None
+        link.flush()
+        return link.id
+
+    def _arena_frames(self, wid: str, header: BatchHeader, frames: list) -> Optional[list]:
+        """A batch's frames in worker ``wid``'s arena; None (logged) if it is not there."""
+        link = self._arenas.get(wid)
+        try:
+            if frames or link is None:
+                raise ArenaError("a batch in an arena with data frames, or from a worker with no arena here")
+            out = link.frames(header.arena, header.tensors)
+        except ArenaError as e:
+            log.warning("dropped a batch message from worker %s: %s", wid, e)
+            return None
+        # The sizes this client checks and cuts by are read from its own copy: the worker
+        # could still write the region (values may change under us, where we read may not).
+        for i, desc in enumerate(header.tensors):
+            if desc.name == jagged.LENGTHS:
+                out[i] = bytearray(out[i])
+        self.arena_messages += 1
         return out
 
     def _open(self, wid: str, raw: bytes, header: BatchHeader, frames: list) -> Optional[list]:
@@ -220,6 +279,9 @@ class WorkerFetcher:
 
     def close(self) -> None:
         """Drop every worker's socket; ``set_workers`` connects again (a stream reset to a new run)."""
+        for link in self._arenas.values():
+            link.close()
+        self._arenas.clear()
         for sock in self.sockets.values():
             self.poller.unregister(sock)
             sock.close(linger=0)

@@ -28,6 +28,11 @@ DEFAULT_BUFFER_BYTES = 256 << 20  # a worker's budget: the client's default pref
 # Below glibc's largest dynamic mmap threshold (32 MiB on 64-bit), so the client's receive
 # buffers are reused heap, not pages freshly mapped (and faulted in) for every message.
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+# A client's shared-memory arena at a worker on its host: the loader's default credit window
+# (prefetch_bytes), so a partition of one worker never falls back to frames for want of room.
+# Pages are taken as first written and regions reused lowest first: an arena holds about what
+# its client has in flight, queued or in the training loop's hands.
+DEFAULT_ARENA_BYTES = 256 << 20
 # Splits are cut for rows this much larger than the sample's: a split of other rows (longer
 # id lists) may cost more, and two splits of exactly half the budget would then not fit.
 ESTIMATE_MARGIN = 1.1

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 12  # 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 13  # 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -27,6 +27,8 @@ MAX_PIECES = 64  # pieces in one batch message
 MAX_FRAME_BYTES = 1 << 30  # ZeroMQ handles up to ~2 GB; a batch this big is a misconfiguration
 MAX_BUCKETS = 32  # buckets of a client's wait histogram
 MAX_RELEASED = 1024  # splits handed back in one splits_released
+MAX_ARENA_RELEASES = 4096  # regions handed back in one arena_release
+ARENA_ALIGN = 64  # each tensor of a batch in an arena starts at a multiple of this
 
 Id = Annotated[str, Meta(max_length=MAX_STRING)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
@@ -159,6 +161,15 @@ class TensorDesc(Row):
     name: Id
     dtype: DType
     shape: Annotated[list[Dim], Meta(max_length=2)]
+
+
+class ArenaSlice(Row):
+    """Where a batch's tensors lie in the client's arena: a region of ``nbytes`` at ``offset``,
+    the tensors one after another in the header's order, each starting at a multiple of
+    ``ARENA_ALIGN`` from the region's start."""
+
+    offset: Count
+    nbytes: Dim
 
 
 class ProducingSplit(Row):
@@ -578,6 +589,7 @@ class Credit(DataMessage, tag="credit"):
     key: Key = ""  # the session's hello.key (the token signs it)
     gen: Optional[Gen] = None  # sealed (cluster keys): the key generation; one data frame, the tag
     nonce: Optional[Nonce] = None  # sealed: the counter of the tag
+    arena: Optional[Id] = None  # the worker's arena this client maps (arena_offer.arena): batches may lie there
 
 
 class Batch(DataMessage, tag="batch"):
@@ -592,22 +604,43 @@ class Batch(DataMessage, tag="batch"):
     tensors: Annotated[list[TensorDesc], Meta(max_length=64)]
     gen: Optional[Gen] = None  # sealed (cluster keys): the key generation
     nonce: Optional[Nonce] = None  # sealed: the counter of the first frame; frame i has nonce + i
+    arena: Optional[ArenaSlice] = None  # the tensors lie in the client's arena there; no data frames
 
     def __getitem__(self, name: str) -> Any:
         # wire.unpack_pieces (issue 24's jagged-layout work owns it) reads the header as a map.
         return getattr(self, name)
 
 
+class ArenaMessage(Message):
+    DIRECTION: ClassVar[str] = "client ↔ worker, on the arena socket"
+
+
+class ArenaOffer(ArenaMessage, tag="arena_offer"):
+    """A worker's answer to a connection on its arena socket (``<data socket path>.arena``,
+    one host only): a shared-memory file of ``bytes`` (its descriptor passed with this
+    message, SCM_RIGHTS) that this worker writes this client's batches into, named ``arena``."""
+
+    arena: Id
+    bytes: Annotated[int, Meta(ge=1, le=1 << 40)]
+
+
+class ArenaRelease(ArenaMessage, tag="arena_release"):
+    """Regions of the arena (``arena_slice.offset`` of batches received) the client no
+    longer reads: the worker may write them again."""
+
+    offsets: Annotated[list[Count], Meta(max_length=MAX_ARENA_RELEASES)]
+
+
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Register, GetSpec, Heartbeat, GetSplit, SplitsReleased, SplitProduced, SplitFailed, Drain, Bye,
     Hello, StartEpoch, ClientHeartbeat, FinishEpoch, Goodbye, Status,
     Registered, Spec, HeartbeatOk, Split, NoSplit, Welcome, Epoch, Membership, Ok, Error, StatusReply,
-    Credit, Batch)
+    Credit, Batch, ArenaOffer, ArenaRelease)
 AnyMessage = Union[MESSAGE_TYPES]  # type: ignore[valid-type]
 RECORD_TYPES: tuple[type[Record], ...] = (
     Ack, DoneRange, SplitRef, EpochSplitInfo, SplitHolder, WorkerAddr, SplitError, JobInfo, SplitTaskRecord, FileRecord,
     UnitRecord, TensorDesc, CacheDirective, CacheStats, Cost, JobCosts, WorkerStats, ProducingSplit, IOCounters,
-    Discarded, ClientStats)
+    Discarded, ClientStats, ArenaSlice)
 MASTER_REQUESTS = frozenset(c.__struct_config__.tag for c in MESSAGE_TYPES
                             if issubclass(c, (WorkerRequest, ClientRequest)))
 

@@ -31,6 +31,7 @@ from .lifecycle import TableRefused, WorkerFailed
 from .server import Worker
 
 
+ENV_ARENA_BYTES = "REMOTELOADER_ARENA_BYTES"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest data message: a run of consecutive pieces goes to a client as one message "
                         "of at most this many bytes (a single larger piece goes alone); same suffixes as "
                         "--buffer-bytes, at most 1G (docs/operations.md says why 16M)")
+    p.add_argument("--arena-bytes", type=_size, default=os.environ.get(ENV_ARENA_BYTES, "256M"), metavar="BYTES",
+                   help="with an ipc data socket (one host, no keys): each client's shared-memory arena, into "
+                        "which its batches are written instead of sent (0: none, every batch goes over the "
+                        f"socket); pages are taken as they are first written (also ${ENV_ARENA_BYTES}, which "
+                        "reaches the workers of an embedded loader)")
     p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "
                         "(0: one request per stream)")
@@ -163,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
                         client_timeout_s=args.client_timeout, buffer_bytes=args.buffer_bytes,
                         allowed_tables=allowed, bind=args.bind, cache=cache,
-                        max_message_bytes=args.max_message_bytes)
+                        max_message_bytes=args.max_message_bytes, arena_bytes=args.arena_bytes)
     except (zmq.ZMQError, OSError) as e:
         flag = f"--bind {args.bind}" if args.bind else f"--bind-host {args.bind_host}"
         print(f"remoteloader-worker: {flag}: {e}", file=sys.stderr)

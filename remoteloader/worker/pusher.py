@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Optional
 
+import numpy as np
 import zmq
 
 from ..core.sizing import DEFAULT_MAX_MESSAGE_BYTES
@@ -18,6 +19,7 @@ from ..protocol import wire
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import has_message
 from ..protocol.seal import TO_CLIENT, TO_WORKER, KeyPair, Peer, PeerBook, SealError
+from .arena import ArenaServer
 from .buffer import PieceBuffer
 from .credit import Credit, CreditBook
 from .faults import Faults
@@ -67,10 +69,14 @@ class Pusher:
     def __init__(self, data: zmq.Socket, ctx: zmq.Context, buffer: PieceBuffer, credit: CreditBook,
                  lifecycle: Lifecycle, tokens: SessionTokens, seals: Optional[WorkerSeals] = None,
                  current: Optional[CurrentSession] = None, faults: Optional[Faults] = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, arenas: Optional[ArenaServer] = None) -> None:
         """``max_message_bytes``: the most bytes of pieces one data message carries (a single
-        piece larger than that still goes, alone); never above ``wire.MAX_FRAME_BYTES``."""
+        piece larger than that still goes, alone); never above ``wire.MAX_FRAME_BYTES``.
+        ``arenas``: the arena socket (one host, no keys): batches for a client that maps one
+        of its arenas are written there, and only their headers sent."""
         self.data = data
+        self.arenas = arenas
+        self._arena_of: dict[bytes, str] = {}  # client connection -> the arena its last credit named
         self.max_message_bytes = min(max(1, int(max_message_bytes)), wire.MAX_FRAME_BYTES)
         self.tokens = tokens
         self.seals = seals  # None: no cluster keys, nothing sealed
@@ -87,6 +93,8 @@ class Pusher:
         poller = zmq.Poller()
         poller.register(self.data, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        if self.arenas is not None:
+            self.arenas.attach(poller)
         next_expiry = time.monotonic() + EXPIRE_EVERY_S
         try:
             while not self.lifecycle.stop.is_set():
@@ -97,6 +105,9 @@ class Pusher:
                 if self.data in events:
                     while has_message(self.data):
                         self.on_request(self.data.recv_multipart(copy=False))
+                if self.arenas is not None:
+                    for fd in [e for e in events if isinstance(e, int)]:
+                        self.arenas.on_ready(fd)
                 if time.monotonic() >= next_expiry:
                     self.credit.expire()
                     next_expiry = time.monotonic() + EXPIRE_EVERY_S
@@ -129,6 +140,10 @@ class Pusher:
         # is ignored; credit for a run with no task here yet is kept: the task may come.
         if self.buffer.credited(run):
             self.credit.grant(run, identity, grant.pieces, grant.bytes)
+        if grant.arena is not None and self.arenas is not None:
+            self._arena_of[identity] = grant.arena
+            if len(self._arena_of) > 4 * MAX_SESSIONS:  # connections of clients long gone
+                self._arena_of.pop(next(iter(self._arena_of)))
 
     def push(self) -> None:
         """Push pieces to clients holding credit for their run: as many as the credit
@@ -173,7 +188,11 @@ class Pusher:
             # for want of credit rather than for want of data.
             header = M.Batch(session=run[0], seq=run[1], split_id=first.split_id, piece=first.index,
                              rows=[p.rows for p in pieces], held=self.buffer.held(run), tensors=descs)
-            if self.seals is None:
+            placed = self._place(identity, frames)
+            if placed is not None:
+                header.arena = placed[1]
+                msg = wire.encode(header)
+            elif self.seals is None:
                 msg = wire.encode(header, frames)
             else:
                 peer = self.seals.for_session(run[0])
@@ -187,16 +206,35 @@ class Pusher:
                 # send would stop serving everybody else.
                 self.faults.send([identity, *msg], self._send)
             except zmq.Again:
+                self._unplace(placed)
                 self.buffer.put_back(run, pieces)  # its pipe is full: try again on a later pass
                 return False
             except zmq.ZMQError:
                 # That client is gone (ROUTER_MANDATORY tells us instead of dropping the
                 # message): keep the pieces for whoever holds credit next.
+                self._unplace(placed)
                 self.buffer.put_back(run, pieces)
                 self.credit.remove(run, identity)
                 return False
             credit.spend(len(pieces), nbytes)
         return False
+
+    def _place(self, identity: bytes, frames: list):
+        """(arena, slice) where the frames were written, if the client maps an arena with room
+        for them; else None (they go as frames)."""
+        if self.arenas is None:
+            return None
+        arena = self.arenas.arena(self._arena_of.get(identity))
+        if arena is None:
+            return None
+        where = arena.place([np.frombuffer(f, np.uint8) for f in frames])
+        return None if where is None else (arena, where)
+
+    @staticmethod
+    def _unplace(placed) -> None:
+        if placed is not None:
+            arena, where = placed
+            arena.release([where.offset])
 
     def _send(self, parts: list) -> None:
         self.data.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)

@@ -25,14 +25,16 @@ import zmq
 from ..core.allowlist import TableAllowlist
 from ..core.cache.store import BlockStore
 from ..core.cache.writer import BlockWriter
-from ..core.sizing import DEFAULT_BUFFER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
+from ..core.sizing import DEFAULT_ARENA_BYTES, DEFAULT_BUFFER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import messages as M
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
 from ..protocol.address import restrict_ipc_socket
+from ..protocol.arena import arena_socket_path
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from ..protocol.seal import KeyPair, data_curve
+from .arena import ArenaServer
 from .buffer import PieceBuffer
 from .control import Control
 from .credit import CreditBook
@@ -51,11 +53,14 @@ class Worker:
                  coalesce_gap: int = DEFAULT_COALESCE_GAP, auth: Optional[Credentials] = None,
                  client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, bind: Optional[str] = None,
-                 cache: Optional[BlockStore] = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 cache: Optional[BlockStore] = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
         """``bind``: the data endpoint (an ``ipc://`` path in the cluster's private directory);
         without it, an any-port tcp endpoint on ``bind_host``. ``cache``: the block cache
         (``--cache``), which splits use as the master's cache plan says. ``max_message_bytes``:
-        the largest data message (``--max-message-bytes``; a larger piece goes alone)."""
+        the largest data message (``--max-message-bytes``; a larger piece goes alone).
+        ``arena_bytes``: each client's shared-memory arena (``--arena-bytes``; 0: none), on an
+        ipc data socket without keys only (``protocol/arena.py``)."""
         self.master = master
         # Cluster keys: the master calls are CURVE clients; the data socket is a plain socket
         # whose messages are sealed (protocol/seal.py) with keys of this process's key pair.
@@ -82,6 +87,14 @@ class Worker:
             self._close_data()
             raise
         self.addr = self.data.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.arenas: Optional[ArenaServer] = None
+        arena_path = arena_socket_path(self.addr)
+        if arena_bytes > 0 and arena_path is not None and auth is None:
+            try:
+                self.arenas = ArenaServer(arena_path, arena_bytes)
+            except OSError:
+                self._close_data()
+                raise
         # A second line of defence behind the master's: a spec or split naming a table
         # outside these prefixes is refused (None: whatever the master names).
         allowlist = TableAllowlist(allowed_tables)
@@ -95,7 +108,8 @@ class Worker:
         # Which client connections proved (by the master's signature) the session they credit.
         tokens = SessionTokens()
         self.pusher = Pusher(self.data, self.ctx, self.buffer, CreditBook(client_timeout_s), self.lifecycle, tokens,
-                             self.seals, self.current, self.faults, max_message_bytes=max_message_bytes)
+                             self.seals, self.current, self.faults, max_message_bytes=max_message_bytes,
+                             arenas=self.arenas)
         self.cache = None if cache is None else (cache, BlockWriter(cache))
         registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex,
                               cache=self.cache)
@@ -145,6 +159,9 @@ class Worker:
 
     def _close_data(self) -> None:
         self.data.close(linger=0)
+        if getattr(self, "arenas", None) is not None:
+            self.arenas.close()
+            self.arenas = None
         if self._authenticator is not None:
             self._authenticator.close()
 
