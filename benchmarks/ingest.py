@@ -7,14 +7,16 @@ The cheapest workers: issue 36's job (``client_cpu.dlrm_spec``: 13 dense + 26 sp
 cache directory for the whole run. The first cluster's first epoch writes every feature's
 blocks; every later epoch of every cluster reads them: its workers open no table file and
 transform nothing (a split is a lookup of its blocks, one gather for the epoch's shuffle,
-and the cut into pieces). Nothing cheaper exists without a worker that replays recorded
-messages, which this cluster has not. The transport is ipc, what the embedded default
-starts (a master on ``ipc://DIR/master`` in a private directory, workers on ipc sockets
-beside it, no keys; started here so that it takes ``--max-message-bytes``).
+and the cut into pieces). The transport is ipc, what the embedded default starts (a master
+on ``ipc://DIR/master`` in a private directory, workers on ipc sockets beside it, no keys;
+started here so that it takes ``--max-message-bytes``); its workers offer shared-memory
+arenas (``protocol/arena.py``), which the client maps or not (``--arenas``: on, off).
 
 Variants, interleaved in rounds of one run (the order rotates every round): each
 ``--caps`` value (a worker ``--max-message-bytes``, handed on by the master; ``default``:
-none given, the workers' own default) with pinning off and on. Without CUDA, pinning is
+none given, the workers' own default) with pinning off and on, arenas on and off. Before
+and after the rounds, the socket floor (``socket_floor.py``: the least any socket
+transport costs its receiver on this host). Without CUDA, pinning is
 mocked as in ``tests/test_pinning.py`` (``pinning.mock_pinning``: the staging thread copies
 into plain CPU slabs; no page-locking, no DMA); the output says so.
 
@@ -47,6 +49,7 @@ import torch
 from benchmarks.auth_cost import descendants, reap, tcp_master
 from benchmarks.client_cpu import COLUMNS, SHORT, dlrm_spec, dlrm_table, job_arguments, memcpy_baseline
 from benchmarks.pinning import mock_pinning
+from benchmarks.socket_floor import receive_cost
 from benchmarks.trainer_cost import measure
 from remoteloader import RemoteDataLoader
 from remoteloader.client import fetch
@@ -96,6 +99,7 @@ def main() -> None:
     variants = [(cap, pin, arenas) for cap in args.caps for pin in pins for arenas in args.arenas]
     results: dict[tuple[str, bool, str], list[dict]] = {v: [] for v in variants}
     copies = [memcpy_baseline()]
+    floors = {kind: [receive_cost(kind)] for kind in ("unix", "tcp")}
     tmp = Path(tempfile.mkdtemp(prefix="rl-ingest-"))
     start = time.perf_counter()
     try:
@@ -117,6 +121,8 @@ def main() -> None:
     left = descendants()
     assert not left, f"processes left running: {left}"
     copies.append(memcpy_baseline())
+    for kind in floors:
+        floors[kind].append(receive_cost(kind))
     copy_s_gb = statistics.median(c["cpu_s_gb"] for c in copies)
     copy_gb_s = statistics.median(c["gb_s"] for c in copies)
     pinning = ("real pinned memory (CUDA)" if cuda else "MOCKED (no CUDA: staging copy into plain CPU slabs)") \
@@ -128,6 +134,10 @@ def main() -> None:
           f"{args.rounds} interleaved rounds ({time.perf_counter() - start:.0f} s); pinning {pinning}")
     print(f"memcpy of this host, same run: {copy_gb_s:.1f} GB/s on one core = {copy_s_gb:.3f} CPU s/GB "
           "(median of before and after)")
+    print("socket floor, same run (benchmarks/socket_floor.py: recv_into one reused buffer, nothing else; median of "
+          "before and after): " + ", ".join(
+              f"{kind} {statistics.median(f['cpu_s_gb'] for f in fs):.3f} CPU s/GB "
+              f"({statistics.median(f['gb_s'] for f in fs):.2f} GB/s)" for kind, fs in floors.items()))
     print("medians over rounds; client CPU = this process, all threads (less the sampler); per thread in CPU s/GB")
     print()
     print("| max message | pin_memory | arenas (messages in them) | GB/s delivered | client CPU s/GB | x memcpy "

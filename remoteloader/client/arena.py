@@ -45,8 +45,9 @@ class ArenaLink:
         self._closed = False
 
     @property
-    def ready(self) -> bool:
-        return self.id is not None
+    def closed(self) -> bool:
+        """The socket is closed or the worker went away: a new link is needed for a new arena."""
+        return self._closed
 
     def try_open(self) -> bool:
         """Take the worker's offer if it has come (never blocks); whether the arena is mapped.
@@ -123,3 +124,34 @@ class ArenaLink:
         self._closed = True
         self.sock.close()
         self._map = None  # unmapped when the last view of it is gone
+
+
+class ArenaLinks:
+    """The loader's links to arenas, one per worker address, kept across epoch runs: an
+    arena's pages, once written and mapped, serve every later epoch (a new arena per run
+    would fault in fresh pages on both sides every time)."""
+
+    def __init__(self) -> None:
+        self._links: dict[str, ArenaLink] = {}
+
+    def link(self, path: str) -> Optional[ArenaLink]:
+        """The link to the arena socket at ``path``, connected now if new; None if there is
+        none (a worker without arenas: its batches come as frames)."""
+        link = self._links.get(path)
+        if link is None or link.closed:
+            try:
+                link = self._links[path] = ArenaLink(path)
+            except OSError:
+                self._links.pop(path, None)
+                return None
+        return link
+
+    def drop(self, path: str) -> None:
+        link = self._links.pop(path, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()

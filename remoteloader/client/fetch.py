@@ -28,7 +28,7 @@ from ..protocol.address import AddressError, validate_address
 from ..protocol.auth import Credentials, secure_client
 from ..protocol.rpc import has_message
 from ..protocol.seal import Peer, SealError, data_curve
-from .arena import ArenaLink
+from .arena import ArenaLink, ArenaLinks
 from .batch import Batch
 from .credit import CreditWindow
 from .session import RunId
@@ -45,7 +45,10 @@ class WorkerFetcher:
     retires older runs of the session at the worker)."""
 
     def __init__(self, ctx: zmq.Context, rank: int, run: RunId, window: CreditWindow, sparse_keys: list[str],
-                 sparse_scored: Optional[list[bool]] = None, auth: Optional[Credentials] = None) -> None:
+                 sparse_scored: Optional[list[bool]] = None, auth: Optional[Credentials] = None,
+                 arenas: Optional[ArenaLinks] = None) -> None:
+        """``arenas``: the loader's links to workers' shared-memory arenas (kept across runs);
+        None: every batch comes as frames."""
         self.ctx, self.rank, self.run, self.window, self.sparse_keys = ctx, rank, run, window, sparse_keys
         self.sparse_scored = sparse_scored  # which sparse keys carry scores (id-score features)
         self.auth = auth  # cluster keys: messages on the workers' data sockets are sealed; None: plain
@@ -64,8 +67,9 @@ class WorkerFetcher:
         self.lost = False  # a refused batch claimed the current run: a genuine one may be lost
         self.sender_of: dict[int, str] = {}  # split id -> the worker whose pieces of it came last
         # Workers on this host (ipc, no keys): their shared-memory arenas (protocol/arena.py).
-        self._arenas: dict[str, ArenaLink] = {}
-        self._use_arenas = auth is None and arenas_wanted()
+        self._arenas: dict[str, ArenaLink] = {}  # worker id -> its arena's link
+        self._addr_of: dict[str, str] = {}  # worker id -> its data address (of those with a link)
+        self._links = arenas if auth is None and arenas_wanted() else None
         self.arena_messages = self.frame_messages = 0  # batch messages by how they came (benchmarks)
 
     def retarget(self, run: RunId) -> None:
@@ -94,9 +98,8 @@ class WorkerFetcher:
             del self.streams[wid]
             self._peers.pop(wid, None)
             self._keys.pop(wid, None)
-            link = self._arenas.pop(wid, None)
-            if link is not None:
-                link.close()
+            if self._arenas.pop(wid, None) is not None:
+                self._links.drop(arena_socket_path(self._addr_of.pop(wid)))
         for wid, addr in wanted.items():
             if wid not in self.sockets:
                 self._connect(wid, addr, keys[wid])
@@ -129,12 +132,10 @@ class WorkerFetcher:
         self.sockets[wid], self._worker_of[sock] = sock, wid
         self.streams[wid] = Stream()
         self.poller.register(sock, zmq.POLLIN)
-        path = arena_socket_path(addr) if self._use_arenas else None
-        if path is not None:
-            try:
-                self._arenas[wid] = ArenaLink(path)
-            except OSError:
-                pass  # a worker without arenas (--arena-bytes 0): its batches come as frames
+        path = arena_socket_path(addr) if self._links is not None else None
+        link = self._links.link(path) if path is not None else None
+        if link is not None:
+            self._arenas[wid], self._addr_of[wid] = link, addr
 
     def top_up(self, queued: int, urgent: Optional[str] = None, waiting: int = 0) -> None:
         """Grant each worker credit up to its even share of the window, less what the loop
@@ -237,8 +238,8 @@ class WorkerFetcher:
                 return None
         except ArenaError as e:
             log.warning("rank %d: not using worker %s's arena: %s", self.rank, wid, e)
-            link.close()
             del self._arenas[wid]
+            self._links.drop(arena_socket_path(self._addr_of.pop(wid)))
             return None
         link.flush()
         return link.id
@@ -279,9 +280,8 @@ class WorkerFetcher:
 
     def close(self) -> None:
         """Drop every worker's socket; ``set_workers`` connects again (a stream reset to a new run)."""
-        for link in self._arenas.values():
-            link.close()
-        self._arenas.clear()
+        self._arenas.clear()  # the links stay open for the next run (the loader closes them)
+        self._addr_of.clear()
         for sock in self.sockets.values():
             self.poller.unregister(sock)
             sock.close(linger=0)

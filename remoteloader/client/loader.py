@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from . import resume, staging
+from .arena import ArenaLinks
 from .assembly import EpochAssembler
 from .batch import Batch
 from .credit import CreditWindow
@@ -142,6 +143,7 @@ class RemoteDataLoader:
         self._closed = False
         self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings
         self.stats = ClientStats()
+        self._arenas = ArenaLinks()  # workers' shared-memory arenas on this host, kept across epochs
 
     # -- session -----------------------------------------------------------------------------
     @property
@@ -210,7 +212,8 @@ class RemoteDataLoader:
         run = EpochRun(plan, assembler, rows=assembler.expected_rows - assembler.received_rows)
         # The stream never pins: with pin_memory (or device) the stager after it does (staging.py).
         config = StreamConfig(self.rank, self.master, self.timeout, self._auth)
-        stream = EpochStream(self._ctx, self.session, run, config, self.credit, self.stats, self.warnings)
+        stream = EpochStream(self._ctx, self.session, run, config, self.credit, self.stats, self.warnings,
+                             arenas=self._arenas)
         node = stream if self.pin_pool is None else \
             staging.StagedBatches(stream, self.pin_pool, self.device, self.timeout, self.pin_stats)
         self.position.run = run
@@ -246,6 +249,7 @@ class RemoteDataLoader:
             self._active.close()  # stops its staging thread, if any
         if self.pin_pool is not None:
             self.pin_pool.close()
+        self._arenas.close()
         self.session.goodbye(GOODBYE_S)
         self._rpc.close()
         self._placement.close(self.world_size)

@@ -18,6 +18,7 @@ import zmq
 
 from ..protocol.auth import Credentials
 from ..protocol.rpc import RemoteError
+from .arena import ArenaLinks
 from .assembly import Ready
 from .control import ControlChannel
 from .credit import CreditWindow
@@ -59,12 +60,13 @@ class EpochStream(Node[Ready]):
     stream reset to a state continues exactly where that state was taken."""
 
     def __init__(self, ctx: zmq.Context, session: ClientSession, run: EpochRun, config: StreamConfig,
-                 credit: CreditWindow, stats: ClientStats, warned: list[str]) -> None:
+                 credit: CreditWindow, stats: ClientStats, warned: list[str],
+                 arenas: Optional[ArenaLinks] = None) -> None:
         self.ctx, self.session, self.run, self.config = ctx, session, run, config
         self.credit, self.stats, self.warned = credit, stats, warned
         job = session.job
         self.fetcher = WorkerFetcher(ctx, config.rank, session.run, credit, job.sparse_keys, job.sparse_scored,
-                                     auth=config.auth)
+                                     auth=config.auth, arenas=arenas)
         self.master_seen: Optional[str] = None  # the master process heard from last (membership.master)
         self.holders: dict[int, str] = {}  # split id -> the worker producing it (membership.holders)
         self._loop: Optional[Iterator[Ready]] = None
