@@ -523,15 +523,14 @@ class JobState:
             pool = [w for w in live if w.node == node] or live
             target = min(max_workers_per_client, len(pool))
             pooled = {w.worker_id for w in pool}
-
-            def serving() -> int:  # the rank's live members from the pool: what the target counts
-                return sum(1 for m in members if m in pooled)
-
-            while serving() < target and sum(1 for m in members if not self.workers[m].draining) < max_workers_per_client:
+            serving = sum(1 for m in members if m in pooled)  # what the target counts
+            live_members = sum(1 for m in members if not self.workers[m].draining)  # what the cap counts
+            while serving < target and live_members < max_workers_per_client:
                 wid = min((w.worker_id for w in pool if w.worker_id not in members),
                           key=lambda i: (load[i], self.workers[i].seq))
                 members.append(wid)
                 load[wid] += 1
+                serving, live_members = serving + 1, live_members + 1
         return partitions
 
     def sessions_served(self, worker_id: str) -> list[str]:
