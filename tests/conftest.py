@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import psutil
 import pytest
@@ -221,7 +221,7 @@ def examples(n: int) -> int:
 
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start real processes are ``slow`` (``pytest -m "not slow"`` skips them);
-    every test using the ``cluster`` or ``ray_cluster`` fixture is one, others say so.
+    every test using the ``cluster``, ``ray_cluster`` or ``hostnet`` fixture is one, others say so.
     ``inprocess`` clusters start none: their tests are the fast tier's end to end, except
     the whole-suite checks moved onto them from real processes (exactly-once semantics,
     bad data, every operator), which say ``slow`` to keep the fast tier under a minute.
@@ -232,7 +232,7 @@ def pytest_collection_modifyitems(items) -> None:
     heads at once on two cores slowed each to minutes."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        if {"cluster", "ray_cluster"} & fixtures:
+        if {"cluster", "ray_cluster", "hostnet"} & fixtures:
             item.add_marker(pytest.mark.slow)
         if {"ray_cluster", "ray_head"} & fixtures:
             item.add_marker(pytest.mark.xdist_group("ray"))
@@ -252,6 +252,27 @@ def cluster():
     c = Cluster()
     yield c
     c.stop()
+
+
+@pytest.fixture
+def hostnet():
+    """Makes ``HostNet``s (tests/hostnet.py: hosts as network namespaces on one switch),
+    ``hostnet(4)`` or ``hostnet(["master", "worker"])``; each is closed at the end. Skips the
+    test, saying why, where namespaces cannot be made (not root, no ``ip``)."""
+    from .hostnet import HostNet, netns_unavailable
+
+    why = netns_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    made: list[HostNet] = []
+
+    def make(hosts: int | Sequence[str]) -> HostNet:
+        made.append(HostNet(hosts))
+        return made[-1]
+
+    yield make
+    for net in made:
+        net.close()
 
 
 @pytest.fixture
