@@ -63,7 +63,7 @@ def _checked(argv: Sequence[str], stdin: Optional[str] = None) -> None:
         raise HostNetError(f"{' '.join(argv)}: {(done.stderr or done.stdout).strip()}")
 
 
-def _namespaces() -> list[str]:
+def namespaces() -> list[str]:
     """Every named network namespace (``ip netns list`` prints ``NAME (id: N)`` or ``NAME``)."""
     out = _cmd(["ip", "netns", "list"]).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
@@ -98,7 +98,7 @@ def sweep_stale() -> list[str]:
     """Delete the namespaces of harness runs whose process is gone (killed before ``close``);
     what was deleted. Namespaces of live runs and of anyone else are never touched."""
     swept = []
-    for ns in _namespaces():
+    for ns in namespaces():
         m = NAME.match(ns)
         if m and not _alive(int(m.group(1), 16)):
             _kill_namespace(ns)
@@ -191,7 +191,7 @@ class HostNet:
 
     def _names(self) -> tuple[str, int]:
         """A switch namespace name and a run number no namespace uses yet."""
-        taken = set(_namespaces())
+        taken = set(namespaces())
         for _ in range(64):
             run = random.randrange(256)
             switch = f"{PREFIX}{os.getpid():x}.{run:02x}s"
@@ -297,7 +297,7 @@ class HostNet:
         finally:
             for ns in reversed(self._made):
                 _kill_namespace(ns)
-        left = set(self._made) & set(_namespaces())
+        left = set(self._made) & set(namespaces())
         if left:
             raise HostNetError(f"namespaces left behind: {sorted(left)}")
 
