@@ -58,10 +58,11 @@ def spec_dict(table: Path, **overrides) -> dict:
     return spec
 
 
-def master_status(addr: str, auth: Optional[str] = None) -> dict:
-    """What ``remoteloader status --json`` prints for the master at ``addr`` (with keys from ``auth``)."""
-    out = subprocess.run([str(BIN / "remoteloader"), "status", "--master", addr, "--json",
-                          *(["--auth", auth] if auth else [])], capture_output=True, text=True, check=True, timeout=30)
+def master_status(addr: str, auth: Optional[str] = None, run: Callable[..., Any] = subprocess.run) -> dict:
+    """What ``remoteloader status --json`` prints for the master at ``addr`` (with keys from
+    ``auth``); ``run``: how it is run (a ``Host.run`` of tests/hostnet.py: from that host)."""
+    out = run([str(BIN / "remoteloader"), "status", "--master", addr, "--json", *(["--auth", auth] if auth else [])],
+              capture_output=True, text=True, check=True, timeout=30)
     return json.loads(out.stdout)
 
 
@@ -75,13 +76,15 @@ def launched_workers(master_pid: int) -> list[psutil.Process]:
 
 class MasterProcess:
     """``remoteloader-master``, started through its console script, with ``workers`` local
-    workers (``--workers``), forked by its worker fork server."""
+    workers (``--workers``), forked by its worker fork server; ``popen``: how it is started
+    (a ``Host.popen`` of tests/hostnet.py: inside that host)."""
 
-    def __init__(self, *args: str, workers: int = 2, bind: str = "tcp://127.0.0.1:0") -> None:
+    def __init__(self, *args: str, workers: int = 2, bind: str = "tcp://127.0.0.1:0",
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> None:
         # Test tables live under the temp directory: the only tables these masters serve.
-        self.proc = subprocess.Popen([str(BIN / "remoteloader-master"), "--bind", bind, "--workers", str(workers),
-                                      "--heartbeat-timeout", "2", "--allow-table", tempfile.gettempdir(), *args],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = popen([str(BIN / "remoteloader-master"), "--bind", bind, "--workers", str(workers),
+                           "--heartbeat-timeout", "2", "--allow-table", tempfile.gettempdir(), *args],
+                          stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         assert "listening on" in line, line
         self.addr = line.rsplit(" ", 1)[1].strip()
