@@ -79,6 +79,9 @@ def test_the_rendezvous_is_master_addr_else_the_tcp_store_under_the_prefixes(tcp
 def test_a_nodes_address_is_the_setting_else_the_interface_toward_the_rendezvous_never_loopback():
     assert nodes.reachable_address("127.0.0.1") == "127.0.0.1"  # the route's source address, nothing sent
     assert nodes.node_address("127.0.0.1", {nodes.ENV_BIND_ADDRESS: "10.9.8.7"}) == "10.9.8.7"
+    for setting in ("0.0.0.0", "10.0.0.1:5555", "host name"):  # others connect to it: one concrete host
+        with pytest.raises(RuntimeError, match=nodes.ENV_BIND_ADDRESS):
+            nodes.node_address("10.0.0.1", {nodes.ENV_BIND_ADDRESS: setting})
     for toward, why in (("127.0.0.1", "a loopback address"), (None, "neither MASTER_ADDR nor a TCP store")):
         with pytest.raises(RuntimeError, match=why) as err:
             nodes.node_address(toward, {})

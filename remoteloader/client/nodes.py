@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
+from ..protocol.address import AddressError, validate_address
+
 ENV_BIND_ADDRESS = "REMOTELOADER_BIND_ADDRESS"
 HOST_KEY = "remoteloader/host/{fingerprint}/{rank}"  # rank -> its host name, when torchrun does not say
 TORCHRUN_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WORLD_SIZE")
@@ -111,6 +113,16 @@ def node_address(toward: Optional[str], env: Mapping[str, str] = os.environ) -> 
     error when neither gives an address other nodes could reach (nothing to go by, or loopback)."""
     setting = env.get(ENV_BIND_ADDRESS)
     if setting:
+        try:  # the others connect to it: a concrete host, as for a worker's register (an IPv6 one unbracketed)
+            if ":" in setting:
+                ipaddress.IPv6Address(setting)
+            else:
+                validate_address(tcp_endpoint(setting, 1))
+        except (AddressError, ValueError) as e:
+            raise RuntimeError(f"{ENV_BIND_ADDRESS}={setting!r} is not a host address: {e}") from None
+        if setting in ("*", "0.0.0.0", "::"):
+            raise RuntimeError(f"{ENV_BIND_ADDRESS}={setting!r} is an any-address, which other nodes cannot connect "
+                               "to: set an address of this node that they reach")
         return setting
     how = f"set {ENV_BIND_ADDRESS} on every node to an address of that node the others reach"
     if not toward:
