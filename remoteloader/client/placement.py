@@ -88,12 +88,12 @@ class MasterPlacement:
         worker_args = ("--worker-args", shlex.join(["--bind-host", address, "--node", layout.node]))
         cluster = _start_embedded(spec, num_workers, auth_dir or keys.directory, bind=tcp_endpoint(address),
                                   extra=worker_args)
-        published = ranks.publish_master(cluster.addr, fingerprint, auth_dir, keys.published() if keys else None,
-                                         layout.node, layout.nodes - 1)
-        placement = cls(cluster.addr, cluster.auth_dir, ranks, published, cluster, layout.node, keys)
+        placement = cls(cluster.addr, cluster.auth_dir, ranks, None, cluster, layout.node, keys)
         placement._own(owner, cluster.close)
-        if keys is not None:
+        if keys is not None:  # after the cluster: its processes stop before their keys go
             placement._own(owner, keys.close)
+        placement.published = ranks.publish_master(cluster.addr, fingerprint, auth_dir,
+                                                   keys.published() if keys else None, layout.node, layout.nodes - 1)
         return placement
 
     @classmethod
