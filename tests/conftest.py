@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import psutil
 import pytest
@@ -58,10 +58,11 @@ def spec_dict(table: Path, **overrides) -> dict:
     return spec
 
 
-def master_status(addr: str, auth: Optional[str] = None) -> dict:
-    """What ``remoteloader status --json`` prints for the master at ``addr`` (with keys from ``auth``)."""
-    out = subprocess.run([str(BIN / "remoteloader"), "status", "--master", addr, "--json",
-                          *(["--auth", auth] if auth else [])], capture_output=True, text=True, check=True, timeout=30)
+def master_status(addr: str, auth: Optional[str] = None, run: Callable[..., Any] = subprocess.run) -> dict:
+    """What ``remoteloader status --json`` prints for the master at ``addr`` (with keys from
+    ``auth``); ``run``: how it is run (a ``Host.run`` of tests/hostnet.py: from that host)."""
+    out = run([str(BIN / "remoteloader"), "status", "--master", addr, "--json", *(["--auth", auth] if auth else [])],
+              capture_output=True, text=True, check=True, timeout=30)
     return json.loads(out.stdout)
 
 
@@ -75,13 +76,15 @@ def launched_workers(master_pid: int) -> list[psutil.Process]:
 
 class MasterProcess:
     """``remoteloader-master``, started through its console script, with ``workers`` local
-    workers (``--workers``), forked by its worker fork server."""
+    workers (``--workers``), forked by its worker fork server; ``popen``: how it is started
+    (a ``Host.popen`` of tests/hostnet.py: inside that host)."""
 
-    def __init__(self, *args: str, workers: int = 2, bind: str = "tcp://127.0.0.1:0") -> None:
+    def __init__(self, *args: str, workers: int = 2, bind: str = "tcp://127.0.0.1:0",
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> None:
         # Test tables live under the temp directory: the only tables these masters serve.
-        self.proc = subprocess.Popen([str(BIN / "remoteloader-master"), "--bind", bind, "--workers", str(workers),
-                                      "--heartbeat-timeout", "2", "--allow-table", tempfile.gettempdir(), *args],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = popen([str(BIN / "remoteloader-master"), "--bind", bind, "--workers", str(workers),
+                           "--heartbeat-timeout", "2", "--allow-table", tempfile.gettempdir(), *args],
+                          stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         assert "listening on" in line, line
         self.addr = line.rsplit(" ", 1)[1].strip()
@@ -221,7 +224,7 @@ def examples(n: int) -> int:
 
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start real processes are ``slow`` (``pytest -m "not slow"`` skips them);
-    every test using the ``cluster`` or ``ray_cluster`` fixture is one, others say so.
+    every test using the ``cluster``, ``ray_cluster`` or ``hostnet`` fixture is one, others say so.
     ``inprocess`` clusters start none: their tests are the fast tier's end to end, except
     the whole-suite checks moved onto them from real processes (exactly-once semantics,
     bad data, every operator), which say ``slow`` to keep the fast tier under a minute.
@@ -232,7 +235,7 @@ def pytest_collection_modifyitems(items) -> None:
     heads at once on two cores slowed each to minutes."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        if {"cluster", "ray_cluster"} & fixtures:
+        if {"cluster", "ray_cluster", "hostnet"} & fixtures:
             item.add_marker(pytest.mark.slow)
         if {"ray_cluster", "ray_head"} & fixtures:
             item.add_marker(pytest.mark.xdist_group("ray"))
@@ -252,6 +255,27 @@ def cluster():
     c = Cluster()
     yield c
     c.stop()
+
+
+@pytest.fixture
+def hostnet():
+    """Makes ``HostNet``s (tests/hostnet.py: hosts as network namespaces on one switch),
+    ``hostnet(4)`` or ``hostnet(["master", "worker"])``; each is closed at the end. Skips the
+    test, saying why, where namespaces cannot be made (not root, no ``ip``)."""
+    from .hostnet import HostNet, netns_unavailable
+
+    why = netns_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    made: list[HostNet] = []
+
+    def make(hosts: int | Sequence[str]) -> HostNet:
+        made.append(HostNet(hosts))
+        return made[-1]
+
+    yield make
+    for net in made:
+        net.close()
 
 
 @pytest.fixture

@@ -1,9 +1,6 @@
 """The loader's front, in process: a replaced iterator raises; a waiting client says what it
-waits for; the torchrun meeting point (the multi-host refusal, the close count) on an
-in-process store."""
+waits for; the torchrun meeting point (the close count) on an in-process store."""
 from __future__ import annotations
-
-import socket
 
 import pytest
 import torch.distributed as dist
@@ -11,8 +8,7 @@ import torch.distributed as dist
 from remoteloader import RemoteDataLoader
 from remoteloader.client import ranks, stream
 from remoteloader.client.loader import EpochIterator
-from remoteloader.client.ranks import MultiHostError, RankStore
-from remoteloader.spec import load_spec
+from remoteloader.client.ranks import RankStore
 
 from .test_client_session import JOB, FakeMaster
 
@@ -52,21 +48,6 @@ def group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield RankStore(ranks.default_store())
     dist.destroy_process_group()
-
-
-def test_a_rank_on_another_host_than_the_embedded_master_refuses_at_construction(group, monkeypatch):
-    fingerprint = load_spec(SPEC).fingerprint()
-    monkeypatch.setattr(socket, "gethostname", lambda: "host-a")
-    group.publish_master("tcp://127.0.0.1:5555", fingerprint, "/tmp/rank0-private-keys")
-    monkeypatch.setattr(socket, "gethostname", lambda: "host-b")
-    monkeypatch.delenv("REMOTELOADER_MASTER", raising=False)
-    with pytest.raises(MultiHostError) as err:
-        RemoteDataLoader(SPEC, rank=1, world_size=2, connect_timeout=5)
-    message = str(err.value)
-    assert "\n" not in message
-    for needed in ("host-b", "host-a", "REMOTELOADER_MASTER", "remoteloader-master --bind tcp://0.0.0.0:PORT --auth DIR",
-                   "REMOTELOADER_AUTH"):
-        assert needed in message
 
 
 def test_the_owner_waits_until_every_rank_counted_itself_out(group):

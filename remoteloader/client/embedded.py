@@ -8,7 +8,8 @@ signal stops the master (and the master's workers) even if the owner is SIGKILLe
 With several ranks (e.g. under ``torchrun``), rank 0 starts the cluster and publishes
 its address; the other ranks find it in torch.distributed's default store when a
 process group is initialized, else in the ``REMOTELOADER_MASTER`` environment variable
-(``ranks.py``).
+(``ranks.py``). A job across several nodes binds the master to TCP instead, with keys
+(``placement.py``); what follows is the one-node default.
 
 One host, so the kernel is the lock: the master listens on ``ipc://DIR/master`` and its
 workers on ``ipc://DIR/worker-<random>``, Unix sockets in a private directory ``DIR`` (mode
@@ -76,22 +77,25 @@ def new_log_file() -> Optional[str]:
 class EmbeddedCluster:
     def __init__(self, num_workers: int, start_timeout: float = 60.0, extra_args: tuple = (),
                  auth_dir: Optional[str] = None, allowed_tables: Sequence[str] = (), cache: Optional[str] = None,
-                 log_file: Optional[str] = None) -> None:
+                 log_file: Optional[str] = None, bind: Optional[str] = None) -> None:
         """``auth_dir``: the user's key directory (CURVE on the ipc sockets too); without it, no keys.
         ``allowed_tables``: the prefixes the master may serve (none: no client spec). ``cache``:
         the block cache of the master and its workers (told in the environment, like the table).
         ``log_file``: where the master and its workers log (``new_log_file``; None: stderr),
-        so the trainer's console shows only what the loader raises or warns about."""
+        so the trainer's console shows only what the loader raises or warns about. ``bind``:
+        a ``tcp://HOST:0`` the master listens on instead of the private ipc directory (rank 0
+        of a multi-node job, with keys: ``placement.py``)."""
         self.log_file = log_file
         self.auth_dir = os.path.abspath(auth_dir) if auth_dir is not None else None
         # Made here (0700, checked) before its name is published on the master's command
         # line, where any local user could read it and make it first; the master takes it
         # over (ENV_IPC_HANDOVER) and so removes it when it exits.
         self.proc = None
-        self.ipc_dir = make_ipc_directory()
+        self.ipc_dir = make_ipc_directory() if bind is None else None
         env = {k: v for k, v in os.environ.items() if k != ENV_AUTH}  # no stray keys: the argument decides
         env.update(allowlist_env(allowed_tables), **({ENV_AUTH: self.auth_dir} if self.auth_dir else {}))
-        env[ENV_IPC_HANDOVER] = self.ipc_dir
+        if self.ipc_dir is not None:
+            env[ENV_IPC_HANDOVER] = self.ipc_dir
         env.pop(ENV_CACHE, None)
         if cache is not None:
             env[ENV_CACHE] = cache
@@ -99,7 +103,7 @@ class EmbeddedCluster:
             log = open(log_file, "a") if log_file is not None else None  # its workers inherit it
             try:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "remoteloader.master", "--bind", f"ipc://{self.ipc_dir}/master",
+                    [sys.executable, "-m", "remoteloader.master", "--bind", bind or f"ipc://{self.ipc_dir}/master",
                      "--workers", str(num_workers), "--die-with-parent", *extra_args],
                     stdout=subprocess.PIPE, stderr=log, text=True, env=env)
             finally:
@@ -138,6 +142,8 @@ class EmbeddedCluster:
         if self.proc is not None:
             stop_process(self.proc, timeout=10)
         # The master removes it as it exits; it stays only if the master was killed (SIGKILL).
+        if self.ipc_dir is None:
+            return
         try:
             st = os.lstat(self.ipc_dir)
         except FileNotFoundError:

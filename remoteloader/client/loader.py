@@ -72,7 +72,8 @@ class RemoteDataLoader:
     Args:
         spec: a ``DatasetSpec``, its dict form, or the path of a YAML/JSON spec.
         master: ``tcp://host:port`` of a running master; ``None`` starts an embedded one.
-        num_workers: local workers of the embedded master (default: CPU count).
+        num_workers: local workers of the embedded master (default: CPU count); in a multi-node
+            job, the workers of each node.
         batch_size, shuffle, seed, drop_last, even_batches: override the spec's values.
             ``even_batches`` ("pad", the default, "drop", or "off"; True/False mean pad/off)
             gives every rank the same number of batches per epoch, as DDP needs.
@@ -97,7 +98,8 @@ class RemoteDataLoader:
         auth: key directory (``remoteloader keygen DIR``) of a cluster started with ``--auth``;
             default ``$REMOTELOADER_AUTH``. The embedded default needs none: it talks over
             Unix sockets in a private 0700 directory (with a directory given, CURVE runs on
-            them too).
+            them too); a multi-node job's master is keyed with a per-job key set that rank 0
+            makes and shares through torch.distributed's store, unless a directory is given.
     """
 
     def __init__(self, spec: Union[DatasetSpec, dict, str, os.PathLike], *, master: Optional[str] = None,
@@ -128,8 +130,8 @@ class RemoteDataLoader:
         auth_dir = os.fspath(auth) if auth is not None else os.environ.get(cluster_auth.ENV_AUTH) or None
         if auth_dir:
             cluster_auth.load(auth_dir)  # AuthError (a ValueError, one line) before anything starts
-        self._placement = MasterPlacement.resolve(self, self.spec, self.rank, master, num_workers, auth_dir,
-                                                  connect_timeout)
+        self._placement = MasterPlacement.resolve(self, self.spec, self.rank, self.world_size, master, num_workers,
+                                                  auth_dir, connect_timeout)
         self.master = master = self._placement.addr
         auth_dir = self._placement.auth_dir
         self._auth = cluster_auth.load(auth_dir) if auth_dir else None
@@ -138,7 +140,7 @@ class RemoteDataLoader:
         # Where this rank is (epoch, loaded position, the run being iterated): the loader's alone.
         self.position = Position(self.spec, self.rank, self.world_size)
         self.session = ClientSession(self._rpc, self.spec, self.rank, self.world_size, timeout, connect_timeout,
-                                     on_welcome=self._welcomed)
+                                     on_welcome=self._welcomed, node=self._placement.node)
         self._active: Optional[EpochIterator] = None
         self._closed = False
         self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings

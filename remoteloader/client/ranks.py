@@ -1,39 +1,37 @@
 """torchrun lifecycle: the ranks of a job meet in torch.distributed's store.
 
-Rank 0 starts the embedded master and publishes where it listens (a Unix socket in its
-private directory, ``embedded.py``), on which host, and its key directory's path if it has
-one (never key material: the store is not authenticated). The other ranks read it; a rank
-on another host cannot reach that socket, so it refuses at construction, saying what to set. At close, every rank counts itself out after its
-goodbye, and the owner of the embedded master waits (bounded) until all have, so a rank
-still finishing its epoch is never stranded by rank 0 stopping the master under it.
+Rank 0 starts the embedded master and publishes where it listens and its key directory's
+path if it has one. On one node that is a Unix socket in its private directory
+(``embedded.py``), with no keys. A multi-node job's master listens on TCP at an address the
+other nodes reach, and without a key directory of the user's rank 0 publishes the job's key
+set itself (``jobkeys.py``: the store is the job's trust root, though not authenticated),
+its node, and how many other nodes start workers (``placement.py``). The other ranks read it.
+At close, every rank counts itself out after its goodbye; the first rank of every other node
+waits (bounded) until all have before it stops its node's workers, and counts that; and the
+owner of the embedded master waits for both, so a rank still finishing its epoch is never
+stranded by a master or a worker stopping under it.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from ..protocol.auth import ENV_AUTH
 from .embedded import ENV_MASTER
 
 log = logging.getLogger(__name__)
 STORE_KEY = "remoteloader/master/{fingerprint}"
 CLOSED_KEY = "remoteloader/closed/{token}"  # one per embedded master: ports are reused, tokens not
+NODES_DONE_KEY = "remoteloader/nodes_done/{token}"  # other nodes whose workers have stopped
 PART_KEY = "remoteloader/state/{fingerprint}/{seq}/{rank}"  # one rank's part at one state_dict() call
 GATHER_TIMEOUT_S = 120.0  # every rank's state_dict() call within this of the first one's
 CLOSE_WAIT_S = 60.0  # the owner's bound on waiting for the other ranks' goodbyes
 CLOSE_POLL_S = 0.05
 WAIT_LOG_S = 10.0
-
-
-class MultiHostError(RuntimeError):
-    """A rank on another host than rank 0's embedded (one-host, ipc) master."""
 
 
 def default_store() -> Optional[Any]:
@@ -47,12 +45,16 @@ def default_store() -> Optional[Any]:
 
 @dataclass(frozen=True)
 class Published:
-    """Rank 0's embedded master as published: address, key directory path, and the token
-    naming this master's close count."""
+    """Rank 0's embedded master as published: address, key directory path, the token naming
+    this master's close count, and for a multi-node job the job's key set (None: a key
+    directory of the user's, or one node), rank 0's node, and the other nodes that start workers."""
 
     addr: str
     auth: Optional[str]
     token: Optional[str]
+    keys: Optional[dict] = None
+    node: Optional[str] = None  # None: one node
+    worker_nodes: int = 0
 
 
 class RankStore:
@@ -62,26 +64,21 @@ class RankStore:
     def __init__(self, store: Any) -> None:
         self.store = store
 
-    def publish_master(self, addr: str, fingerprint: str, auth_dir: Optional[str]) -> Published:
-        published = Published(addr, auth_dir, uuid.uuid4().hex)
-        value = {"addr": addr, "auth": auth_dir, "token": published.token, "host": socket.gethostname()}
+    def publish_master(self, addr: str, fingerprint: str, auth_dir: Optional[str], keys: Optional[dict] = None,
+                       node: Optional[str] = None, worker_nodes: int = 0) -> Published:
+        published = Published(addr, auth_dir, uuid.uuid4().hex, keys, node, worker_nodes)
+        value = {"addr": addr, "auth": auth_dir, "token": published.token, "keys": keys, "node": node,
+                 "worker_nodes": worker_nodes}
         self.store.set(STORE_KEY.format(fingerprint=fingerprint), json.dumps(value))
         return published
 
-    def discover_master(self, fingerprint: str, rank: int, timeout: float) -> Published:
-        """Rank 0's embedded master for rank ``rank`` > 0."""
+    def discover_master(self, fingerprint: str, timeout: float) -> Published:
+        """Rank 0's embedded master, for ranks > 0."""
         key = STORE_KEY.format(fingerprint=fingerprint)
         self.store.wait([key], timedelta(seconds=timeout))
         published = json.loads(self.store.get(key).decode())
-        host, here = published.get("host"), socket.gethostname()
-        if host is not None and host != here:
-            raise MultiHostError(
-                f"rank {rank} runs on host {here!r} but rank 0's embedded remoteloader master listens on "
-                f"{published['addr']} on host {host!r}, which no other host can reach: for a multi-host job run "
-                f"'remoteloader keygen DIR' once, copy DIR to every host, start 'remoteloader-master --bind "
-                f"tcp://0.0.0.0:PORT --auth DIR --workers N' and set {ENV_MASTER}=tcp://<that host>:PORT and "
-                f"{ENV_AUTH}=DIR (or pass master=..., auth=...) on every rank")
-        return Published(published["addr"], published.get("auth"), published.get("token"))
+        return Published(published["addr"], published.get("auth"), published.get("token"), published.get("keys"),
+                         published.get("node"), int(published.get("worker_nodes") or 0))
 
     def gather_parts(self, fingerprint: str, seq: int, rank: int, world_size: int, part: dict,
                      timeout: Optional[float] = None) -> dict[int, dict]:
@@ -117,34 +114,44 @@ class RankStore:
         """This rank's loader of the embedded master ``token`` has said goodbye."""
         self.store.add(CLOSED_KEY.format(token=token), 1)
 
+    def count_node_done(self, token: str) -> None:
+        """This node's workers of the embedded master ``token`` have stopped (another node's first rank)."""
+        self.store.add(NODES_DONE_KEY.format(token=token), 1)
+
     def wait_closed(self, token: str, world_size: int, timeout: float = CLOSE_WAIT_S) -> bool:
         """Wait until every rank's loader of master ``token`` has closed (or ``timeout``); True when all did."""
-        key = CLOSED_KEY.format(token=token)
+        return self._wait_count(CLOSED_KEY.format(token=token), world_size, timeout, "ranks' loaders have closed",
+                                "the others lose their master and workers")
+
+    def wait_nodes_done(self, token: str, nodes: int, timeout: float = CLOSE_WAIT_S) -> bool:
+        """Wait until the other ``nodes`` nodes have stopped their workers (or ``timeout``), so that
+        they say bye to a master still there; True when all did."""
+        return self._wait_count(NODES_DONE_KEY.format(token=token), nodes, timeout,
+                                "other nodes have stopped their workers", "the others find no master to say bye to")
+
+    def _wait_count(self, key: str, wanted: int, timeout: float, what: str, otherwise: str) -> bool:
         started = last_log = time.monotonic()
         while True:
-            closed = self.store.add(key, 0)
+            done = self.store.add(key, 0)
             now = time.monotonic()
-            if closed >= world_size:
+            if done >= wanted:
                 return True
             if now - started >= timeout:
-                log.warning("closing the embedded master after %.0f s although only %d of %d ranks' loaders "
-                            "closed: the others lose their master", now - started, closed, world_size)
+                log.warning("stopping the embedded remoteloader cluster after %.0f s although only %d of %d %s: %s",
+                            now - started, done, wanted, what, otherwise)
                 return False
             if now - last_log >= WAIT_LOG_S:
                 last_log = now
-                log.warning("rank 0 keeps the embedded master up until every rank's loader closes: "
-                            "%d of %d closed after %.0f s (bounded at %.0f s)", closed, world_size,
-                            now - started, timeout)
+                log.warning("the embedded remoteloader cluster stays up until every rank has closed its loader: "
+                            "%d of %d %s after %.0f s (bounded at %.0f s)", done, wanted, what, now - started, timeout)
             time.sleep(CLOSE_POLL_S)
 
 
-def find_master(store: Optional[RankStore], fingerprint: str, rank: int, timeout: float) -> Published:
-    """Where rank 0's embedded master listens and its key directory (None: the caller's), for ranks > 0."""
-    if os.environ.get(ENV_MASTER):
-        return Published(os.environ[ENV_MASTER], None, None)
+def find_master(store: Optional[RankStore], fingerprint: str, timeout: float) -> Published:
+    """Where rank 0's embedded master listens and its keys, for ranks > 0."""
     if store is None:
         raise RuntimeError(
             f"rank > 0 with no master address: initialize torch.distributed before creating the loader "
             f"(rank 0 publishes its embedded master in the process group's store), set {ENV_MASTER}, "
             "or pass master=...")
-    return store.discover_master(fingerprint, rank, timeout)
+    return store.discover_master(fingerprint, timeout)

@@ -347,8 +347,9 @@ class MasterService:
             raise RequestError(f"this master serves job {job.fingerprint}, not {m.fingerprint[:80]}",
                                code=ErrorCode.WRONG_JOB)
         worker_id = "w-" + uuid.uuid4().hex[:10]
-        self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock(), m.key))
-        log.info("worker %s registered from %s (pid %d)", worker_id, m.addr, m.pid)
+        self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock(), m.key, m.node))
+        log.info("worker %s registered from %s (pid %d%s)", worker_id, m.addr, m.pid,
+                 f", node {m.node}" if m.node else "")
         # Split tasks name the job too: a worker that registered before one existed checks each.
         return M.Registered(worker_id=worker_id, heartbeat_interval=self.config.heartbeat_interval,
                             fingerprint=m.fingerprint if job is None else job.fingerprint,
@@ -500,7 +501,7 @@ class MasterService:
         if job.world_size is not None and m.world_size != job.world_size:
             raise RequestError(self._busy_message(m.world_size), code=ErrorCode.BUSY)
         session = "s-" + uuid.uuid4().hex[:12]
-        self._commit(U.ClientJoined(session, m.rank, m.world_size, self.clock()))
+        self._commit(U.ClientJoined(session, m.rank, m.world_size, self.clock(), m.node))
         shares = self.state.shares()
         # The token is what lets this client's credit take the session's pieces at workers;
         # the session id alone (which status shows) does not.
@@ -689,14 +690,16 @@ class MasterService:
                                              "split_bytes": self.split_bytes},
             # Per worker, from its last heartbeat: held_bytes / ahead_bytes / budget_bytes
             # (what it holds), and busy, its share of the rate window spent producing.
-            "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, "buffered": w.buffered,
+            "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, **({"node": w.node} if w.node else {}),
+                         "buffered": w.buffered,
                          "assigned": len(w.assigned), "draining": w.draining,
                          "last_seen_s": round(now - w.last_seen, 3),
                          **{k: v for k, v in w.stats.items() if k != "costs"},  # costs: the cache policy's input
                          "rows_per_s": round(self.rates.rate("w:" + w.worker_id, "rows"), 1),
                          "busy": round(self.worker_busy(w.worker_id) or 0.0, 4)}
                         for w in sorted(st.workers.values(), key=lambda w: w.seq)],
-            "clients": [{"id": cid, "rank": rank, **st.client_stats.get(cid, {}),
+            "clients": [{"id": cid, "rank": rank, **({"node": st.rank_node[rank]} if st.rank_node.get(rank) else {}),
+                         **st.client_stats.get(cid, {}),
                          "stall": round(self.client_stall(cid), 4),
                          "starved": round(self.client_starved(cid) or 0.0, 4),
                          "batches_per_s": round(self.rates.rate("c:" + cid, "batches"), 2)}

@@ -42,6 +42,7 @@ class WorkerInfo:
     producing: Optional[tuple] = None  # (epoch, split_id, pieces produced)
     producing_since: float = 0.0
     key: str = ""  # its X25519 public key (register.key), for clients' membership
+    node: str = ""  # the node it runs on (register.node): the ranks of that node get it first
 
 
 @dataclass
@@ -121,6 +122,7 @@ class JobState:
         # invited to rejoin (which would take the rank back, and back again).
         self.replaced: deque = deque(maxlen=REPLACED_KEPT)
         self.partitions: dict[int, list[str]] = {}  # rank -> worker ids it reads from
+        self.rank_node: dict[int, str] = {}  # rank -> the node its session said it runs on (hello.node)
         self._served: Optional[dict[str, list[int]]] = None  # worker id -> its ranks; None: rebuild
         self.ranks: dict[int, RankEpoch] = {}
         self.prefetched: dict[int, RankEpoch] = {}  # rank -> its next epoch, started early
@@ -165,10 +167,11 @@ class JobState:
         self._worker_seq = u.worker_seq
         for w in u.workers:
             self.workers[w.worker_id] = WorkerInfo(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, draining=w.draining,
-                                                   assigned=set(w.assigned), key=w.key)
+                                                   assigned=set(w.assigned), key=w.key, node=w.node)
         for c in u.sessions:
             self.clients[c.session], self.client_seen[c.session], self.next_seq[c.session] = c.rank, c.seen, c.next_seq
             self.session_of[c.rank] = c.session
+            self.rank_node[c.rank] = c.node
         self.replaced.extend(u.replaced)
         self.partitions = {rank: list(members) for rank, members in u.partitions.items()}
         self.resumed = {epoch: {base: list(ranges) for base, ranges in done.items()} for epoch, done in u.resumed.items()}
@@ -212,9 +215,9 @@ class JobState:
                 [U.SplitRecord.of(s) for s in job.splits], job.world_size),
             worker_seq=self._worker_seq,
             workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned),
-                                    w.key) for w in self.workers.values()],
-            sessions=[U.SessionRecord(session, rank, self.client_seen.get(session, 0.0), self.next_seq.get(session, 0))
-                      for session, rank in self.clients.items()],
+                                    w.key, w.node) for w in self.workers.values()],
+            sessions=[U.SessionRecord(session, rank, self.client_seen.get(session, 0.0), self.next_seq.get(session, 0),
+                                      self.rank_node.get(rank, "")) for session, rank in self.clients.items()],
             replaced=list(self.replaced),
             partitions={rank: list(members) for rank, members in sorted(self.partitions.items())},
             resumed={epoch: {base: list(ranges) for base, ranges in done.items()}
@@ -244,7 +247,8 @@ class JobState:
 
     def _on_WorkerRegistered(self, u: U.WorkerRegistered) -> None:
         self._worker_seq += 1
-        self.workers[u.worker_id] = WorkerInfo(u.worker_id, u.addr, u.pid, self._worker_seq, u.time, key=u.key)
+        self.workers[u.worker_id] = WorkerInfo(u.worker_id, u.addr, u.pid, self._worker_seq, u.time, key=u.key,
+                                               node=u.node)
 
     def _on_WorkerHeartbeat(self, u: U.WorkerHeartbeat) -> None:
         w = self.workers.get(u.worker_id)
@@ -295,6 +299,7 @@ class JobState:
         self._drop_runs(u.rank, keep=u.session)
         self.clients[u.session] = u.rank
         self.session_of[u.rank] = u.session
+        self.rank_node[u.rank] = u.node
         self.client_seen[u.session] = u.time
         self.next_seq.setdefault(u.session, 0)
         self.partitions.setdefault(u.rank, [])
@@ -342,6 +347,7 @@ class JobState:
         self.ranks.clear()
         self.prefetched.clear()
         self.partitions.clear()
+        self.rank_node.clear()
         self._served = None
         self.resumed.clear()
         self._plans.clear()
@@ -497,24 +503,34 @@ class JobState:
                 self.workers[progress.worker].assigned.discard((rank_epoch.epoch, progress.split.id))
 
     def balanced_partitions(self, max_workers_per_client: int) -> dict[int, list[str]]:
-        """Partitioned round robin: each rank reads from at most ``max_workers_per_client``
-        workers. Live members stay put (a client never loses a worker that holds its data);
-        free slots are filled from the workers serving the fewest ranks. A query: the
-        service commits the result as ``PartitionsChanged`` whenever membership changes."""
+        """Partitioned round robin with locality: each rank reads from at most
+        ``max_workers_per_client`` workers. Live members stay put (a client never loses a
+        worker that holds its data). Free slots are filled from the workers of the rank's own
+        node (``register.node`` equal to its ``hello.node``; "" is a node too, so a cluster
+        that names none is one node), and only while that node has no live worker from the
+        others (the fallback: a node whose workers are still starting, or all lost); within
+        either, from the workers serving the fewest ranks. A query: the service commits the
+        result as ``PartitionsChanged`` whenever membership changes."""
         partitions = {rank: list(members) for rank, members in self.partitions.items()}
         live = sorted((w for w in self.workers.values() if not w.draining), key=lambda w: w.seq)
-        target = min(max_workers_per_client, len(live))
         load = {w.worker_id: 0 for w in self.workers.values()}
         for members in partitions.values():
             for wid in members:
                 load[wid] += 1
         for rank in sorted(partitions):
             members = partitions[rank]
-            while sum(1 for m in members if not self.workers[m].draining) < target:
-                wid = min((w.worker_id for w in live if w.worker_id not in members),
+            node = self.rank_node.get(rank, "")
+            pool = [w for w in live if w.node == node] or live
+            target = min(max_workers_per_client, len(pool))
+            pooled = {w.worker_id for w in pool}
+            serving = sum(1 for m in members if m in pooled)  # what the target counts
+            live_members = sum(1 for m in members if not self.workers[m].draining)  # what the cap counts
+            while serving < target and live_members < max_workers_per_client:
+                wid = min((w.worker_id for w in pool if w.worker_id not in members),
                           key=lambda i: (load[i], self.workers[i].seq))
                 members.append(wid)
                 load[wid] += 1
+                serving, live_members = serving + 1, live_members + 1
         return partitions
 
     def sessions_served(self, worker_id: str) -> list[str]:
@@ -537,10 +553,11 @@ class JobState:
     def choose_split(self, worker_id: str, avoid: frozenset = frozenset(),
                      ahead: bool = True) -> Optional[tuple[RankEpoch, SplitProgress]]:
         """(epoch run, split) next for this worker: from the ranks it serves (but those in
-        ``avoid``, whose share of the worker's buffer is full), the one with the fewest
-        splits in flight, so every trainer's queue fills evenly; with ``ahead``, a
-        prefetched next epoch when no current epoch has work for it."""
-        if self.workers[worker_id].draining:
+        ``avoid``, whose share of the worker's buffer is full), a rank of its own node first,
+        then the one with the fewest splits in flight, so every trainer's queue fills evenly;
+        with ``ahead``, a prefetched next epoch when no current epoch has work for it."""
+        worker = self.workers[worker_id]
+        if worker.draining:
             return None
         served = self._served_ranks(worker_id)
         for epochs in (self.ranks, self.prefetched) if ahead else (self.ranks,):
@@ -549,8 +566,10 @@ class JobState:
                 rank_epoch = epochs.get(rank)
                 if rank in avoid or rank_epoch is None or rank_epoch.finished or not rank_epoch.pending:
                     continue
-                if best is None or len(rank_epoch.in_flight) < best[0]:
-                    best = (len(rank_epoch.in_flight), rank_epoch, rank_epoch.splits[rank_epoch.pending[0]])
+                # A worker that serves another node's rank (the fallback) serves its own node's first.
+                order = (self.rank_node.get(rank, "") != worker.node, len(rank_epoch.in_flight))
+                if best is None or order < best[0]:
+                    best = (order, rank_epoch, rank_epoch.splits[rank_epoch.pending[0]])
             if best is not None:
                 return best[1], best[2]
         return None

@@ -91,6 +91,7 @@ class WorkerRecord(msgspec.Struct, frozen=True):
     draining: bool
     assigned: list[tuple[int, int]]  # (epoch, split id), sorted
     key: str = ""  # its X25519 public key (register.key)
+    node: str = ""  # register.node: where it runs, for locality
 
 
 class SessionRecord(msgspec.Struct, frozen=True):
@@ -98,6 +99,7 @@ class SessionRecord(msgspec.Struct, frozen=True):
     rank: int
     seen: float
     next_seq: int
+    node: str = ""  # hello.node: where the rank runs, for locality
 
 
 class CacheChoiceRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -159,6 +161,7 @@ class WorkerRegistered(Update):
     pid: int
     time: float
     key: str = ""  # its X25519 public key: clients get it in membership, also after a replay
+    node: str = ""  # register.node: the ranks of this node get it first (partitions)
 
 
 class WorkerHeartbeat(Update):
@@ -194,6 +197,7 @@ class ClientJoined(Update):
     rank: int
     world_size: int
     time: float
+    node: str = ""  # hello.node: the partition of the rank prefers this node's workers
 
 
 class ClientHeartbeat(Update):
@@ -213,8 +217,8 @@ class ClientLeft(Update):
 
 
 class PartitionsChanged(Update):
-    """Which workers each rank reads from, as the service decided it: journaled, so that
-    replay does not depend on ``--max-workers-per-client``."""
+    """Which workers each rank reads from, as the service decided it (workers of the rank's
+    own node first): journaled, so that replay does not depend on ``--max-workers-per-client``."""
     partitions: list[tuple[int, list[str]]]  # (rank, worker ids), by rank
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import re
 import threading
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -64,7 +64,23 @@ class Credentials:
 
 def keygen(directory: Union[str, os.PathLike]) -> str:
     """Write a fresh cluster key pair into ``directory`` (created 0700; files 0600)."""
+    public, secret = zmq.curve_keypair()
+    return write_key_directory(directory, public, secret)
+
+
+Z85_KEY = re.compile(rb"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")  # a CURVE key in Z85: 40 characters
+
+
+def write_key_directory(directory: Union[str, os.PathLike], public: bytes, secret: bytes) -> str:
+    """Write the key pair ``public``/``secret`` (Z85) as a key directory in ``keygen``'s
+    layout: ``directory`` created 0700, every file 0600 from the start (the umask is not
+    trusted), the pair's public key the one client key admitted. Used by ``keygen`` and for
+    a torchrun job's per-job key set received through torch's store (client/jobkeys.py);
+    keys that are not 40 Z85 characters are refused, so nothing else reaches the files."""
     directory = os.fspath(directory)
+    for what, key in (("public", public), ("secret", secret)):
+        if not isinstance(key, bytes) or not Z85_KEY.fullmatch(key):
+            raise AuthError(f"the {what} key is not a 40-character Z85 CURVE key")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.chmod(directory, 0o700)
     if os.path.exists(os.path.join(directory, KEY_NAME + ".key_secret")):
@@ -72,15 +88,15 @@ def keygen(directory: Union[str, os.PathLike]) -> str:
     public_dir = os.path.join(directory, PUBLIC_KEYS)
     os.makedirs(public_dir, mode=0o700, exist_ok=True)
     os.chmod(public_dir, 0o700)
-    old = os.umask(0o077)  # zmq.auth writes with the default mode: never let the secret be readable first
-    try:
-        public_file, secret_file = zmq.auth.create_certificates(directory, KEY_NAME)
-    finally:
-        os.umask(old)
-    allowed = os.path.join(public_dir, KEY_NAME + ".key")
-    shutil.copyfile(public_file, allowed)
-    for path in (public_file, secret_file, allowed):
-        os.chmod(path, 0o600)
+    # ZeroMQ's certificate format (ZPL), as zmq.auth.load_certificate reads it.
+    public_text = f'curve\n    public-key = "{public.decode()}"\n'
+    secret_text = public_text + f'    secret-key = "{secret.decode()}"\n'
+    for path, text in ((os.path.join(directory, KEY_NAME + ".key"), public_text),
+                       (os.path.join(directory, KEY_NAME + ".key_secret"), secret_text),
+                       (os.path.join(public_dir, KEY_NAME + ".key"), public_text)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("#   ZeroMQ CURVE certificate (remoteloader)\n" + text)
     return directory
 
 

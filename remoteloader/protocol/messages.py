@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 13  # 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 13  # 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -36,6 +36,8 @@ Count = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Amount = Annotated[float, Meta(ge=0, le=sys.float_info.max)]  # finite: NaN and inf are refused
 Dim = Annotated[int, Meta(ge=0, le=MAX_FRAME_BYTES)]
 OrUnset = Annotated[int, Meta(ge=-1, le=MAX_INT)]  # -1: not about one epoch, rank or split
+# A node (host) label, "" for none: the master gives each rank the workers of its own node first.
+Node = Annotated[str, Meta(max_length=255)]
 Key = Annotated[str, Meta(max_length=64, pattern="^([0-9a-f]{64})?$")]  # an X25519 public key, hex ("": none)
 Gen = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]  # a sealing key's generation
 Nonce = Annotated[int, Meta(ge=1, le=MAX_INT)]  # the first counter of a sealed message (a 64-bit field)
@@ -390,6 +392,7 @@ class Register(WorkerRequest, tag="register"):
     pid: Count
     fingerprint: Id  # the job its pipeline is compiled for
     key: Key = ""  # its X25519 public key (made at process start), passed to clients in membership
+    node: Node = ""  # the node it runs on (remoteloader-worker --node): ranks of that node get it first
 
 
 class GetSpec(WorkerRequest, tag="get_spec"):
@@ -453,6 +456,7 @@ class Hello(ClientRequest, tag="hello"):
     spec: dict[str, Any]  # validated by DatasetSpec.from_dict
     fingerprint: Id
     key: Key = ""  # the session's X25519 public key: welcome.token signs it with the session
+    node: Node = ""  # the node this rank runs on: the master gives it the workers of that node first
 
 
 class SessionRequest(ClientRequest):

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(re-produced if it returns); keep below the master's --split-timeout")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to wait for clients to consume what this worker holds")
+    p.add_argument("--node", default="", type=_node, metavar="NAME",
+                   help="the node (host) this worker runs on: the master gives it to the ranks whose loaders run on "
+                        "the same node first (a multi-node torchrun job's embedded set-up names them; default: none)")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
     p.add_argument("--inject-batch-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     p.add_argument("--inject-hang-after", type=int, default=-1, help=argparse.SUPPRESS)  # tests only
@@ -100,6 +103,12 @@ def _host(value: str) -> str:
     except AddressError:
         raise argparse.ArgumentTypeError(f"invalid host {value!r} (expected e.g. 127.0.0.1, 0.0.0.0 or [::1])") \
             from None
+    return value
+
+
+def _node(value: str) -> str:
+    if len(value) > 255:
+        raise argparse.ArgumentTypeError("a node name has at most 255 characters")
     return value
 
 
@@ -169,7 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         faults=Faults(args.inject_batch_delay, args.inject_hang_after), auth=creds,
                         client_timeout_s=args.client_timeout, buffer_bytes=args.buffer_bytes,
                         allowed_tables=allowed, bind=args.bind, cache=cache,
-                        max_message_bytes=args.max_message_bytes, arena_bytes=args.arena_bytes)
+                        max_message_bytes=args.max_message_bytes, arena_bytes=args.arena_bytes,
+                        node=args.node)
     except (zmq.ZMQError, OSError) as e:
         flag = f"--bind {args.bind}" if args.bind else f"--bind-host {args.bind_host}"
         print(f"remoteloader-worker: {flag}: {e}", file=sys.stderr)

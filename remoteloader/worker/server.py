@@ -54,13 +54,14 @@ class Worker:
                  client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, bind: Optional[str] = None,
                  cache: Optional[BlockStore] = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
+                 arena_bytes: int = DEFAULT_ARENA_BYTES, node: str = "") -> None:
         """``bind``: the data endpoint (an ``ipc://`` path in the cluster's private directory);
         without it, an any-port tcp endpoint on ``bind_host``. ``cache``: the block cache
         (``--cache``), which splits use as the master's cache plan says. ``max_message_bytes``:
         the largest data message (``--max-message-bytes``; a larger piece goes alone).
         ``arena_bytes``: each client's shared-memory arena (``--arena-bytes``; 0: none), on an
-        ipc data socket without keys only (``protocol/arena.py``)."""
+        ipc data socket without keys only (``protocol/arena.py``). ``node``: the node it runs
+        on, registered so that the ranks of that node get it first."""
         self.master = master
         # Cluster keys: the master calls are CURVE clients; the data socket is a plain socket
         # whose messages are sealed (protocol/seal.py) with keys of this process's key pair.
@@ -112,7 +113,7 @@ class Worker:
                              arenas=self.arenas)
         self.cache = None if cache is None else (cache, BlockWriter(cache))
         registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex,
-                              cache=self.cache)
+                              cache=self.cache, node=node)
         self.control = Control(self.lifecycle, self.current, registrar, self.buffer, _StatsWithSeals(self),
                                self._connect(), drain_timeout_s, tokens)
 
