@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import psutil
 import pytest
 
+from remoteloader.protocol.arena import ENV_ARENA
 from remoteloader.tools.datagen import generate_table
 
 ROWS = 5000
@@ -158,6 +159,17 @@ def wait_gone(pids, timeout: float = 15.0) -> None:
     for p in alive:
         os.kill(p, 9)
     assert not alive, f"processes left behind: {alive}"
+
+
+@pytest.fixture(autouse=True)
+def _data_socket_unless_arenas(request, monkeypatch):
+    """Tests exercise the data socket, the path between hosts, unless marked ``arenas``: a
+    worker on the client's host would otherwise hand most batches over in shared memory
+    (protocol/arena.py), and the frames, seals and tampering the tests check would not be
+    on the wire. tests/test_arena.py covers the arenas; the loaders of subprocesses
+    inherit the setting."""
+    if request.node.get_closest_marker("arenas") is None:
+        monkeypatch.setenv(ENV_ARENA, "off")
 
 
 def pytest_configure(config) -> None:

@@ -20,7 +20,12 @@ from remoteloader.protocol import messages as M
 from remoteloader.protocol.address import make_ipc_directory
 from remoteloader.protocol.arena import ENV_ARENA, PAGE, ArenaError, frame, layout
 from remoteloader.worker.arena import ArenaServer, RegionAllocator
+from remoteloader.protocol import auth
+from remoteloader.protocol.address import AddressError
+from remoteloader.protocol.arena import check_arena_path, same_network_namespace
 from tests.conftest import ROWS, spec_dict
+
+pytestmark = pytest.mark.arenas  # conftest keeps other tests on the data socket
 
 
 # -- the region allocator ---------------------------------------------------------------------------------
@@ -219,3 +224,72 @@ def test_a_training_loop_holding_every_batch_overflows_the_arena_into_frames_and
         again = list(loader)
         assert sorted(_row_ids(again)) == sorted(ids)
         assert fetchers[-1].arena_messages > 0
+
+
+# -- workers on a tcp socket, and what makes a worker local ---------------------------------------------
+def test_arena_socket_paths_a_master_names_are_checked(tmp_path):
+    private = make_ipc_directory()
+    try:
+        check_arena_path(os.path.join(private, "worker.arena"))  # does not raise
+        for bad in ("relative/worker.arena", os.path.join(private, "worker.sock"),
+                    os.path.join(private, "..", "x.arena"), "/tmp/worker.arena"):  # /tmp: not a private directory
+            with pytest.raises(AddressError):
+                check_arena_path(bad)
+        os.chmod(private, 0o755)  # others may enter: not private any more
+        with pytest.raises(AddressError, match="mode"):
+            check_arena_path(os.path.join(private, "worker.arena"))
+    finally:
+        os.rmdir(private)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a network namespace")
+def test_a_process_in_another_network_namespace_is_not_on_this_host():
+    import subprocess
+
+    assert same_network_namespace(os.getpid())
+    other = subprocess.Popen(["unshare", "--net", "sleep", "30"])
+    try:
+        deadline = 100
+        while deadline and os.readlink(f"/proc/{other.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            deadline -= 1  # unshare has not switched yet
+            __import__("time").sleep(0.05)
+        assert not same_network_namespace(other.pid)
+        assert not same_network_namespace(2 ** 22 + 12345)  # no such process: not local
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.slow
+def test_tcp_workers_on_this_host_hand_batches_over_in_arenas_through_a_resume(tables, inprocess, fetchers):
+    master = inprocess(2)
+    arena_dirs = [os.path.dirname(w.worker.arenas.path) for w in master.workers]
+    assert all(os.path.isdir(d) for d in arena_dirs)  # private directories of their own (tcp data sockets)
+    spec = spec_dict(tables["orc"], batch_size=100, shuffle=True)
+    with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(15)]
+        state = loader.state_dict()
+    with RemoteDataLoader(spec, master=master.addr, timeout=60) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    ids = _row_ids(first) + _row_ids(rest)
+    assert sorted(ids) == list(range(ROWS))
+    assert sum(f.arena_messages for f in fetchers) > 0
+    master.stop()
+    assert not any(os.path.exists(d) for d in arena_dirs)  # removed with the workers
+
+
+@pytest.mark.slow
+def test_with_cluster_keys_an_arena_batch_header_is_sealed_and_checked(tables, fetchers, tmp_path):
+    from tests.test_sealed_frames import KeyedCluster
+
+    cluster = KeyedCluster(str(auth.keygen(tmp_path / "keys")))
+    try:
+        with RemoteDataLoader(spec_dict(tables["orc"]), master=cluster.addr, auth=cluster.creds.directory,
+                              timeout=60) as loader:
+            ids = [r for b in loader for r in b.passthrough["row_id"].tolist()]
+        assert sorted(ids) == list(range(ROWS))
+        assert sum(f.arena_messages for f in fetchers) > 0 and not any(f.refused for f in fetchers)
+    finally:
+        cluster.stop()

@@ -21,7 +21,9 @@ import weakref
 from typing import Optional, Sequence
 
 from ..protocol import messages as M
-from ..protocol.arena import ArenaError, MessageReader, frame, layout, peer_uid, tensor_bytes
+from ..protocol.address import AddressError
+from ..protocol.arena import (ArenaError, MessageReader, check_arena_path, frame, layout, peer_credentials,
+                              same_network_namespace, tensor_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,11 @@ class ArenaLink:
         try:
             if not data:
                 raise ArenaError("the worker closed its arena socket before offering an arena")
-            if peer_uid(self.sock) != os.geteuid():
+            pid, uid = peer_credentials(self.sock)
+            if uid != os.geteuid():
                 raise ArenaError("the arena socket belongs to another user")
+            if not same_network_namespace(pid):
+                raise ArenaError("the worker is in another network namespace (another host, as far as arenas go)")
             messages = MessageReader().feed(data)
             if len(messages) != 1 or not isinstance(messages[0], M.ArenaOffer) or len(fds) != 1:
                 raise ArenaError("expected one arena_offer with one descriptor")
@@ -135,13 +140,15 @@ class ArenaLinks:
         self._links: dict[str, ArenaLink] = {}
 
     def link(self, path: str) -> Optional[ArenaLink]:
-        """The link to the arena socket at ``path``, connected now if new; None if there is
-        none (a worker without arenas: its batches come as frames)."""
+        """The link to the arena socket at ``path`` (as the master named it), connected now if
+        new; None if there is none here (a worker on another host, or one without arenas:
+        its batches come as frames)."""
         link = self._links.get(path)
         if link is None or link.closed:
             try:
+                check_arena_path(path)
                 link = self._links[path] = ArenaLink(path)
-            except OSError:
+            except (OSError, AddressError):
                 self._links.pop(path, None)
                 return None
         return link

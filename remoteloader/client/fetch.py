@@ -22,7 +22,7 @@ import zmq
 
 from .. import jagged
 from ..protocol import wire
-from ..protocol.arena import ArenaError, arena_socket_path, arenas_wanted
+from ..protocol.arena import ArenaError, arenas_wanted
 from ..protocol.messages import Batch as BatchHeader, Credit
 from ..protocol.address import AddressError, validate_address
 from ..protocol.auth import Credentials, secure_client
@@ -66,10 +66,10 @@ class WorkerFetcher:
         self.refused = 0  # sealed batches refused (counted in the client's stats)
         self.lost = False  # a refused batch claimed the current run: a genuine one may be lost
         self.sender_of: dict[int, str] = {}  # split id -> the worker whose pieces of it came last
-        # Workers on this host (ipc, no keys): their shared-memory arenas (protocol/arena.py).
+        # Workers on this host: their shared-memory arenas (protocol/arena.py).
         self._arenas: dict[str, ArenaLink] = {}  # worker id -> its arena's link
-        self._addr_of: dict[str, str] = {}  # worker id -> its data address (of those with a link)
-        self._links = arenas if auth is None and arenas_wanted() else None
+        self._arena_path: dict[str, str] = {}  # worker id -> its arena socket (of those with a link)
+        self._links = arenas if arenas_wanted() and not self._curve else None
         self.arena_messages = self.frame_messages = 0  # batch messages by how they came (benchmarks)
 
     def retarget(self, run: RunId) -> None:
@@ -86,9 +86,11 @@ class WorkerFetcher:
                     pass  # its credit goes unsealed and is refused: the worker is skipped
 
     def set_workers(self, members: list) -> None:
-        """Follow the master's view of this client's partition: (worker id, address[, key])."""
+        """Follow the master's view of this client's partition: (worker id, address[, key[,
+        arena socket]])."""
         wanted = {m[0]: m[1] for m in members}
         keys = {m[0]: (m[2] if len(m) > 2 else "") for m in members}
+        arenas = {m[0]: (m[3] if len(m) > 3 else "") for m in members}
         for wid in [w for w in self.sockets if w not in wanted]:
             log.info("rank %d: worker %s left the partition", self.rank, wid)
             sock = self.sockets.pop(wid)
@@ -99,13 +101,13 @@ class WorkerFetcher:
             self._peers.pop(wid, None)
             self._keys.pop(wid, None)
             if self._arenas.pop(wid, None) is not None:
-                self._links.drop(arena_socket_path(self._addr_of.pop(wid)))
+                self._links.drop(self._arena_path.pop(wid))
         for wid, addr in wanted.items():
             if wid not in self.sockets:
-                self._connect(wid, addr, keys[wid])
+                self._connect(wid, addr, keys[wid], arenas[wid])
         self.window.fit(len(self.sockets))
 
-    def _connect(self, wid: str, addr: str, key: str = "") -> None:
+    def _connect(self, wid: str, addr: str, key: str = "", arena: str = "") -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 1024)  # a sealed frame has a tag
@@ -132,10 +134,11 @@ class WorkerFetcher:
         self.sockets[wid], self._worker_of[sock] = sock, wid
         self.streams[wid] = Stream()
         self.poller.register(sock, zmq.POLLIN)
-        path = arena_socket_path(addr) if self._links is not None else None
-        link = self._links.link(path) if path is not None else None
+        # A worker on this host: its arena socket is there (ArenaLinks checks the path and,
+        # at the offer, that the worker shares this host's network namespace).
+        link = self._links.link(arena) if self._links is not None and arena else None
         if link is not None:
-            self._arenas[wid], self._addr_of[wid] = link, addr
+            self._arenas[wid], self._arena_path[wid] = link, arena
 
     def top_up(self, queued: int, urgent: Optional[str] = None, waiting: int = 0) -> None:
         """Grant each worker credit up to its even share of the window, less what the loop
@@ -204,7 +207,11 @@ class WorkerFetcher:
                         or header.seq != self.run.seq:
                     continue
                 if header.arena is not None:
-                    frames = self._arena_frames(wid, header, frames)
+                    # Sealed: the header came over the network, so its tag is checked before
+                    # the region it names is read (one tag, no data).
+                    if self.auth is not None and self._open(wid, parts[0].bytes, header, frames, [0]) is None:
+                        continue
+                    frames = self._arena_frames(wid, header, [] if self.auth is not None else frames)
                     if frames is None:
                         continue
                 elif self.auth is not None:
@@ -239,7 +246,7 @@ class WorkerFetcher:
         except ArenaError as e:
             log.warning("rank %d: not using worker %s's arena: %s", self.rank, wid, e)
             del self._arenas[wid]
-            self._links.drop(arena_socket_path(self._addr_of.pop(wid)))
+            self._links.drop(self._arena_path.pop(wid))
             return None
         link.flush()
         return link.id
@@ -262,14 +269,15 @@ class WorkerFetcher:
         self.arena_messages += 1
         return out
 
-    def _open(self, wid: str, raw: bytes, header: BatchHeader, frames: list) -> Optional[list]:
+    def _open(self, wid: str, raw: bytes, header: BatchHeader, frames: list,
+              sizes: Optional[list[int]] = None) -> Optional[list]:
         """A batch's frames opened (the raw header is their associated data); None (counted,
         logged at most once per ``Refusals.every``) if refused."""
         peer = self._peers.get(wid)
         try:
             if peer is None or header.gen is None or header.nonce is None:
                 raise SealError("bounds", "batch is not sealed")
-            sizes = [_declared_bytes(d) for d in header.tensors]
+            sizes = [_declared_bytes(d) for d in header.tensors] if sizes is None else sizes
             return peer.opener.open(raw, header.gen, header.nonce, [_buffer(f) for f in frames], sizes)
         except SealError as e:
             self.refused += 1
@@ -281,7 +289,7 @@ class WorkerFetcher:
     def close(self) -> None:
         """Drop every worker's socket; ``set_workers`` connects again (a stream reset to a new run)."""
         self._arenas.clear()  # the links stay open for the next run (the loader closes them)
-        self._addr_of.clear()
+        self._arena_path.clear()
         for sock in self.sockets.values():
             self.poller.unregister(sock)
             sock.close(linger=0)

@@ -271,7 +271,7 @@ class EpochStream(Node[Ready]):
                 reply = self.session.heartbeat(everything)
         self.master_seen = master
         self.holders = {h.split_id: h.worker_id for h in reply.holders}
-        self.fetcher.set_workers([(w.worker_id, w.addr, w.key) for w in reply.workers])
+        self.fetcher.set_workers([(w.worker_id, w.addr, w.key, w.arena) for w in reply.workers])
         for err in reply.errors:
             if not err.skipped:
                 raise RuntimeError(f"rank {rank} epoch {epoch}: {err.message}")

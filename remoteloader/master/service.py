@@ -347,7 +347,7 @@ class MasterService:
             raise RequestError(f"this master serves job {job.fingerprint}, not {m.fingerprint[:80]}",
                                code=ErrorCode.WRONG_JOB)
         worker_id = "w-" + uuid.uuid4().hex[:10]
-        self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock(), m.key, m.node))
+        self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock(), m.key, m.node, m.arena))
         log.info("worker %s registered from %s (pid %d%s)", worker_id, m.addr, m.pid,
                  f", node {m.node}" if m.node else "")
         # Split tasks name the job too: a worker that registered before one existed checks each.
@@ -615,8 +615,8 @@ class MasterService:
         self._commit(U.ClientHeartbeat(session, self.clock(), stats))
         self.rates.update("c:" + session, self.clock(), stats)
         # Worker keys reach clients only here, over the authenticated control channel.
-        workers = [M.WorkerAddr(wid, self.state.workers[wid].addr, self.state.workers[wid].key)
-                   for wid in self.state.partitions.get(rank, [])]
+        workers = [M.WorkerAddr(wid, w.addr, w.key, w.arena)
+                   for wid in self.state.partitions.get(rank, []) for w in (self.state.workers[wid],)]
         run = self.state.ranks.get(rank)
         errors = self.state.errors_for(rank, run.epoch) if run is not None and run.seq == m.seq else []
         holders = []

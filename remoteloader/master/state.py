@@ -43,6 +43,7 @@ class WorkerInfo:
     producing_since: float = 0.0
     key: str = ""  # its X25519 public key (register.key), for clients' membership
     node: str = ""  # the node it runs on (register.node): the ranks of that node get it first
+    arena: str = ""  # its arena socket (register.arena), for clients' membership
 
 
 @dataclass
@@ -167,7 +168,7 @@ class JobState:
         self._worker_seq = u.worker_seq
         for w in u.workers:
             self.workers[w.worker_id] = WorkerInfo(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, draining=w.draining,
-                                                   assigned=set(w.assigned), key=w.key, node=w.node)
+                                                   assigned=set(w.assigned), key=w.key, node=w.node, arena=w.arena)
         for c in u.sessions:
             self.clients[c.session], self.client_seen[c.session], self.next_seq[c.session] = c.rank, c.seen, c.next_seq
             self.session_of[c.rank] = c.session
@@ -215,7 +216,7 @@ class JobState:
                 [U.SplitRecord.of(s) for s in job.splits], job.world_size),
             worker_seq=self._worker_seq,
             workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned),
-                                    w.key, w.node) for w in self.workers.values()],
+                                    w.key, w.node, w.arena) for w in self.workers.values()],
             sessions=[U.SessionRecord(session, rank, self.client_seen.get(session, 0.0), self.next_seq.get(session, 0),
                                       self.rank_node.get(rank, "")) for session, rank in self.clients.items()],
             replaced=list(self.replaced),
@@ -248,7 +249,7 @@ class JobState:
     def _on_WorkerRegistered(self, u: U.WorkerRegistered) -> None:
         self._worker_seq += 1
         self.workers[u.worker_id] = WorkerInfo(u.worker_id, u.addr, u.pid, self._worker_seq, u.time, key=u.key,
-                                               node=u.node)
+                                               node=u.node, arena=u.arena)
 
     def _on_WorkerHeartbeat(self, u: U.WorkerHeartbeat) -> None:
         w = self.workers.get(u.worker_id)

@@ -92,6 +92,7 @@ class WorkerRecord(msgspec.Struct, frozen=True):
     assigned: list[tuple[int, int]]  # (epoch, split id), sorted
     key: str = ""  # its X25519 public key (register.key)
     node: str = ""  # register.node: where it runs, for locality
+    arena: str = ""  # register.arena: its arena socket, for clients on its host
 
 
 class SessionRecord(msgspec.Struct, frozen=True):
@@ -162,6 +163,7 @@ class WorkerRegistered(Update):
     time: float
     key: str = ""  # its X25519 public key: clients get it in membership, also after a replay
     node: str = ""  # register.node: the ranks of this node get it first (partitions)
+    arena: str = ""  # register.arena: its arena socket, for clients on its host (membership)
 
 
 class WorkerHeartbeat(Update):

@@ -1,8 +1,11 @@
 """Shared-memory arenas: batches handed from a worker to a client on the same host without
 going through a socket.
 
-A worker whose data socket is ``ipc://PATH`` (one host, a private directory) also listens
-on ``PATH.arena``, a Unix stream socket beside it. A client that connects gets an
+A worker also listens on an arena socket, a Unix stream socket in a private directory
+(``PATH.arena`` beside an ``ipc://PATH`` data socket, else in a directory of its own), and
+names it in ``register.arena``; the master passes it on in membership. A client on the same
+host (the path exists there, in a private directory of its user's, and the worker is in its
+network namespace) connects and gets an
 ``arena_offer`` and, with it (SCM_RIGHTS), the descriptor of a shared-memory file made for
 that connection alone; it maps the file and names the arena in its credit. From then on
 the worker may write a batch's tensors into a free region of the arena and send only the
@@ -12,8 +15,8 @@ worker's write replaces its send). When the client no longer reads a region (the
 tensor viewing it is gone), it says so in an ``arena_release`` on the arena socket, and
 the worker may write it again. A worker whose arena is full sends frames as before.
 
-Trust is the ipc socket's: the directory's permissions (and each side checks the other's
-uid). What the worker wrote is still input: every region is bounds-checked against the
+Trust is the private directory's (and each side checks the other's uid); with cluster
+keys the header naming a region is still sealed and checked before the region is read. What the worker wrote is still input: every region is bounds-checked against the
 mapping before it is read, and the client reads the sizes it validates (``sparse.lengths``)
 from its own copy, so a worker that rewrote a region after sending it could change
 values, never where the client reads. An arena lives as long as its mappings: the worker
@@ -31,7 +34,7 @@ import struct
 from typing import Optional, Sequence
 
 from . import wire
-from .address import ipc_path, is_ipc
+from .address import AddressError, check_ipc_directory, ipc_path, is_ipc
 from .messages import ARENA_ALIGN, Message, TensorDesc
 
 ARENA_SUFFIX = ".arena"
@@ -80,10 +83,34 @@ def frame(message: Message) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
 def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    return peer_credentials(sock)[1]
+
+
+def same_network_namespace(pid: int) -> bool:
+    """Whether process ``pid`` is in this process's network namespace. Network namespaces
+    on one machine stand for hosts (as in the project's multi-host tests): a worker in
+    another one is on "another host", even where a shared filesystem would let its arena
+    socket be reached. False when it cannot be told."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return False
+
+
+def check_arena_path(path: str) -> None:
+    """An arena socket path a master named: absolute, normalized, ``*.arena``, in a private
+    directory of this user's (``check_ipc_directory``). Raises AddressError."""
+    if not (isinstance(path, str) and path.endswith(ARENA_SUFFIX) and os.path.isabs(path)
+            and os.path.normpath(path) == path and "\0" not in path):
+        raise AddressError(f"not an arena socket path: {path[:120]!r}")
+    check_ipc_directory(os.path.dirname(path))
 
 
 class MessageReader:

@@ -146,6 +146,7 @@ class WorkerAddr(Row):
     worker_id: Id
     addr: Id
     key: Key = ""  # its X25519 public key: clients open its sealed frames with it
+    arena: Id = ""  # register.arena: a client on the worker's host maps its arena there
 
 
 class UnitRecord(Row):
@@ -393,6 +394,7 @@ class Register(WorkerRequest, tag="register"):
     fingerprint: Id  # the job its pipeline is compiled for
     key: Key = ""  # its X25519 public key (made at process start), passed to clients in membership
     node: Node = ""  # the node it runs on (remoteloader-worker --node): ranks of that node get it first
+    arena: Id = ""  # its arena socket's path (protocol/arena.py): clients on its host map batches there
 
 
 class GetSpec(WorkerRequest, tag="get_spec"):

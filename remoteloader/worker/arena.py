@@ -21,7 +21,8 @@ import numpy as np
 import zmq
 
 from ..protocol import messages as M
-from ..protocol.arena import PAGE, ArenaError, MessageReader, frame, layout, peer_uid
+from ..protocol.address import make_ipc_directory
+from ..protocol.arena import ARENA_SUFFIX, PAGE, ArenaError, MessageReader, arena_socket_path, frame, layout, peer_uid
 
 log = logging.getLogger(__name__)
 MAX_ARENAS = 256  # connections served at once; more are closed at accept (their clients use frames)
@@ -110,8 +111,9 @@ class Arena:
 class ArenaServer:
     """The arena socket (``<data socket path>.arena``) and the arenas of its connections."""
 
-    def __init__(self, path: str, arena_bytes: int) -> None:
-        self.path, self.arena_bytes = path, arena_bytes
+    def __init__(self, path: str, arena_bytes: int, directory: Optional[str] = None) -> None:
+        """Listen at ``path``; ``directory``: a private directory made for it, removed at close."""
+        self.path, self.arena_bytes, self._directory = path, arena_bytes, directory
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.listener.bind(path)
@@ -124,6 +126,21 @@ class ArenaServer:
         self._conns: dict[int, tuple[socket.socket, Arena, MessageReader]] = {}  # fd -> connection
         self._by_id: dict[str, Arena] = {}
         self._poller: Optional[zmq.Poller] = None
+
+    @classmethod
+    def beside(cls, data_addr: str, arena_bytes: int) -> "ArenaServer":
+        """The arena socket of a worker whose data socket is ``data_addr``: beside an ipc one
+        (same private directory), else in a private directory of its own (0700, this user's:
+        ``make_ipc_directory``), so that a tcp worker serves the ranks of its host too."""
+        path = arena_socket_path(data_addr)
+        if path is not None:
+            return cls(path, arena_bytes)
+        directory = make_ipc_directory()
+        try:
+            return cls(os.path.join(directory, "worker" + ARENA_SUFFIX), arena_bytes, directory)
+        except OSError:
+            os.rmdir(directory)
+            raise
 
     def attach(self, poller: zmq.Poller) -> None:
         """Have ``poller`` watch the listener and every connection (the pusher's loop)."""
@@ -205,6 +222,8 @@ class ArenaServer:
         self.listener.close()
         try:
             os.unlink(self.path)
+            if self._directory is not None:
+                os.rmdir(self._directory)
         except FileNotFoundError:
             pass
 

@@ -189,14 +189,14 @@ class Pusher:
             header = M.Batch(session=run[0], seq=run[1], split_id=first.split_id, piece=first.index,
                              rows=[p.rows for p in pieces], held=self.buffer.held(run), tensors=descs)
             placed = self._place(identity, frames)
-            if placed is not None:
-                header.arena = placed[1]
-                msg = wire.encode(header)
-            elif self.seals is None:
+            if placed is not None:  # the tensors are in the client's arena: the header alone goes
+                header.arena, frames = placed[1], []
+            if self.seals is None:
                 msg = wire.encode(header, frames)
-            else:
+            else:  # sealed: an arena batch's header still goes authenticated (one tag, no data)
                 peer = self.seals.for_session(run[0])
                 if peer is None:  # no key for it (forgotten): its next credit brings one
+                    self._unplace(placed)
                     self.buffer.put_back(run, pieces)
                     self.credit.remove(run, identity)
                     return False

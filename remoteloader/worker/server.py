@@ -29,8 +29,7 @@ from ..core.sizing import DEFAULT_ARENA_BYTES, DEFAULT_BUFFER_BYTES, DEFAULT_MAX
 from ..formats import DEFAULT_COALESCE_GAP
 from ..protocol import messages as M
 from ..protocol.auth import AuthenticatorHandle, Credentials, secure_server, server_authenticator
-from ..protocol.address import restrict_ipc_socket
-from ..protocol.arena import arena_socket_path
+from ..protocol.address import AddressError, restrict_ipc_socket
 from ..protocol.capability import SessionTokens
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from ..protocol.seal import KeyPair, data_curve
@@ -59,8 +58,8 @@ class Worker:
         without it, an any-port tcp endpoint on ``bind_host``. ``cache``: the block cache
         (``--cache``), which splits use as the master's cache plan says. ``max_message_bytes``:
         the largest data message (``--max-message-bytes``; a larger piece goes alone).
-        ``arena_bytes``: each client's shared-memory arena (``--arena-bytes``; 0: none), on an
-        ipc data socket without keys only (``protocol/arena.py``). ``node``: the node it runs
+        ``arena_bytes``: the shared-memory arena (``--arena-bytes``; 0: none) of each
+        client on this host (``protocol/arena.py``). ``node``: the node it runs
         on, registered so that the ranks of that node get it first."""
         self.master = master
         # Cluster keys: the master calls are CURVE clients; the data socket is a plain socket
@@ -88,12 +87,14 @@ class Worker:
             self._close_data()
             raise
         self.addr = self.data.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # Arenas for clients on this host: beside an ipc data socket, else in a private
+        # directory of its own (a tcp worker serves ranks of its host too). Not with the
+        # benchmarks' CURVE data sockets, whose clients never map one.
         self.arenas: Optional[ArenaServer] = None
-        arena_path = arena_socket_path(self.addr)
-        if arena_bytes > 0 and arena_path is not None and auth is None:
+        if arena_bytes > 0 and not (auth is not None and self.seals is None):
             try:
-                self.arenas = ArenaServer(arena_path, arena_bytes)
-            except OSError:
+                self.arenas = ArenaServer.beside(self.addr, arena_bytes)
+            except (OSError, AddressError):
                 self._close_data()
                 raise
         # A second line of defence behind the master's: a spec or split naming a table
@@ -113,6 +114,7 @@ class Worker:
                              arenas=self.arenas)
         self.cache = None if cache is None else (cache, BlockWriter(cache))
         registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex,
+                              arena=self.arenas.path if self.arenas is not None else "",
                               cache=self.cache, node=node)
         self.control = Control(self.lifecycle, self.current, registrar, self.buffer, _StatsWithSeals(self),
                                self._connect(), drain_timeout_s, tokens)

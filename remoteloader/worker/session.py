@@ -119,8 +119,9 @@ class Registrar:
 
     def __init__(self, addr: str, allowlist: TableAllowlist, coalesce_gap: int, lifecycle: Lifecycle,
                  register_timeout_s: Optional[float] = None, key: str = "",
-                 cache: Optional[tuple[BlockStore, BlockWriter]] = None, node: str = "") -> None:
+                 cache: Optional[tuple[BlockStore, BlockWriter]] = None, node: str = "", arena: str = "") -> None:
         self.addr = addr
+        self.arena = arena  # its arena socket (protocol/arena.py), for clients on this host
         self.node = node  # where this worker runs (--node): the master gives it to that node's ranks first
         self.cache = cache  # the block cache (store, background writer), or None
         self.key = key  # this process's X25519 public key (hex), for clients' sealed frames
@@ -143,7 +144,7 @@ class Registrar:
                 if processor is None:
                     processor, fingerprint = self._build(rpc, previous)
                 reply = rpc.call(M.Register(addr=self.addr, pid=os.getpid(), fingerprint=fingerprint, key=self.key,
-                                            node=self.node),
+                                            node=self.node, arena=self.arena),
                                  timeout_s=self.register_timeout_s, stop=self._leaving)
                 if not isinstance(reply, M.Registered):
                     raise MasterUnavailable(f"register answered with {M.tag(reply)!r}")
