@@ -47,6 +47,7 @@ from pathlib import Path
 
 from benchmarks.client_cpu import dlrm_spec, dlrm_table
 from remoteloader.protocol import auth, seal
+from remoteloader.protocol.arena import ENV_ARENA
 from tests.hostnet import Host, HostNet, netns_unavailable  # the test harness's hosts, reused as is
 
 ROOT = Path(__file__).resolve().parent.parent  # where ``python -m benchmarks.cross_host trainer`` runs
@@ -100,6 +101,7 @@ def run_mode(net: HostNet, mode: str, workers: int, spec: Path, table: Path, key
         master_at, workers_at, trainer_host = (h1, h1.addr), (h2, h2.addr), h3
     keyed = mode in ("CURVE data", "sealed")
     env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_AUTH, seal.ENV_DATA_CURVE)}
+    env[ENV_ARENA] = "off"  # the socket is what is measured (loopback's workers would use arenas)
     if mode == "CURVE data":
         env[seal.ENV_DATA_CURVE] = "1"  # master, workers and trainer must agree
     security = ["--auth", keys] if keyed else ["--insecure"] if mode == "plain TCP" else []

@@ -65,11 +65,15 @@ from benchmarks.pinning import mock_pinning
 from remoteloader import RemoteDataLoader
 from remoteloader.protocol import auth, seal
 from remoteloader.protocol.address import new_ipc_directory
+from remoteloader.protocol.arena import ENV_ARENA
 
-MODES = ("plain TCP", "ipc", "CURVE data", "sealed")
+MODES = ("plain TCP", "ipc", "arenas", "CURVE data", "sealed")
+# Every mode but "arenas" keeps the client on the data socket (REMOTELOADER_ARENA=off): the
+# workers are on this host, and would otherwise hand batches over in shared memory.
 LABELS = {
     "plain TCP": "plain TCP (127.0.0.1, no keys)",
-    "ipc": "ipc (as the embedded default, no keys)",
+    "ipc": "ipc socket (no keys)",
+    "arenas": "ipc + shared-memory arenas (the embedded default)",
     "CURVE data": "CURVE data sockets (--auth, protocol 9's)",
     "sealed": "sealed AES-GCM frames (--auth, protocol 10)",
 }
@@ -100,10 +104,11 @@ def run_mode(mode: str, table: Path, keys: str, caches: dict[str, Path], args: a
     spec = dlrm_spec(table, args.dense, args.sparse, args.batch_size, epochs=args.epochs + args.warm_epochs,
                      cache=not args.no_cache)
     opts = {"timeout": 120, "pin_memory": args.pin}
-    key_dir = None if mode in ("plain TCP", "ipc") else keys
+    key_dir = None if mode in ("plain TCP", "ipc", "arenas") else keys
+    os.environ[ENV_ARENA] = "on" if mode == "arenas" else "off"  # read by the loader's fetchers
     master_args = [*([] if args.no_cache else ["--cache", str(caches["keys" if key_dir else "plain"])]),
                    *([] if args.max_message_bytes is None else ["--max-message-bytes", args.max_message_bytes])]
-    bind = f"ipc://{new_ipc_directory()}/master" if mode == "ipc" else "tcp://127.0.0.1:0"
+    bind = f"ipc://{new_ipc_directory()}/master" if mode in ("ipc", "arenas") else "tcp://127.0.0.1:0"
     with curve_data_env(mode == "CURVE data"), tcp_master(table, key_dir, args.workers, args=master_args,
                                                           bind=bind) as addr:
         with RemoteDataLoader(spec, master=addr, auth=key_dir, **opts) as loader:
