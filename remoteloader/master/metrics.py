@@ -401,7 +401,8 @@ class MasterMetrics:
     def _group_of(self, key: str) -> str:
         kind, _, session = key.partition(":")
         if kind == "c":
-            rank = self.service.state.clients.get(session)
+            st = self.service.fleet.job_of(session)  # ranks of every job share a group
+            rank = None if st is None else st.clients.get(session)
             return f"c:{rank}" if rank is not None else "c:?"
         return kind
 
@@ -473,7 +474,8 @@ class MasterMetrics:
                 self._wait_le[c["rank"]] = [float(b) for b in bounds]
         totals = service.rates.group_totals()
         client_totals = {int(g[2:]): t for g, t in totals.items() if g.startswith("c:") and g[2:].isdigit()}
-        counts = service.state.error_counts
+        counts = {kind: sum(st.error_counts.get(kind, 0) for st in service.fleet.jobs.values())
+                  for kind in ("failed", "skipped")}
         return {
             "time": time.monotonic(),
             "job": status["job"],

@@ -1,0 +1,69 @@
+"""One standing fleet for many concurrent jobs (issue 39), on real processes: a master
+started with --allow-table (a shared fleet) and 2 launched workers serve three loaders of
+different specs on the same table at once, one of 2 ranks, one in deterministic order;
+each job reads every row exactly once, the deterministic one in its LocalDataset order;
+a job whose table cannot be read fails alone."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from remoteloader import LocalDataset, RemoteDataLoader
+from remoteloader.spec import DatasetSpec, SpecError
+from tests.conftest import ROWS, master_status, spec_dict
+from tests.test_order import consume, digest, order_spec
+
+pytestmark = pytest.mark.slow
+
+
+def rows_of(per_rank) -> list[int]:
+    return sorted(r for batches in per_rank for b in batches for r in b.passthrough["row_id"].tolist())
+
+
+def run_job(addr: str, spec: dict, world: int) -> list[list]:
+    """Every rank's batches of one epoch, the ranks taking turns (as under DDP)."""
+    loaders = [RemoteDataLoader(spec, master=addr, rank=r, world_size=world, timeout=90) for r in range(world)]
+    try:
+        return consume(loaders)
+    finally:
+        for x in loaders:
+            x.close()
+
+
+def test_three_concurrent_jobs_share_one_fleet_each_exactly_once(tables, cluster):
+    master = cluster.master(workers=2)
+    sparse_only = spec_dict(tables["orc"], batch_size=100)
+    sparse_only["features"]["dense"] = ["float_0"]  # another projection of the same table
+    jobs = {"plain": (spec_dict(tables["orc"], batch_size=128), 1),
+            "two ranks": (sparse_only, 2),
+            "deterministic": (order_spec(tables), 1)}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        running = {name: pool.submit(run_job, master.addr, spec, world) for name, (spec, world) in jobs.items()}
+        got = {name: f.result(timeout=240) for name, f in running.items()}
+    for name, per_rank in got.items():
+        assert rows_of(per_rank) == list(range(ROWS)), f"{name}: every row exactly once"
+    assert [len(b) for b in got["two ranks"]] == [len(b) for b in reversed(got["two ranks"])]  # equal steps
+    assert [digest(b) for b in got["deterministic"][0]] == \
+        [digest(b) for b in LocalDataset(order_spec(tables), rank=0, world_size=1)]
+    status = master_status(master.addr)
+    assert sorted((j["world_size"], j["clients"]) for j in status["jobs"]) == [(None, 0)] * 3  # all ended their runs
+    assert len(status["workers"]) == 2 and status["max_jobs"] == 8
+
+
+def test_a_job_whose_table_cannot_be_read_fails_alone(tables, cluster, tmp_path_factory):
+    master = cluster.master(workers=2)
+    broken = tmp_path_factory.mktemp("broken")
+    (broken / "part-00000.orc").write_bytes(b"not an orc file" * 100)
+    bad = spec_dict(broken)
+    with ThreadPoolExecutor(1) as pool:
+        good = pool.submit(run_job, master.addr, spec_dict(tables["orc"], batch_size=128), 1)
+        loader = RemoteDataLoader(bad, master=master.addr, timeout=60)
+        try:
+            with pytest.raises(SpecError, match="part-00000.orc"):
+                len(loader)
+        finally:
+            loader.close()
+        assert rows_of(good.result(timeout=180)) == list(range(ROWS))
+    assert [j["fingerprint"] for j in master_status(master.addr)["jobs"]] == [
+        DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=128)).fingerprint()]
