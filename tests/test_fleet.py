@@ -8,8 +8,9 @@ from remoteloader.master import updates as U
 from remoteloader.master.fleet import FleetState
 from remoteloader.master.journal import Journal
 from remoteloader.master.service import MasterConfig, MasterService
+from remoteloader.master.share import JobShares, effective_weight
 from remoteloader.master.state import JobState
-from remoteloader.spec import DatasetSpec
+from remoteloader.spec import DatasetSpec, SpecError
 from tests.conftest import spec_dict
 from tests.test_master_service import Clock, call, heartbeat, hello, register, session
 from tests.test_master_state import history
@@ -180,3 +181,69 @@ def test_a_heartbeat_names_the_job_of_the_split_it_produces():
     fleet.apply(U.WorkerHeartbeat("w1", 2.0, 0, {"split": [0, 0, 1], "job": "fp"}))
     assert fleet.jobs["fp"].workers["w1"].producing == (0, 0, 1)
 
+
+# -- fair share between jobs (issue 39 item 3) -----------------------------------------------
+def hand_out(shares: JobShares, weights: dict[str, float], turns: int, has_work=lambda job: True) -> dict[str, int]:
+    """Splits of 100 rows handed out over ``turns`` requests: each to the first job in the
+    order that has work (as get_split does)."""
+    got = {job: 0 for job in weights}
+    for _ in range(turns):
+        job = next((j for j in shares.order(weights) if has_work(j)), None)
+        if job is not None:
+            shares.served(job, 100)
+            got[job] += 1
+    return got
+
+
+def test_jobs_that_all_want_more_get_splits_in_proportion_to_their_weights():
+    got = hand_out(JobShares(), {"a": 3.0, "b": 1.0}, 4000)
+    assert abs(got["a"] / got["b"] - 3.0) < 0.3
+    got = hand_out(JobShares(), {"a": 1.0, "b": 1.0, "c": 1.0}, 3000)
+    assert max(got.values()) - min(got.values()) <= 1
+
+
+def test_a_high_priority_job_comes_first_and_a_low_one_is_never_starved():
+    weights = {"low": effective_weight(1, "low"), "normal": effective_weight(1, "normal"),
+               "high": effective_weight(1, "high")}
+    got = hand_out(JobShares(), weights, 7300)
+    assert got["high"] > 7 * got["normal"] > 0 and got["normal"] > 7 * got["low"] > 0
+
+
+def test_a_job_with_nothing_to_hand_out_banks_no_turns():
+    """Job b has no work for 1,000 turns, then has: it gets its share from then on, not
+    the 1,000 turns it could not use."""
+    shares, idle = JobShares(), {"b"}
+    hand_out(shares, {"a": 1.0, "b": 1.0}, 1000, has_work=lambda j: j not in idle)
+    idle.clear()
+    got = hand_out(shares, {"a": 1.0, "b": 1.0}, 100)
+    assert abs(got["a"] - got["b"]) <= 2
+
+
+def test_the_master_hands_out_splits_by_the_specs_weights(tables):
+    """Two jobs with share weights 3 and 1 on one worker: its splits go about 3:1 (by rows)
+    while both have splits pending."""
+    heavy = DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=100, split_rows=300, share={"weight": 3}))
+    light = DatasetSpec.from_dict(spec_dict(tables["orc"], batch_size=100, split_rows=300))
+    service = MasterService(MasterConfig(max_jobs=2), None, Clock())
+    (w,) = register(service)
+    start(service, heavy, "h", 1)
+    start(service, light, "l", 1)
+    rows = {heavy.fingerprint(): 0, light.fingerprint(): 0}
+    pending = min(sum(len(r.pending) for r in st.ranks.values()) for st in service.fleet.jobs.values())
+    for _ in range(pending):  # while both jobs still have splits to hand out
+        task = call(service, "get_split", worker_id=w)[1]["split"]
+        rows[task["fingerprint"]] += task["row_hi"] - task["row_lo"]
+    assert 2.4 < rows[heavy.fingerprint()] / rows[light.fingerprint()] < 3.6
+    assert [(j["weight"], j["priority"]) for j in service.status()["jobs"]] == [(3.0, "normal"), (1.0, "normal")]
+
+
+def test_a_spec_says_its_share_and_without_one_its_fingerprint_is_unchanged(tables):
+    plain = spec_dict(tables["orc"])
+    assert "share" not in DatasetSpec.from_dict(plain).to_dict()  # fingerprints of existing specs stay
+    spec = DatasetSpec.from_dict(dict(plain, share={"weight": 2.5, "priority": "high"}))
+    assert (spec.share_weight, spec.priority) == (2.5, "high")
+    assert DatasetSpec.from_dict(spec.to_dict()) == spec
+    for bad, match in [({"weight": 0}, "share.weight"), ({"weight": True}, "share.weight"),
+                       ({"priority": "urgent"}, "share.priority"), ({"nice": 1}, "share.nice: unknown key")]:
+        with pytest.raises(SpecError, match=match):
+            DatasetSpec.from_dict(dict(plain, share=bad))

@@ -37,7 +37,7 @@ from .history import History
 from .journal import Journal
 from .fleet import FleetState
 from .metrics import RateWindow
-from .share import JobShares
+from .share import JobShares, effective_weight
 from .state import JobState
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,11 @@ class PendingBind:
             self.error = SpecError(f"table.path: binding failed: {type(e).__name__}: {e}")
         finally:
             self.done.set()
+
+
+def _weight(st: JobState) -> float:
+    """A job's weight in the fair share (its spec's ``share``), its priority class applied."""
+    return effective_weight(st.job.spec.share_weight, st.job.spec.priority)
 
 
 def _done_of(resumed: Optional[dict]) -> list:
@@ -505,7 +510,7 @@ class MasterService:
         # job), or by session (a shared fleet's worker: ranks of several jobs share numbers).
         avoid = {fp: frozenset(m.avoid_ranks) | {st.clients[s] for s in m.avoid_sessions if s in st.clients}
                  for fp, st in jobs.items()}
-        order = self.shares.order(list(jobs))
+        order = self.shares.order({fp: _weight(st) for fp, st in jobs.items()})
         choice = None
         for fingerprint in order:
             choice = jobs[fingerprint].choose_split(m.worker_id, avoid[fingerprint], ahead=False)
@@ -879,6 +884,7 @@ class MasterService:
                         "epoch": max((r.epoch for r in runs), default=None),
                         "progress": round(done / splits, 4) if splits else None,
                         "rows_per_s": round(rows[fp], 1), "share": round(rows[fp] / total, 4) if total else None,
+                        "weight": st.job.spec.share_weight, "priority": st.job.spec.priority,
                         "stall": round(max((self.client_stall(cid) for cid in st.clients), default=0.0), 4)})
         return out
 
