@@ -247,3 +247,26 @@ def test_a_spec_says_its_share_and_without_one_its_fingerprint_is_unchanged(tabl
                        ({"priority": "urgent"}, "share.priority"), ({"nice": 1}, "share.nice: unknown key")]:
         with pytest.raises(SpecError, match=match):
             DatasetSpec.from_dict(dict(plain, share=bad))
+
+
+def test_status_and_metrics_show_a_line_per_job(specs):
+    """`remoteloader status` prints a line per job of a shared fleet; the metrics carry a
+    `job` label per job (its fingerprint: bounded by --max-jobs)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from remoteloader.master.metrics import MasterMetrics
+    from remoteloader.tools.cli import job_line
+    from tests.test_metrics import _exposition
+
+    service = MasterService(MasterConfig(max_jobs=2), None, Clock())
+    register(service, 1)
+    start(service, specs[0], "a", 1)
+    start(service, specs[1], "b", 2)
+    lines = [job_line(j) for j in service.status()["jobs"]]
+    assert [line.split()[1] for line in lines] == [specs[0].fingerprint(), specs[1].fingerprint()]
+    assert "world size 2, 2 clients, epoch 0 0% done" in lines[1] and "weight 1 normal" in lines[1]
+    families = {f.name: f for f in text_string_to_metric_families(_exposition(MasterMetrics(service).read_state()))}
+    assert {(s.labels["job"], s.value) for s in families["remoteloader_fleet_job_clients"].samples} == \
+        {(specs[0].fingerprint(), 1), (specs[1].fingerprint(), 2)}
+    assert all(set(s.labels) == {"job"} for name, f in families.items() if name.startswith("remoteloader_fleet_job")
+               for s in f.samples)

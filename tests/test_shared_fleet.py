@@ -5,13 +5,14 @@ each job reads every row exactly once, the deterministic one in its LocalDataset
 a job whose table cannot be read fails alone."""
 from __future__ import annotations
 
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from remoteloader import LocalDataset, RemoteDataLoader
 from remoteloader.spec import DatasetSpec, SpecError
-from tests.conftest import ROWS, master_status, spec_dict
+from tests.conftest import BIN, ROWS, master_status, spec_dict
 from tests.test_order import consume, digest, order_spec
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,9 @@ def test_three_concurrent_jobs_share_one_fleet_each_exactly_once(tables, cluster
     status = master_status(master.addr)
     assert sorted((j["world_size"], j["clients"]) for j in status["jobs"]) == [(None, 0)] * 3  # all ended their runs
     assert len(status["workers"]) == 2 and status["max_jobs"] == 8
+    text = subprocess.run([str(BIN / "remoteloader"), "status", "--master", master.addr], capture_output=True,
+                          text=True, check=True, timeout=30).stdout
+    assert "jobs: 3 of at most 8" in text and text.count("\n  job ") == 3, text
 
 
 def test_a_job_whose_table_cannot_be_read_fails_alone(tables, cluster, tmp_path_factory):
