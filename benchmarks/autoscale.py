@@ -27,7 +27,7 @@ import numpy as np
 
 from remoteloader.master.autoscale import (AutoscaleConfig, AutoscalePolicy, CpuTargetConfig, CpuTargetPolicy,
                                            OraclePolicy, Policy)
-from benchmarks.simulator import Scenario, SimResult, oracle_workers, simulate
+from benchmarks.simulator import Scenario, SimResult, jobs_demand, oracle_workers, simulate
 
 W = 10_000.0   # mean rows/s of one worker in every scenario
 
@@ -55,6 +55,10 @@ SCENARIOS.append(SLOWDOWN)
 # exits at 90 s and no trainer connects for five minutes: back to min_workers (1) or not.
 TRAINERS_LEAVE = replace(SLOWDOWN, name="trainers-leave", demand=((0, 10 * SLOW_WORKER),), away=(90.0, math.inf))
 SCENARIOS.append(TRAINERS_LEAVE)
+# Issue 39: one shared fleet for a sweep (the whole hour), an ablation (10 to 40 min) and an
+# evaluation (20 to 30 min): the autoscaler follows the sum of their demands, up and down.
+SCENARIOS.append(Scenario("three-jobs", jobs_demand([(0, 3600, 14.6 * W), (600, 2400, 12.2 * W),
+                                                     (1200, 1800, 9.3 * W)]), clients=12))
 
 
 def policies(sc: Scenario, oracle: int) -> dict[str, Callable[[], Policy]]:

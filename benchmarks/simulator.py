@@ -117,6 +117,15 @@ class Scenario:
         return replace(self, tick_jitter_s=0.0, tick_drift_s=0.0)
 
 
+def jobs_demand(jobs: Sequence[tuple[float, float, float]]) -> tuple[tuple[float, float], ...]:
+    """The demand of concurrent jobs on one shared fleet (issue 39), each ``(from s, until s,
+    rows/s)``, as one ``Scenario.demand``: what the fleet's autoscaler sizes for is the sum
+    of the jobs' demands (it sees every job's trainers), and a job that ends takes its
+    demand with it. The model's trainers stay interchangeable: the jobs' trainers together."""
+    edges = sorted({0.0} | {t for start, end, _ in jobs for t in (start, end)})
+    return tuple((t, sum(rate for start, end, rate in jobs if start <= t < end)) for t in edges)
+
+
 def worker_capacities(sc: Scenario, n: int) -> np.ndarray:
     """Flat-out rate of workers 0..n-1; worker k always gets the same one for a seed."""
     sigma = math.sqrt(math.log(1 + sc.rate_cv ** 2))

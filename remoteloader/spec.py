@@ -84,6 +84,7 @@ class DatasetSpec:
     autoscale: Optional[dict] = None  # {min_workers, max_workers}: let the master size the worker pool
     cache: Optional[dict] = None  # {mode, expected_epochs}: the block cache (docs/cache.md); None: mode auto
     order: Optional[dict] = None  # {deterministic, cycle}: a rank's batch order as a pure function (guarantees.md)
+    share: Optional[dict] = None  # {weight, priority}: this job's share of a shared fleet (docs/operations.md)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -143,7 +144,19 @@ class DatasetSpec:
             out["cache"] = dict(self.cache)
         if self.order is not None:
             out["order"] = dict(self.order)
+        if self.share is not None:
+            out["share"] = dict(self.share)
         return out
+
+    @property
+    def share_weight(self) -> float:
+        """This job's weight among a shared fleet's jobs (1 if unsaid)."""
+        return float((self.share or {}).get("weight", 1))
+
+    @property
+    def priority(self) -> str:
+        """This job's priority class on a shared fleet: low, normal (if unsaid) or high."""
+        return (self.share or {}).get("priority", "normal")
 
     @property
     def cache_mode(self) -> str:
@@ -194,7 +207,10 @@ def spec_differences(mine: Any, theirs: Any, limit: int = 4, _path: str = "", _d
 
 # -- parsing ---------------------------------------------------------------------------
 _TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling", "on_error",
-             "autoscale", "cache", "order"}
+             "autoscale", "cache", "order", "share"}
+_SHARE_KEYS = {"weight", "priority"}
+PRIORITIES = ("low", "normal", "high")
+MAX_SHARE_WEIGHT = 1000
 _AUTOSCALE_KEYS = {"min_workers", "max_workers"}
 _CACHE_KEYS = {"mode", "expected_epochs"}
 CACHE_MODES = ("auto", "off", "read", "write-all")
@@ -303,6 +319,7 @@ def _parse(data: Any, base_dir: Path) -> DatasetSpec:
         autoscale=_parse_autoscale(top.get("autoscale")),
         cache=_parse_cache(top.get("cache")),
         order=_parse_order(top.get("order")),
+        share=_parse_share(top.get("share")),
     )
     _check_batching(spec)
     return spec
@@ -338,6 +355,26 @@ def _parse_autoscale(value: Any) -> Optional[dict]:
         raise SpecError("autoscale: min_workers and max_workers must be at least 1")
     if out.get("min_workers", 1) > out.get("max_workers", 1 << 30):
         raise SpecError("autoscale.min_workers: larger than autoscale.max_workers")
+    return out
+
+
+def _parse_share(value: Any) -> Optional[dict]:
+    """``share: {weight, priority}``: how much of a shared fleet this job gets while the
+    fleet is short (docs/operations.md, "A shared fleet")."""
+    if value is None:
+        return None
+    s = _mapping(value, "share")
+    _no_unknown(s, _SHARE_KEYS, "share")
+    out: dict[str, Any] = {}
+    if "weight" in s:
+        weight = _typed(s["weight"], (int, float), "share.weight", "a positive number")
+        if not 0 < weight <= MAX_SHARE_WEIGHT:
+            raise SpecError(f"share.weight: must be in (0, {MAX_SHARE_WEIGHT}], got {weight!r}")
+        out["weight"] = weight
+    if "priority" in s:
+        if s["priority"] not in PRIORITIES:
+            raise SpecError(f"share.priority: must be one of {', '.join(PRIORITIES)}, got {s['priority']!r}")
+        out["priority"] = s["priority"]
     return out
 
 

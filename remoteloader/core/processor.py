@@ -61,11 +61,13 @@ class Piece:
 
 class SplitProcessor:
     def __init__(self, bound: BoundDataset, coalesce_gap: int = DEFAULT_COALESCE_GAP,
-                 cache: "Optional[JobCache]" = None) -> None:
+                 cache: "Optional[JobCache]" = None, io: Optional[IOStats] = None) -> None:
+        """``io``: the counters to add this pipeline's reads to (a worker's pipelines of
+        several jobs share one set: heartbeats report them, and they never go down)."""
         self.bound = bound
         self.spec = bound.spec
         self.coalesce_gap = coalesce_gap
-        self.io = IOStats()  # storage requests and bytes, reported in heartbeats
+        self.io = io if io is not None else IOStats()  # storage requests and bytes, reported in heartbeats
         self.sampling = validate_sampling(self.spec.sampling) if self.spec.sampling else None
         self.cache = cache  # None: splits never touch the block cache, whatever their directive
         self.costs = CostMeter()  # per column and feature, reported in heartbeats (the cache policy's input)

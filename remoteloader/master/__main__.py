@@ -43,6 +43,7 @@ from .server import MasterServer
 from .service import MasterConfig, MasterService
 
 
+SHARED_MAX_JOBS = 8  # --max-jobs of a shared fleet (no --spec)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 log = logging.getLogger("remoteloader.master")
 
@@ -58,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "one host, no CURVE, DIR made 0700 if missing (and then removed at exit), else it must be "
                         "this user's with mode 0700; launched workers bind in DIR too")
     cluster_auth.add_server_options(p, "every socket, and hand the directory to launched workers", "--bind")
-    p.add_argument("--spec", help="dataset spec (YAML/JSON); without it, the first client's spec becomes the job")
+    p.add_argument("--spec", help="dataset spec (YAML/JSON): a master of that one job; without it, a shared fleet "
+                                  "whose clients' specs (within --allow-table) are its jobs")
+    p.add_argument("--max-jobs", type=int, metavar="N",
+                   help=f"jobs (specs) a shared fleet holds at once (default {SHARED_MAX_JOBS}); a new spec beyond "
+                        "them takes the place of a job whose loaders all left, or is refused while every one is live")
     p.add_argument("--allow-table", action="append", default=[], metavar="PREFIX",
                    help=f"a table path or URI prefix clients' specs may read (repeatable; also ${ENV_ALLOW_TABLE}, "
                         "a JSON list, which keeps prefixes off the command line); without either and without "
@@ -192,7 +197,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"remoteloader-master: --cache: {redact_text(str(e))}", file=sys.stderr)
         return 2
 
-    config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_workers_per_client=args.max_workers_per_client,
+    if args.max_jobs is not None and (args.max_jobs < 1 or (args.spec and args.max_jobs != 1)):
+        print(f"remoteloader-master: --max-jobs {args.max_jobs}: " + ("a master with --spec serves that one job"
+                                                                      if args.spec else "at least 1"), file=sys.stderr)
+        return 2
+    max_jobs = 1 if args.spec else (args.max_jobs or SHARED_MAX_JOBS)
+    config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, max_jobs=max_jobs, max_workers_per_client=args.max_workers_per_client,
                           split_timeout=args.split_timeout, prefetch_next_epoch=not args.no_prefetch,
                           allowed_tables=tuple(allowed), buffer_bytes=args.buffer_bytes, cache_max_bytes=args.cache_max_bytes,
                           ipc_dir=ipc_directory(args.bind) if is_ipc(args.bind) else None,
@@ -206,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # replays sessions and workers whose tokens must still verify.
     service = MasterService(config, journal, keys=MasterKeys.stored(args.journal) if args.journal else None,
                             cache=cache)
-    if args.spec and service.state.job is None:
+    if args.spec and not service.fleet.jobs:
         try:
             service.submit(DatasetSpec.from_file(args.spec))
         except SpecError as e:
@@ -234,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # Workers it starts check the same tables again (a second line of defence), told through
     # their environment: a table path may hold a credential, and command lines are public.
-    served = [*allowed, *([service.state.job.spec.table.path] if service.state.job else [])]
+    served = [*allowed, *(st.job.spec.table.path for st in service.fleet.jobs.values())]
     try:
         engine = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
                                ray_auth_token_path=args.ray_auth_token_file,
@@ -378,7 +388,9 @@ def _without(argv: list[str], options: dict[str, int]) -> list[str]:
 
 def _autoscale_config(args: argparse.Namespace, service: MasterService) -> Optional[AutoscaleConfig]:
     """CLI flags win over the spec's ``autoscale`` section; neither means a fixed pool."""
-    from_spec = (service.state.job.spec.autoscale if service.state.job else None) or {}
+    # The spec's section: a --spec master's job's (a shared fleet's, the oldest job's at start).
+    first = next(iter(service.fleet.jobs.values()), None)
+    from_spec = (first.job.spec.autoscale if first is not None else None) or {}
     if not args.autoscale and not from_spec:
         return None
     config = AutoscaleConfig()

@@ -226,6 +226,24 @@ def families(reading: dict) -> list[Metric]:
         if job.get("world_size") is not None:
             gauge("remoteloader_job_world_size", "Trainer ranks of the job.", samples=[(job["world_size"],)])
 
+    # A shared fleet's jobs, one series each: the `job` label is the spec fingerprint, bounded
+    # by the master's --max-jobs (a job that ends leaves the next scrape).
+    jobs = reading.get("jobs", [])
+    per_job = [
+        ("remoteloader_fleet_job_clients", "Live client sessions of the job.", "clients"),
+        ("remoteloader_fleet_job_progress_ratio", "Share of the splits of the job's current epoch runs done.",
+         "progress"),
+        ("remoteloader_fleet_job_rows_per_second", "Rows the job's trainers took per second over the rate window.",
+         "rows_per_s"),
+        ("remoteloader_fleet_job_share_ratio", "The job's share of the rows all jobs' trainers took.", "share"),
+        ("remoteloader_fleet_job_stall_ratio", "Share of the rate window the job's most stalled rank waited.",
+         "stall"),
+        ("remoteloader_fleet_job_weight", "The job's fair-share weight (its spec's share.weight).", "weight"),
+    ]
+    for name, doc, field in per_job:
+        gauge(name, doc, ["job"], [(j["fingerprint"], j[field]) for j in jobs
+                                   if isinstance(j.get(field), (int, float))])
+
     # Workers: current values per slot, cumulative counts summed over every worker that reported.
     workers = reading.get("workers", [])
     draining = sum(1 for _, w in workers if w.get("draining"))
@@ -401,7 +419,8 @@ class MasterMetrics:
     def _group_of(self, key: str) -> str:
         kind, _, session = key.partition(":")
         if kind == "c":
-            rank = self.service.state.clients.get(session)
+            st = self.service.fleet.job_of(session)  # ranks of every job share a group
+            rank = None if st is None else st.clients.get(session)
             return f"c:{rank}" if rank is not None else "c:?"
         return kind
 
@@ -473,7 +492,8 @@ class MasterMetrics:
                 self._wait_le[c["rank"]] = [float(b) for b in bounds]
         totals = service.rates.group_totals()
         client_totals = {int(g[2:]): t for g, t in totals.items() if g.startswith("c:") and g[2:].isdigit()}
-        counts = service.state.error_counts
+        counts = {kind: sum(st.error_counts.get(kind, 0) for st in service.fleet.jobs.values())
+                  for kind in ("failed", "skipped")}
         return {
             "time": time.monotonic(),
             "job": status["job"],
@@ -483,6 +503,8 @@ class MasterMetrics:
             "client_totals": client_totals,
             "client_wait_le": dict(self._wait_le),
             "ranks": status["ranks"],
+            # A shared fleet's jobs (a master of one job has its remoteloader_job_* series).
+            "jobs": status["jobs"] if status["max_jobs"] > 1 else [],
             "errors": dict(counts),
         }
 

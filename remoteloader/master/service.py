@@ -1,8 +1,10 @@
 """Request handling: turns each message into update records, applies them, replies.
 
-Handlers decide (reading ``JobState`` through its queries), then ``_commit`` journals
-and applies. Nothing here changes state any other way, so the reply a client gets is
-always consistent with what a restarted master would rebuild from the journal.
+Handlers decide (reading ``FleetState`` and each job's ``JobState`` through their
+queries), then ``_commit`` journals and applies. Nothing here changes state any other way,
+so the reply a client gets is always consistent with what a restarted master would
+rebuild from the journal. A master holds up to ``max_jobs`` jobs (issue 39): a client's
+requests go to the job of its session, a worker's split reports to the job they name.
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ from ..core.allowlist import TableAllowlist
 from .cache_plan import CachePlanner
 from .history import History
 from .journal import Journal
+from .fleet import FleetState
 from .metrics import RateWindow
+from .share import JobShares, effective_weight
 from .state import JobState
 
 log = logging.getLogger(__name__)
@@ -79,12 +83,27 @@ class MasterConfig:
     ipc_dir: Optional[str] = None
     # The block cache's byte budget (--cache-max-bytes): the auto policy plans within it.
     cache_max_bytes: Optional[int] = None
+    # Jobs (specs) the master holds at once. 1: it serves one spec for its whole life (the
+    # first client's, or --spec), and refuses any other; more: a shared fleet, where a job
+    # whose loaders all left keeps its place until a new spec needs it (--max-jobs).
+    max_jobs: int = 1
 
 
 BIND_WAIT_S = 0.5  # the longest a hello holds the loop while a spec binds
 # Row ranges of one base split a resume's `done` may hold: the prefixes of its epoch splits,
 # which an elastic resume's plan cuts again (each resume can add a few).
 MAX_DONE_RANGES = 16
+
+
+@dataclass
+class JobRuntime:
+    """What the service knows of a job beyond its journaled state: its bound pipeline, and
+    the transformed bytes of a row and of its largest split as estimated when this master
+    planned it (a replayed job's splits were cut already: they stay unknown)."""
+
+    bound: BoundDataset
+    row_bytes: Optional[float] = None
+    split_bytes: Optional[int] = None
 
 
 @dataclass
@@ -150,6 +169,11 @@ class PendingBind:
             self.done.set()
 
 
+def _weight(st: JobState) -> float:
+    """A job's weight in the fair share (its spec's ``share``), its priority class applied."""
+    return effective_weight(st.job.spec.share_weight, st.job.spec.priority)
+
+
 def _done_of(resumed: Optional[dict]) -> list:
     return sorted([base, lo, hi] for base, ranges in (resumed or {}).items() for lo, hi in ranges)
 
@@ -163,13 +187,17 @@ class MasterService:
                  clock: Callable[[], float] = time.time, keys: Optional[MasterKeys] = None,
                  cache: Optional[BlockStore] = None) -> None:
         """``cache``: the block cache (``--cache``); without it no split touches a cache."""
+        if config.max_jobs < 1:
+            raise ValueError(f"max_jobs {config.max_jobs}: a master holds at least one job")
         self.config = config
         # Signs client sessions and worker ids (protocol/capability.py); a journaled master
         # passes the keys kept beside its journal, so replayed sessions' tokens still verify.
         self.keys = keys if keys is not None else MasterKeys.ephemeral()
         self.journal = journal
         self.clock = clock
-        self.state = JobState()
+        self.fleet = FleetState()
+        self.runtime: dict[str, JobRuntime] = {}  # spec fingerprint -> what is not journaled of that job
+        self.shares = JobShares()  # which job's split a worker gets next
         self.rates = RateWindow(config.rate_window_s)
         self.cache = CachePlanner(cache, config.cache_max_bytes, config.popularity_log)
         self.history = History()  # a bounded picture of the run over time (status with history: true)
@@ -177,13 +205,7 @@ class MasterService:
         # Workers launched and not yet registered (a Ray actor waiting for room, a process
         # starting), for status: not counted among the workers (set by remoteloader-master).
         self.pending_workers: Callable[[], int] = lambda: 0
-        self.bound: Optional[BoundDataset] = None
-        # Transformed bytes a row, and of the largest split, estimated when this master
-        # planned the job (not journaled: a replayed job's splits were cut already, and
-        # they stay unknown).
-        self.row_bytes: Optional[float] = None
-        self.split_bytes: Optional[int] = None
-        self._binding: Optional[PendingBind] = None
+        self._binding: dict[str, PendingBind] = {}  # spec fingerprint -> its spec being bound
         # Who this master process is: a client that sees it change reports everything it
         # has consumed again (consumption is not journaled).
         self.incarnation = uuid.uuid4().hex[:12]
@@ -191,7 +213,7 @@ class MasterService:
             replayed = 0
             for update in journal.replay():
                 try:
-                    self.state.apply(update)
+                    self.fleet.apply(update)
                 except Exception as e:  # an invalid record must not keep the master from starting
                     journal.quarantine(-1, U.encode(update), repr(e))
                     continue
@@ -201,19 +223,48 @@ class MasterService:
         # Journal bytes right after the last compaction (or at start): what has been appended
         # since is what the compaction rule counts.
         self._snapshot_bytes = journal.size if journal is not None else 0
-        if self.state.job is not None:
-            self.bound = bind_schema(self.state.job.spec, self.state.job.schema)
+        for fingerprint, st in self.fleet.jobs.items():
+            self.runtime[fingerprint] = JobRuntime(bind_schema(st.job.spec, st.job.schema))
         self._commit(U.MasterStarted(clock()))
         self.sync()
 
+    # -- single-job views: a master of one job (--spec, max_jobs 1), and tests of one --------
+    @property
+    def state(self) -> JobState:
+        """The state of this master's only job (before it has one: the fleet's workers, no job)."""
+        jobs = list(self.fleet.jobs.values())
+        if len(jobs) > 1:
+            raise RuntimeError(f"this master holds {len(jobs)} jobs: read service.fleet")
+        return jobs[0] if jobs else self.fleet.registry
+
+    @property
+    def bound(self) -> Optional[BoundDataset]:
+        """The bound pipeline of this master's only job."""
+        job = self.state.job
+        return None if job is None else self.runtime[job.fingerprint].bound
+
+    @property
+    def split_bytes(self) -> Optional[int]:
+        job = self.state.job
+        return None if job is None else self.runtime[job.fingerprint].split_bytes
+
     def _commit(self, update: U.Update) -> None:
-        if self.journal is not None and not update.TRANSIENT:
+        if self.journal is not None and not U.transient(update):
             self.journal.append(update)  # durable at the next sync, before any reply goes out
-        self.state.apply(update)
+        self.fleet.apply(update)
+        # After a change of membership, the service decides the partitions again (and
+        # journals them): a worker's change, for every job; a client's, for its own.
         if isinstance(update, _MEMBERSHIP):
-            partitions = self.state.balanced_partitions(self.config.max_workers_per_client)
-            if partitions != self.state.partitions:
-                self._commit(U.PartitionsChanged(sorted(partitions.items())))
+            jobs = list(self.fleet.jobs)
+        elif isinstance(update, U.ForJob) and isinstance(update.update, _MEMBERSHIP):
+            jobs = [update.job] if update.job in self.fleet.jobs else []
+        else:
+            return
+        for fingerprint in jobs:
+            st = self.fleet.jobs[fingerprint]
+            partitions = st.balanced_partitions(self.config.max_workers_per_client)
+            if partitions != st.partitions:
+                self._commit(U.ForJob(fingerprint, U.PartitionsChanged(sorted(partitions.items()))))
 
     def sync(self) -> None:
         """Make every committed update durable (one fsync for all of them: the server calls
@@ -226,7 +277,7 @@ class MasterService:
         self.journal.sync()
         appended = self.journal.size - self._snapshot_bytes
         if appended > max(self.config.journal_compact_bytes, self._snapshot_bytes):
-            self.journal.compact(self.state.snapshot())
+            self.journal.compact(self.fleet.snapshot())
             self._snapshot_bytes = self.journal.size
 
     # -- the job ---------------------------------------------------------------------
@@ -235,19 +286,21 @@ class MasterService:
         self._submit_bound(spec, _bind_and_plan(spec, self.config.buffer_bytes))
         self.sync()
 
-    def _submit_bound(self, spec: DatasetSpec, planned: Planned) -> None:
+    def _submit_bound(self, spec: DatasetSpec, planned: Planned) -> JobState:
         bound, splits = planned.bound, planned.splits
         files = bound.files or []
-        self._commit(U.JobSubmitted(spec, spec.fingerprint(), bound.schema, [U.file_record(f) for f in files],
-                                    [U.SplitRecord.of(s) for s in splits], bound.skipped))
-        self.bound = bound
-        self.row_bytes = planned.row_bytes
-        self.split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
+        fingerprint = spec.fingerprint()
+        self._commit(U.ForJob(fingerprint, U.JobSubmitted(
+            spec, fingerprint, bound.schema, [U.file_record(f) for f in files], [U.SplitRecord.of(s) for s in splits],
+            bound.skipped)))
+        split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
+        self.runtime[fingerprint] = JobRuntime(bound, planned.row_bytes, split_bytes)
         if self.config.popularity_log:
             # Which columns jobs read together: `remoteloader reorder` stores them together.
             record_projection(self.config.popularity_log, spec.table.path, bound.read_columns)
-        log.info("job %s: %d files, %d splits, %d rows", spec.fingerprint(), len(files), len(splits),
-                 self.state.job.total_rows)
+        st = self.fleet.jobs[fingerprint]
+        log.info("job %s: %d files, %d splits, %d rows", fingerprint, len(files), len(splits), st.job.total_rows)
+        return st
 
     # -- dispatch ----------------------------------------------------------------------
     def handle(self, request: Union[M.Message, dict]) -> Reply:
@@ -270,37 +323,43 @@ class MasterService:
     def tick(self) -> None:
         """Periodic duties: dead workers lose their splits, hung workers the split they hold."""
         now = self.clock()
-        self.rates.forget({"w:" + w for w in self.state.workers} | {"c:" + c for c in self.state.clients})
-        for w in list(self.state.workers.values()):
+        self.rates.forget({"w:" + w for w in self.fleet.workers} | {"c:" + c for c in self.fleet.session_job})
+        for w in list(self.fleet.workers.values()):
             if w.last_seen < now - self.config.heartbeat_timeout:
                 log.warning("worker %s (%s) missed heartbeats for %.1f s: presumed dead",
                             w.worker_id, w.addr, now - w.last_seen)
                 self._commit(U.WorkerLost(w.worker_id, "heartbeat timeout"))
-        for session, seen in list(self.state.client_seen.items()):
-            if seen < now - self.config.client_timeout:
-                log.warning("client %s (rank %d) silent for %.0f s: forgotten", session, self.state.clients[session],
-                            now - seen)
-                self._commit(U.ClientLeft(session, "client timeout"))
-        for epoch, split_id, worker_id, reason in self.state.stalled_splits(
-                now, self.config.heartbeat_interval, self.config.split_timeout):
-            log.warning("worker %s: split %d of epoch %d revoked: %s", worker_id, split_id, epoch, reason)
-            self._commit(U.SplitRevoked(epoch, split_id, worker_id, reason))
-        plan = self.cache.decide(self.state, self.bound, lambda: self.rates.group_totals().get("w", {}), now)
-        if plan is not None:
-            self._commit(plan)
+        for fingerprint, st in list(self.fleet.jobs.items()):
+            for session, seen in list(st.client_seen.items()):
+                if seen < now - self.config.client_timeout:
+                    log.warning("client %s (job %s, rank %d) silent for %.0f s: forgotten", session, fingerprint,
+                                st.clients[session], now - seen)
+                    self._commit(U.ForJob(fingerprint, U.ClientLeft(session, "client timeout")))
+            for epoch, split_id, worker_id, reason in st.stalled_splits(
+                    now, self.config.heartbeat_interval, self.config.split_timeout):
+                log.warning("worker %s: split %d of epoch %d of job %s revoked: %s", worker_id, split_id, epoch,
+                            fingerprint, reason)
+                self._commit(U.ForJob(fingerprint, U.SplitRevoked(epoch, split_id, worker_id, reason)))
+        if len(self.fleet.jobs) == 1:
+            # The auto cache policy measures one job's costs (its ledger is per job): on a
+            # shared fleet each job keeps the plan it has (issue 39's shared work is left).
+            plan = self.cache.decide(self.state, self.bound, lambda: self.rates.group_totals().get("w", {}), now)
+            if plan is not None:
+                self._commit(U.ForJob(plan.fingerprint, plan))
         if self.history.due(now):
             self._sample_history(now)
 
     def _sample_history(self, now: float) -> None:
         """One sample of the run for ``history`` (once a second, from the tick)."""
-        st, rates = self.state, self.rates
-        workers = list(st.workers.values())
-        stall: dict[int, float] = {}
+        rates, jobs = self.rates, list(self.fleet.jobs.values())
+        workers = list(self.fleet.workers.values())
+        stall: dict[int, float] = {}  # by rank: with several jobs, the most stalled of each rank
         client_rows, reported = 0.0, False
-        for cid, rank in st.clients.items():
-            stall[rank] = max(stall.get(rank, 0.0), self.client_stall(cid))
-            if "rows" in st.client_stats.get(cid, {}):
-                client_rows, reported = client_rows + rates.rate("c:" + cid, "rows"), True
+        for st in jobs:
+            for cid, rank in st.clients.items():
+                stall[rank] = max(stall.get(rank, 0.0), self.client_stall(cid))
+                if "rows" in st.client_stats.get(cid, {}):
+                    client_rows, reported = client_rows + rates.rate("c:" + cid, "rows"), True
         totals = rates.group_totals().get("w", {})
         self.history.record(
             now, workers=len(workers), draining=sum(1 for w in workers if w.draining), pending=self.pending_workers(),
@@ -308,13 +367,20 @@ class MasterService:
             budget_bytes=float(sum(w.stats.get("budget_bytes", 0) or 0 for w in workers)),
             rows_per_s=sum(rates.rate("w:" + w.worker_id, "rows") for w in workers),
             client_rows_per_s=client_rows if reported else None, stall=stall,
-            epoch=max((run.epoch for run in st.ranks.values()), default=None),
+            epoch=max((run.epoch for st in jobs for run in st.ranks.values()), default=None),
             cache_hits=totals.get("cache.hits", 0.0), cache_misses=totals.get("cache.misses", 0.0))
         self.history.decisions(now, self.decision_log())
 
-    def _require_job(self) -> None:
-        if self.state.job is None:
-            raise RequestError("no job yet: the master waits for the first client's spec", code=ErrorCode.NO_JOB)
+    def _job(self, fingerprint: str) -> tuple[str, JobState]:
+        """The job a worker's request names (``""``: the oldest, as a worker of one job says)."""
+        if not fingerprint and self.fleet.jobs:
+            fingerprint = next(iter(self.fleet.jobs))
+        st = self.fleet.jobs.get(fingerprint)
+        if st is None:
+            if not self.fleet.jobs:
+                raise RequestError("no job yet: the master waits for the first client's spec", code=ErrorCode.NO_JOB)
+            raise RequestError(f"this master holds no job {fingerprint[:80]} (it ended)", code=ErrorCode.NO_JOB)
+        return fingerprint, st
 
     def _require_worker(self, m: M.WorkerNamed) -> None:
         """The sender is the worker it names: registered, and holding its ``registered.token``
@@ -323,24 +389,29 @@ class MasterService:
             raise RequestError(f"unknown worker {m.worker_id[:80]}", code=ErrorCode.UNKNOWN_WORKER)
 
     def _is_worker(self, m: M.WorkerNamed) -> bool:
-        return m.worker_id in self.state.workers and self.keys.worker_token_ok(m.worker_id, m.token)
+        return m.worker_id in self.fleet.workers and self.keys.worker_token_ok(m.worker_id, m.token)
 
-    def _require_client(self, session: str) -> int:
-        if session not in self.state.clients:
-            if session in self.state.replaced:
+    def _require_client(self, session: str) -> tuple[str, JobState, int]:
+        """(job fingerprint, its state, rank) of a live client session."""
+        fingerprint = self.fleet.session_job.get(session)
+        if fingerprint is None:
+            if any(session in st.replaced for st in self.fleet.jobs.values()):
                 raise RequestError("another loader took this rank over (a new process of the rank, or another job "
-                                   "of the same world size on this master)", code=ErrorCode.REPLACED)
+                                   "of the same spec and world size on this master)", code=ErrorCode.REPLACED)
             raise RequestError(f"unknown client session {session[:80]}; say hello again",
                                code=ErrorCode.UNKNOWN_CLIENT)
-        return self.state.clients[session]
+        st = self.fleet.jobs[fingerprint]
+        return fingerprint, st, st.clients[session]
 
     # -- workers ----------------------------------------------------------------------
     def _on_register(self, m: M.Register) -> Reply:
-        if len(self.state.workers) >= self.config.max_workers:
-            raise RequestError(f"the master already has {len(self.state.workers)} workers (max_workers)",
+        if len(self.fleet.workers) >= self.config.max_workers:
+            raise RequestError(f"the master already has {len(self.fleet.workers)} workers (max_workers)",
                                code=ErrorCode.FULL)
         self._check_worker_addr(m.addr)
-        job = self.state.job
+        # A master of one job takes only workers compiled for it; a shared fleet's workers
+        # compile each job's pipeline as they get its first split (they name any).
+        job = self.state.job if self.config.max_jobs == 1 else None
         if job is not None and m.fingerprint != job.fingerprint:
             # A worker still compiled for a job this master no longer serves (a master
             # restarted on the same address with another spec): it fetches the spec again.
@@ -353,7 +424,8 @@ class MasterService:
         # Split tasks name the job too: a worker that registered before one existed checks each.
         return M.Registered(worker_id=worker_id, heartbeat_interval=self.config.heartbeat_interval,
                             fingerprint=m.fingerprint if job is None else job.fingerprint,
-                            token=self.keys.worker_token(worker_id), verify_key=self.keys.verify_key)
+                            token=self.keys.worker_token(worker_id), verify_key=self.keys.verify_key,
+                            max_jobs=self.config.max_jobs)
 
     def _check_worker_addr(self, addr: str) -> None:
         """An address every client can connect to: a concrete host (not ``*``, not an
@@ -378,28 +450,29 @@ class MasterService:
                                "(a concrete host, e.g. the worker's IP)")
 
     def _on_get_spec(self, m: M.GetSpec) -> Reply:
-        self._require_job()
-        job = self.state.job
+        fingerprint, st = self._job(m.fingerprint)
+        job = st.job
         return M.Spec(spec=job.spec.to_dict(), schema=job.schema, fingerprint=job.fingerprint,
-                      split_bytes=self.split_bytes)
+                      split_bytes=self.runtime[fingerprint].split_bytes)
 
     def _on_heartbeat(self, m: M.Heartbeat) -> Reply:
         def beat(state: M.WorkerState, sessions: list[str]) -> M.HeartbeatOk:
             return M.HeartbeatOk(state=state, sessions=sessions, master=self.incarnation)
 
-        w = self.state.workers.get(m.worker_id)
+        w = self.fleet.workers.get(m.worker_id)
         if w is None or not self._is_worker(m):
             return beat(M.WorkerState.UNKNOWN, [])
         stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
         self._commit(U.WorkerHeartbeat(m.worker_id, self.clock(), m.buffered, stats))
         self.rates.update("w:" + m.worker_id, self.clock(), stats)
-        if self.state.job is not None:
+        if len(self.fleet.jobs) == 1:
             self.cache.observe(m.worker_id, self.state.job.fingerprint, stats)
-        # The live sessions of the ranks it serves: pieces it holds for any other are stale.
-        sessions = self.state.sessions_served(m.worker_id)
+        # The live sessions of the ranks it serves, of every job: pieces it holds for any other are stale.
+        jobs = list(self.fleet.jobs.values())
+        sessions = [session for st in jobs for session in st.sessions_served(m.worker_id)]
         if not w.draining:
             return beat(M.WorkerState.RUN, sessions)
-        if w.assigned:
+        if any(st.workers[m.worker_id].assigned for st in jobs):
             return beat(M.WorkerState.DRAIN, sessions)
         # Drained: every split it held has been consumed; it may go.
         self._commit(U.WorkerLost(w.worker_id, "drained"))
@@ -413,13 +486,15 @@ class MasterService:
 
     def drain(self, worker_id: str) -> None:
         """Stop giving this worker splits; it exits once its buffered splits are consumed."""
-        if not self.state.workers[worker_id].draining:
+        if not self.fleet.workers[worker_id].draining:
             log.info("worker %s draining", worker_id)
             self._commit(U.WorkerDraining(worker_id))
             # A next epoch's split read ahead would keep it waiting for a trainer that may
             # never start that epoch: it goes back to the queue, produced again when needed.
-            for epoch, split_id in self.state.splits_ahead(worker_id):
-                self._commit(U.SplitRevoked(epoch, split_id, worker_id, "its worker is draining"))
+            for fingerprint, st in self.fleet.jobs.items():
+                for epoch, split_id in st.splits_ahead(worker_id):
+                    self._commit(U.ForJob(fingerprint, U.SplitRevoked(epoch, split_id, worker_id,
+                                                                      "its worker is draining")))
 
     def _on_bye(self, m: M.Bye) -> Reply:
         if self._is_worker(m):
@@ -430,39 +505,57 @@ class MasterService:
         self._require_worker(m)
         if len(m.avoid_ranks) > self.config.max_world_size:
             raise RequestError("avoid_ranks must be a list of ranks")
-        avoid = frozenset(m.avoid_ranks)
-        choice = self.state.choose_split(m.worker_id, avoid, ahead=False) if self.state.job else None
+        jobs = self.fleet.jobs
+        # Ranks whose share of the worker's buffer is full: named by rank (a worker of one
+        # job), or by session (a shared fleet's worker: ranks of several jobs share numbers).
+        avoid = {fp: frozenset(m.avoid_ranks) | {st.clients[s] for s in m.avoid_sessions if s in st.clients}
+                 for fp, st in jobs.items()}
+        order = self.shares.order({fp: _weight(st) for fp, st in jobs.items()})
+        choice = None
+        for fingerprint in order:
+            choice = jobs[fingerprint].choose_split(m.worker_id, avoid[fingerprint], ahead=False)
+            if choice is not None:
+                break
         # A worker with no current work reads ahead into the next epoch, one split at a
         # time and only when it says it has room for one (`read_ahead`: within its byte
         # budget, leaving a split's room for current work): those pieces wait in its
         # buffer, outside the trainers' credit, until the trainer gets there.
-        if (choice is None and m.read_ahead and self.config.prefetch_next_epoch and self.state.job is not None
-                and not self.state.splits_ahead(m.worker_id)):
-            for prefetch in self.state.prefetch_candidates(m.worker_id):
-                self._commit(prefetch)
-            choice = self.state.choose_split(m.worker_id, avoid)
+        if (choice is None and m.read_ahead and self.config.prefetch_next_epoch
+                and not any(st.splits_ahead(m.worker_id) for st in jobs.values())):
+            for fingerprint in order:
+                for prefetch in jobs[fingerprint].prefetch_candidates(m.worker_id):
+                    self._commit(U.ForJob(fingerprint, prefetch))
+                choice = jobs[fingerprint].choose_split(m.worker_id, avoid[fingerprint])
+                if choice is not None:
+                    break
         if choice is None:
             return M.NoSplit(retry_ms=self.config.no_split_retry_ms, reason="no pending split for this worker")
         run, progress = choice
         s = progress.split
-        self._commit(U.SplitAssigned(run.epoch, s.id, m.worker_id, self.clock()))
-        job = self.state.job
+        st = jobs[fingerprint]
+        self._commit(U.ForJob(fingerprint, U.SplitAssigned(run.epoch, s.id, m.worker_id, self.clock())))
+        self.shares.served(fingerprint, s.rows)
+        job = st.job
         cycle = job.spec.cycle
         task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
-                         seq=run.seq, fingerprint=job.fingerprint, cache=self.cache.directive(self.state, self.bound),
+                         seq=run.seq, fingerprint=job.fingerprint,
+                         cache=self.cache.directive(st, self.runtime[fingerprint].bound),
                          order=None if cycle is None else split_order(progress.position, cycle, s.padding))
         return M.Split(split=task.to_wire())
 
     def _on_split_produced(self, m: M.SplitProduced) -> Reply:
-        if self._holds(m):
-            self._commit(U.SplitProduced(m.epoch, m.split_id, m.worker_id))
+        fingerprint = self._holder_job(m)
+        if fingerprint is not None:
+            self._commit(U.ForJob(fingerprint, U.SplitProduced(m.epoch, m.split_id, m.worker_id)))
         return M.Ok()
 
     def _on_split_failed(self, m: M.SplitFailed) -> Reply:
-        if self._holds(m):
-            skipped = self.state.job.spec.on_error == "skip"
-            log.error("split %d failed%s: %s", m.split_id, " (skipped)" if skipped else "", m.error)
-            self._commit(U.SplitFailed(m.epoch, m.split_id, m.worker_id, m.error, skipped))
+        fingerprint = self._holder_job(m)
+        if fingerprint is not None:
+            skipped = self.fleet.jobs[fingerprint].job.spec.on_error == "skip"
+            log.error("split %d of job %s failed%s: %s", m.split_id, fingerprint, " (skipped)" if skipped else "",
+                      m.error)
+            self._commit(U.ForJob(fingerprint, U.SplitFailed(m.epoch, m.split_id, m.worker_id, m.error, skipped)))
         return M.Ok()
 
     def _on_splits_released(self, m: M.SplitsReleased) -> Reply:
@@ -470,124 +563,173 @@ class MasterService:
         its share of the worker's buffer is full while other ranks starve. They are handed
         out again from what the rank consumed, as after a worker failure."""
         self._require_worker(m)
-        held = self.state.workers[m.worker_id].assigned
         for ref in m.splits:
-            if (ref.epoch, ref.split_id) in held:
-                self._commit(U.SplitRevoked(ref.epoch, ref.split_id, m.worker_id, f"released: {m.reason[:200]}"))
+            fingerprint = self._holding(m.worker_id, m.job, ref.epoch, ref.split_id)
+            if fingerprint is not None:
+                self._commit(U.ForJob(fingerprint, U.SplitRevoked(ref.epoch, ref.split_id, m.worker_id,
+                                                                  f"released: {m.reason[:200]}")))
         return M.Ok()
 
-    def _holds(self, m: Union[M.SplitProduced, M.SplitFailed]) -> bool:
-        """Whether the reporting worker still holds that split; if it was re-assigned
-        meanwhile (the worker was presumed dead, or the rank restarted), the report is stale."""
+    def _holder_job(self, m: Union[M.SplitProduced, M.SplitFailed]) -> Optional[str]:
+        """The job whose split the reporting worker still holds; None if it was re-assigned
+        meanwhile (the worker was presumed dead, or the rank restarted): the report is stale."""
         self._require_worker(m)
-        return (m.epoch, m.split_id) in self.state.workers[m.worker_id].assigned
+        return self._holding(m.worker_id, m.job, m.epoch, m.split_id)
+
+    def _holding(self, worker_id: str, job: str, epoch: int, split_id: int) -> Optional[str]:
+        """``job`` (``""``, from a worker of one job: the oldest) if ``worker_id`` holds that split of it."""
+        if not job and self.fleet.jobs:
+            job = next(iter(self.fleet.jobs))
+        st = self.fleet.jobs.get(job)
+        return job if st is not None and (epoch, split_id) in st.workers[worker_id].assigned else None
 
     # -- clients ------------------------------------------------------------------------
     def _on_hello(self, m: M.Hello) -> Reply:
-        if self.state.job is None:
-            self._bind_first_spec(m.spec)
-        job = self.state.job
-        if m.fingerprint != job.fingerprint:
-            differs = "; ".join(spec_differences(m.spec, job.spec.to_dict())) or "a key"
-            raise RequestError(
-                f"spec fingerprint {m.fingerprint[:80]} differs from the running job's {job.fingerprint} in "
-                f"{differs} (here: this loader, there: the running job): this master serves another dataset "
-                "spec (start another master, or use the same spec)", code=ErrorCode.SPEC_MISMATCH)
+        fingerprint, st = self._hello_job(m)
+        job = st.job
         if m.world_size > self.config.max_world_size:
             raise RequestError(f"world size {m.world_size} is above the master's maximum "
                                f"{self.config.max_world_size}", code=ErrorCode.BAD_RANK)
         if not m.rank < m.world_size:
             raise RequestError(f"rank {m.rank} is outside world size {m.world_size}", code=ErrorCode.BAD_RANK)
         if job.world_size is not None and m.world_size != job.world_size:
-            raise RequestError(self._busy_message(m.world_size), code=ErrorCode.BUSY)
+            raise RequestError(self._busy_message(st, m.world_size), code=ErrorCode.BUSY)
         session = "s-" + uuid.uuid4().hex[:12]
-        self._commit(U.ClientJoined(session, m.rank, m.world_size, self.clock(), m.node))
-        shares = self.state.shares()
+        self._commit(U.ForJob(fingerprint, U.ClientJoined(session, m.rank, m.world_size, self.clock(), m.node)))
+        shares = st.shares()
+        bound = self.runtime[fingerprint].bound
         # The token is what lets this client's credit take the session's pieces at workers;
         # the session id alone (which status shows) does not.
         # It signs the session's public key too: a token seen on the wire is no use with another key.
         return M.Welcome(session=session, token=self.keys.session_token(session, m.key), job=M.JobInfo(
             fingerprint=job.fingerprint, total_rows=job.total_rows,
             rank_rows=shares.rows[m.rank] + shares.padding[m.rank], dropped_rows=shares.dropped,
-            world_size=job.world_size, sparse_keys=list(self.bound.sparse_keys),
-            sparse_scored=list(self.bound.pipeline.sparse_scored), plan=job.plan_fingerprint,
-            dense_width=self.bound.pipeline.dense_width))
+            world_size=job.world_size, sparse_keys=list(bound.sparse_keys),
+            sparse_scored=list(bound.pipeline.sparse_scored), plan=job.plan_fingerprint,
+            dense_width=bound.pipeline.dense_width))
 
-    def _busy_message(self, world_size: int) -> str:
-        """Why a client of another world size cannot join now: the job of the live clients."""
-        st, now = self.state, self.clock()
+    def _hello_job(self, m: M.Hello) -> tuple[str, JobState]:
+        """The job a hello joins: the one of its spec, or (while there is room) a new one,
+        whose spec is bound first. A master of one job refuses every other spec."""
+        jobs = self.fleet.jobs
+        st = jobs.get(m.fingerprint)
+        if st is None:
+            if self.config.max_jobs == 1 and jobs:
+                self._spec_mismatch(m, self.state)
+            st = self._bind_new_job(m.spec)
+        if m.fingerprint != st.job.fingerprint:  # the loader's and the master's fingerprints of one spec
+            self._spec_mismatch(m, st)
+        return st.job.fingerprint, st
+
+    def _spec_mismatch(self, m: M.Hello, st: JobState) -> None:
+        job = st.job
+        differs = "; ".join(spec_differences(m.spec, job.spec.to_dict())) or "a key"
+        raise RequestError(
+            f"spec fingerprint {m.fingerprint[:80]} differs from the running job's {job.fingerprint} in "
+            f"{differs} (here: this loader, there: the running job): this master serves another dataset "
+            "spec (start another master, or use the same spec)", code=ErrorCode.SPEC_MISMATCH)
+
+    def _busy_message(self, st: JobState, world_size: int) -> str:
+        """Why a client of another world size cannot join the job of its spec now: its live clients."""
+        now = self.clock()
         last = max(st.client_seen.values(), default=now)
         return (f"world size {world_size}: this master is serving a job of world size {st.job.world_size} "
                 f"({len(st.clients)} live client{'s' if len(st.clients) != 1 else ''}, last heard {now - last:.0f} s "
                 f"ago); it takes another world size once they have closed their loaders, or after "
                 f"{self.config.client_timeout:g} s of silence (remoteloader-master --client-timeout)")
 
-    def _bind_first_spec(self, spec_dict: dict) -> None:
-        """The first client's spec becomes the job. Binding lists files and reads footers,
-        maybe from an object store: it runs on its own thread, so the loop keeps answering
-        everybody else; hellos meanwhile hear ``binding`` (retry) until it is done or past
-        ``bind_timeout``."""
-        if self._binding is None:
-            try:
-                spec = DatasetSpec.from_dict(spec_dict)
-            except SpecError as e:
-                raise RequestError(str(e), code=ErrorCode.BAD_SPEC) from None
+    def _bind_new_job(self, spec_dict: dict) -> JobState:
+        """A new job of this spec. Binding lists files and reads footers, maybe from an
+        object store: it runs on its own thread, so the loop keeps answering everybody else
+        (the other jobs' clients and workers included); hellos meanwhile hear ``binding``
+        (retry) until it is done or past ``bind_timeout``. A spec that fails to bind fails
+        only its own loader."""
+        try:
+            spec = DatasetSpec.from_dict(spec_dict)
+        except SpecError as e:
+            raise RequestError(str(e), code=ErrorCode.BAD_SPEC) from None
+        fingerprint = spec.fingerprint()
+        pending = self._binding.get(fingerprint)
+        if pending is None:
             if not TableAllowlist(self.config.allowed_tables).allows(spec.table.path):
                 # Says nothing of whether the path exists: that would be an oracle.
                 raise RequestError("table.path: this master does not serve that table (see --allow-table)",
                                    code=ErrorCode.BAD_SPEC)
-            self._binding = PendingBind(spec, time.monotonic(), self.config.buffer_bytes)
-        pending = self._binding
+            self._check_room()
+            if len(self._binding) >= self.config.max_jobs:  # a flood of specs is refused, not absorbed
+                raise RequestError(f"the master is binding {len(self._binding)} other specs; retry",
+                                   code=ErrorCode.BINDING)
+            pending = self._binding[fingerprint] = PendingBind(spec, time.monotonic(), self.config.buffer_bytes)
         pending.done.wait(BIND_WAIT_S)  # a small table binds within this request
         if not pending.done.is_set():
             if time.monotonic() - pending.started < self.config.bind_timeout:
                 raise RequestError("the master is binding the spec to the table; retry", code=ErrorCode.BINDING)
-            self._binding = None
+            del self._binding[fingerprint]
             raise RequestError(f"table.path: reading the table's metadata took longer than "
                                f"{self.config.bind_timeout:g} s", code=ErrorCode.BAD_SPEC)
-        self._binding = None
+        del self._binding[fingerprint]
         if pending.error is not None:
             raise RequestError(str(pending.error), code=ErrorCode.BAD_SPEC)
-        self._submit_bound(pending.spec, pending.result)
+        if fingerprint in self.fleet.jobs:  # bound twice over (another hello of the spec got there first)
+            return self.fleet.jobs[fingerprint]
+        self._check_room(end_idle=True)
+        return self._submit_bound(pending.spec, pending.result)
+
+    def _check_room(self, end_idle: bool = False) -> None:
+        """Room for one more job: below ``max_jobs``, or (``end_idle``: by ending it) a job
+        whose loaders all left, the oldest such; else refused, naming the setting."""
+        jobs = self.fleet.jobs
+        if len(jobs) < self.config.max_jobs:
+            return
+        idle = [fp for fp, st in jobs.items() if not st.clients]
+        if not idle:
+            raise RequestError(f"this master already serves {len(jobs)} live jobs, its most "
+                               f"(remoteloader-master --max-jobs {self.config.max_jobs}): retry once one ends, "
+                               "or start the master with a larger --max-jobs", code=ErrorCode.FULL)
+        if end_idle:
+            log.info("job %s ends: its loaders left, and a new job needs its place", idle[0])
+            self._commit(U.JobEnded(idle[0], "its loaders left, and a new job needed its place"))
+            del self.runtime[idle[0]]
+            self.shares.forget(idle[0])
 
     def _on_start_epoch(self, m: M.StartEpoch) -> Reply:
         session = m.session
-        rank = self._require_client(session)
+        fingerprint, st, rank = self._require_client(session)
         epoch = m.epoch
         if not epoch < self.config.max_epoch:
             raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code=ErrorCode.BAD_EPOCH)
         consumed = _acks(m.consumed)
-        done = self._check_done(m.done)
-        current = self.state.ranks.get(rank)
+        done = self._check_done(st, m.done)
+        current = st.ranks.get(rank)
         if done and current is not None and epoch > current.epoch + 1:
             # A resume continues the epoch a checkpoint was taken in: the rank's current one,
             # the next, or an earlier one; never a far-off epoch nobody is in.
             raise RequestError(f"done (rows consumed before a resume) for epoch {epoch}, but rank {rank} is in "
                                f"epoch {current.epoch}", code=ErrorCode.BAD_EPOCH)
-        if done != _done_of(self.state.resumed.get(epoch)):
-            if self.state.epoch_started(epoch):
+        if done != _done_of(st.resumed.get(epoch)):
+            if st.epoch_started(epoch):
                 raise RequestError(f"epoch {epoch} already started with other rows consumed before the resume: "
                                    "every rank must load the same checkpoint", code=ErrorCode.RESUME_MISMATCH)
-            self._commit(U.EpochResumed(epoch, done))
-        ahead = self.state.prefetched.get(rank)
+            self._commit(U.ForJob(fingerprint, U.EpochResumed(epoch, done)))
+        ahead = st.prefetched.get(rank)
         if ahead is not None and (ahead.session, ahead.epoch) == (session, epoch):
             seq = ahead.seq  # the run workers started early: its pieces are this epoch's
         else:
-            seq = self.state.next_seq[session]
-        self._commit(U.EpochStarted(rank, epoch, session, seq))
-        consumed = self._current_acks(rank, seq, consumed)
+            seq = st.next_seq[session]
+        self._commit(U.ForJob(fingerprint, U.EpochStarted(rank, epoch, session, seq)))
+        consumed = self._current_acks(st, rank, seq, consumed)
         if consumed:  # a resumed client: what it consumed before is not produced again
-            self._commit(U.SplitsConsumed(rank, seq, consumed))
+            self._commit(U.ForJob(fingerprint, U.SplitsConsumed(rank, seq, consumed)))
         splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding)
-                  for p in self.state.epoch_splits(rank, epoch)]
+                  for p in st.epoch_splits(rank, epoch)]
         return M.Epoch(epoch=epoch, seq=seq, splits=splits)
 
-    def _check_done(self, done: list[M.DoneRange]) -> list:
+    def _check_done(self, st: JobState, done: list[M.DoneRange]) -> list:
         """Rows consumed before an elastic resume, disjoint and coalesced (adjacent ranges
         merged), as ``[[base split, lo, hi], ...]``. A checkpoint's consumed rows are
         prefixes of the epoch's splits, a few per base split: more ranges than that is not a
         checkpoint. (Their shape was checked at decode; here, whether they fit the job.)"""
-        splits = self.state.job.splits
+        splits = st.job.splits
         merged: list[list[int]] = []
         per_split: dict[int, int] = {}
         for base, lo, hi in sorted((d.base_split, d.lo, d.hi) for d in done):
@@ -607,43 +749,45 @@ class MasterService:
 
     def _on_client_heartbeat(self, m: M.ClientHeartbeat) -> Reply:
         session = m.session
-        rank = self._require_client(session)
-        acks = self._current_acks(rank, m.seq, _acks(m.acks))
+        fingerprint, st, rank = self._require_client(session)
+        acks = self._current_acks(st, rank, m.seq, _acks(m.acks))
         if acks:
-            self._commit(U.SplitsConsumed(rank, m.seq, acks))
+            self._commit(U.ForJob(fingerprint, U.SplitsConsumed(rank, m.seq, acks)))
         stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
-        self._commit(U.ClientHeartbeat(session, self.clock(), stats))
+        self._commit(U.ForJob(fingerprint, U.ClientHeartbeat(session, self.clock(), stats)))
         self.rates.update("c:" + session, self.clock(), stats)
         # Worker keys reach clients only here, over the authenticated control channel.
         workers = [M.WorkerAddr(wid, w.addr, w.key, w.arena)
-                   for wid in self.state.partitions.get(rank, []) for w in (self.state.workers[wid],)]
-        run = self.state.ranks.get(rank)
-        errors = self.state.errors_for(rank, run.epoch) if run is not None and run.seq == m.seq else []
+                   for wid in st.partitions.get(rank, []) for w in (st.workers[wid],)]
+        run = st.ranks.get(rank)
+        errors = st.errors_for(rank, run.epoch) if run is not None and run.seq == m.seq else []
         holders = []
-        if run is not None and run.seq == m.seq and self.state.job.spec.cycle is not None:
+        if run is not None and run.seq == m.seq and st.job.spec.cycle is not None:
             holders = [M.SplitHolder(sid, worker) for sid in sorted(run.in_flight)
                        if (worker := run.splits[sid].worker) is not None]
         return M.Membership(workers=workers, errors=[msgspec.convert(e, M.SplitError, from_attributes=True)
                                                      for e in errors], master=self.incarnation, holders=holders)
 
     def _on_finish_epoch(self, m: M.FinishEpoch) -> Reply:
-        rank = self._require_client(m.session)
-        current = self.state.ranks.get(rank)
+        fingerprint, st, rank = self._require_client(m.session)
+        current = st.ranks.get(rank)
         if current is None or current.seq != m.seq:
             raise RequestError(f"rank {rank} is not in epoch run {m.seq}", code=ErrorCode.BAD_EPOCH)
-        self._commit(U.EpochFinished(rank, m.seq))
+        self._commit(U.ForJob(fingerprint, U.EpochFinished(rank, m.seq)))
         return M.Ok()
 
     def _on_goodbye(self, m: M.Goodbye) -> Reply:
         """The client closed its loader: its session ends now, not after the client timeout."""
-        if m.session in self.state.clients:
-            self._commit(U.ClientLeft(m.session, "goodbye"))
+        fingerprint = self.fleet.session_job.get(m.session)
+        if fingerprint is not None:
+            self._commit(U.ForJob(fingerprint, U.ClientLeft(m.session, "goodbye")))
         return M.Ok()
 
-    def _current_acks(self, rank: int, seq: int, acks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def _current_acks(self, st: JobState, rank: int, seq: int,
+                      acks: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Acks for splits of the rank's current run; others are stale (a run changed under
         a heartbeat in flight) and are not journaled."""
-        current = self.state.ranks.get(rank)
+        current = st.ranks.get(rank)
         if current is None or current.seq != seq:
             return []
         return [a for a in acks if a[0] in current.splits]
@@ -660,7 +804,8 @@ class MasterService:
     def client_starved(self, client_id: str) -> Optional[float]:
         """Share of the window the client waited while no worker held a batch for it; None
         for a client that does not report it (older clients)."""
-        if "starved_s" not in self.state.client_stats.get(client_id, {}):
+        st = self.fleet.job_of(client_id)
+        if st is None or "starved_s" not in st.client_stats.get(client_id, {}):
             return None
         return min(1.0, self.rates.rate("c:" + client_id, "starved_s"))
 
@@ -668,50 +813,80 @@ class MasterService:
         """Share of the window the worker spent producing (reading, transforming, cutting);
         None for a worker that does not report ``busy_s``. What ``status`` shows as ``busy``
         and the autoscaler scales down on."""
-        worker = self.state.workers.get(worker_id)
+        worker = self.fleet.workers.get(worker_id)
         if worker is None or "busy_s" not in worker.stats:
             return None
         return min(1.0, self.rates.rate("w:" + worker_id, "busy_s"))
 
     def status(self, history: bool = False) -> dict:
-        """What ``remoteloader status --json`` prints; with ``history``, the run over time too."""
-        st, now = self.state, self.clock()
-        job = st.job
+        """What ``remoteloader status --json`` prints; with ``history``, the run over time too.
+        ``job`` and ``ranks`` are the oldest job's (a master of one job: its job); ``jobs``
+        lists every job, ``clients`` and ``errors`` hold every job's, each naming its job."""
+        jobs, now = self.fleet.jobs, self.clock()
+        first = next(iter(jobs.values()), self.fleet.registry)
+        job = first.job
         ranks = {}
-        for rank, re in sorted(st.ranks.items()):
+        for rank, re in sorted(first.ranks.items()):
             done = sum(1 for p in re.splits.values() if p.done)
             ranks[str(rank)] = {"epoch": re.epoch, "session": re.session, "seq": re.seq, "splits": len(re.splits), "done": done,
                                 "pending": len(re.pending), "finished": re.finished}
+        assigned = {wid: sum(len(st.workers[wid].assigned) for st in jobs.values()) for wid in self.fleet.workers}
         return {
             # Redacted: any key holder may ask for the status (and it ends up in logs and tickets).
             "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec.table.path),
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size,
-                                             "split_bytes": self.split_bytes},
+                                             "split_bytes": self.runtime[job.fingerprint].split_bytes},
+            "jobs": self._jobs_status(),
+            "max_jobs": self.config.max_jobs,
             # Per worker, from its last heartbeat: held_bytes / ahead_bytes / budget_bytes
             # (what it holds), and busy, its share of the rate window spent producing.
             "workers": [{"id": w.worker_id, "addr": w.addr, "pid": w.pid, **({"node": w.node} if w.node else {}),
                          "buffered": w.buffered,
-                         "assigned": len(w.assigned), "draining": w.draining,
+                         "assigned": assigned[w.worker_id], "draining": w.draining,
                          "last_seen_s": round(now - w.last_seen, 3),
                          **{k: v for k, v in w.stats.items() if k != "costs"},  # costs: the cache policy's input
                          "rows_per_s": round(self.rates.rate("w:" + w.worker_id, "rows"), 1),
                          "busy": round(self.worker_busy(w.worker_id) or 0.0, 4)}
-                        for w in sorted(st.workers.values(), key=lambda w: w.seq)],
-            "clients": [{"id": cid, "rank": rank, **({"node": st.rank_node[rank]} if st.rank_node.get(rank) else {}),
+                        for w in sorted(self.fleet.workers.values(), key=lambda w: w.seq)],
+            "clients": [{"id": cid, "rank": rank, **({"job": fp} if len(jobs) > 1 else {}),
+                         **({"node": st.rank_node[rank]} if st.rank_node.get(rank) else {}),
                          **st.client_stats.get(cid, {}),
                          "stall": round(self.client_stall(cid), 4),
                          "starved": round(self.client_starved(cid) or 0.0, 4),
                          "batches_per_s": round(self.rates.rate("c:" + cid, "batches"), 2)}
-                        for cid, rank in st.clients.items()],
+                        for fp, st in jobs.items() for cid, rank in st.clients.items()],
             "pending_workers": self.pending_workers(),
             "autoscaler": self.decision_log(),
-            # Where the block cache is, its counters, and the auto policy's decisions with their reasons.
-            "cache": self.cache.status(self.state, self.bound, self.rates.group_totals().get("w", {})),
+            # Where the block cache is, its counters, and the auto policy's decisions with their
+            # reasons (the policy runs for a master of one job).
+            "cache": self.cache.status(first, None if job is None else self.runtime[job.fingerprint].bound,
+                                       self.rates.group_totals().get("w", {})) if len(jobs) <= 1 else None,
             "ranks": ranks,
-            "errors": [dict(e, message=redact_text(e["message"])) for e in st.errors[-20:]],  # they name files
+            # They name files: redacted.
+            "errors": [dict(e, message=redact_text(e["message"]), **({"job": fp} if len(jobs) > 1 else {}))
+                       for fp, st in jobs.items() for e in st.errors[-20:]][-20 * max(1, len(jobs)):],
             **({"history": self.history.to_dict()} if history else {}),
         }
+
+    def _jobs_status(self) -> list[dict]:
+        """A line per job: its spec, world size, progress through its current epoch, what
+        its trainers consume (rows/s, and its share of all jobs' consumption), and its stall."""
+        rows = {fp: sum(self.rates.rate("c:" + cid, "rows") for cid in st.clients) for fp, st in self.fleet.jobs.items()}
+        total = sum(rows.values())
+        out = []
+        for fp, st in self.fleet.jobs.items():
+            runs = list(st.ranks.values())
+            splits = sum(len(r.splits) for r in runs)
+            done = sum(1 for r in runs for p in r.splits.values() if p.done)
+            out.append({"fingerprint": fp, "table": redact(st.job.spec.table.path),
+                        "world_size": st.job.world_size, "clients": len(st.clients),
+                        "epoch": max((r.epoch for r in runs), default=None),
+                        "progress": round(done / splits, 4) if splits else None,
+                        "rows_per_s": round(rows[fp], 1), "share": round(rows[fp] / total, 4) if total else None,
+                        "weight": st.job.spec.share_weight, "priority": st.job.spec.priority,
+                        "stall": round(max((self.client_stall(cid) for cid in st.clients), default=0.0), 4)})
+        return out
 
 
 # Which method answers each request. Checked at import against the protocol, so a

@@ -655,6 +655,6 @@ _APPLY: dict[type, Callable[[JobState, Any], None]] = {
     U.EpochFinished: JobState._on_EpochFinished,
     U.CachePlanChanged: JobState._on_CachePlanChanged,
 }
-_unhandled = set(U.UPDATE_TYPES.values()) - set(_APPLY)
+_unhandled = set(U.UPDATE_TYPES.values()) - set(_APPLY) - set(U.FLEET_ONLY)
 if _unhandled:
     raise ImportError(f"JobState.apply has no handler for {sorted(c.__name__ for c in _unhandled)}")

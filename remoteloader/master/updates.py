@@ -8,8 +8,12 @@ operation on the same types. Records marked ``TRANSIENT`` (liveness and metrics)
 applied but not journaled: after a restart the master learns them afresh from the next
 heartbeats.
 
-``Snapshot`` is the whole durable state as one versioned tree: the first and only record
-of a compacted journal (the one meaning of "snapshot" in the master).
+``Snapshot`` is the whole durable state of one job as one versioned tree; ``FleetSnapshot``
+the whole master's (its workers and every job's ``Snapshot``): the first and only record of
+a compacted journal (the one meaning of "snapshot" in the master). A master serves several
+jobs (issue 39): an update of one job travels as ``ForJob(job, update)``; workers' updates
+are the fleet's and reach every job. A journal written before (bare job updates, one
+``Snapshot``) replays as a master of that one job.
 """
 from __future__ import annotations
 
@@ -293,6 +297,48 @@ class EpochFinished(Update):
     seq: int
 
 
+# -- many jobs on one master (issue 39) ------------------------------------------------------
+# The updates of one job. Everything else (a start, workers' updates) concerns the whole fleet.
+JOB_UPDATES: tuple[type[Update], ...] = (
+    JobSubmitted, ClientJoined, ClientHeartbeat, ClientLeft, PartitionsChanged, EpochStarted, EpochResumed,
+    EpochPrefetched, SplitAssigned, SplitProduced, SplitsConsumed, SplitFailed, CachePlanChanged, EpochFinished,
+    SplitRevoked, Snapshot)
+JobUpdate = Union[JOB_UPDATES]  # type: ignore[valid-type]
+
+
+class ForJob(Update):
+    """``update`` of the job whose spec fingerprint is ``job``. A ``JobSubmitted`` of a
+    fingerprint the master does not hold starts that job (from the fleet's workers)."""
+    job: str
+    update: JobUpdate
+
+
+class JobEnded(Update):
+    """The job's last session left (goodbye or client timeout) and another job needed its
+    place: the job, its plan and its books go (its next loader binds the spec again)."""
+    job: str
+    reason: str
+
+
+# 1: the fleet's workers (a Snapshot without a job) and every job's Snapshot.
+FLEET_SNAPSHOT_VERSION = 1
+
+
+class FleetSnapshot(Update):
+    """The whole durable state of a master of several jobs: the first and only record of a
+    compacted journal. Refused whole (nothing applied) when of another version or not of one piece."""
+    version: int
+    workers: Snapshot  # the workers as the fleet knows them: what a new job starts from
+    jobs: list[Snapshot]
+
+
+def transient(update: Update) -> bool:
+    """Whether ``update`` is applied but not journaled (``TRANSIENT``, or a job's transient update)."""
+    return update.update.TRANSIENT if isinstance(update, ForJob) else update.TRANSIENT
+
+
+# Updates only the fleet interprets (a job's state never sees them).
+FLEET_ONLY: tuple[type[Update], ...] = (ForJob, JobEnded, FleetSnapshot)
 UPDATE_TYPES: dict[str, type[Update]] = {cls.__name__: cls for cls in Update.__subclasses__()}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Union[tuple(UPDATE_TYPES.values())])  # type: ignore[misc]

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 13  # 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 14  # 14: one master serves several jobs (issue 39): registered says how many, get_split avoids sessions (ranks of jobs share numbers), get_spec names the job whose spec a worker compiles, split_produced, split_failed and splits_released name their job, a worker's heartbeat the job of the split it produces; 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -339,6 +339,7 @@ class WorkerStats(Record, omit_defaults=True):
     ahead_bytes: Optional[Count] = None  # of those, splits of a next epoch read ahead
     budget_bytes: Optional[Count] = None  # its --buffer-bytes
     split: Optional[ProducingSplit] = None  # while producing
+    job: Optional[Id] = None  # the job (spec fingerprint) of that split
     io: Optional[IOCounters] = None
     discarded: Optional[Discarded] = None
     refused: Optional[Count] = None  # sealed credit refused (replayed, reordered, altered, out of bounds)
@@ -398,7 +399,9 @@ class Register(WorkerRequest, tag="register"):
 
 
 class GetSpec(WorkerRequest, tag="get_spec"):
-    """The job's spec and schema, to compile a pipeline."""
+    """A job's spec and schema, to compile a pipeline."""
+
+    fingerprint: Id = ""  # the job a split task named; "": the master's oldest job
 
 
 class WorkerNamed(WorkerRequest):
@@ -417,6 +420,8 @@ class GetSplit(WorkerNamed, tag="get_split"):
     """The next split to produce."""
 
     avoid_ranks: Annotated[list[Count], Meta(max_length=MAX_LIST)] = []  # their share of the buffer is full
+    # The same, by client session: to a master of several jobs, whose jobs' ranks share numbers.
+    avoid_sessions: Annotated[list[Id], Meta(max_length=MAX_LIST)] = []
     read_ahead: bool = True  # it has room for a split of a next epoch read ahead (within its --buffer-bytes)
 
 
@@ -425,6 +430,7 @@ class SplitsReleased(WorkerNamed, tag="splits_released"):
 
     splits: Annotated[list[SplitRef], Meta(max_length=MAX_RELEASED)]
     reason: Id  # a discard reason
+    job: Id = ""  # the splits' job's spec fingerprint (the split tasks'); "": the master's only job
 
 
 class SplitProduced(WorkerNamed, tag="split_produced"):
@@ -432,6 +438,7 @@ class SplitProduced(WorkerNamed, tag="split_produced"):
 
     epoch: Count
     split_id: Count
+    job: Id = ""  # its job's spec fingerprint (the split task's); "": the master's only job
 
 
 class SplitFailed(WorkerNamed, tag="split_failed"):
@@ -440,6 +447,7 @@ class SplitFailed(WorkerNamed, tag="split_failed"):
     epoch: Count
     split_id: Count
     error: Text  # names file, split and cause
+    job: Id = ""  # its job's spec fingerprint (the split task's); "": the master's only job
 
 
 class Drain(WorkerNamed, tag="drain"):
@@ -505,6 +513,7 @@ class Registered(MasterReply, tag="registered"):
     fingerprint: Id  # the master's job: another one than the worker's means fetch the spec again
     token: Id  # HMAC of the worker id: every request naming the worker carries it
     verify_key: Id  # the master's Ed25519 public key (hex): verifies client tokens
+    max_jobs: Count = 1  # jobs the master holds at once: above 1, split tasks may name any job (compile it)
 
 
 class Spec(MasterReply, tag="spec"):

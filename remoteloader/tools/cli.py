@@ -165,6 +165,11 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     job = status["job"]
     print(f"job: {job['fingerprint']} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)" if job else "job: none yet")
+    jobs = status.get("jobs", [])
+    if len(jobs) > 1:  # a shared fleet: a line per job
+        print(f"jobs: {len(jobs)} of at most {status.get('max_jobs', '?')}")
+        for j in jobs:
+            print(job_line(j))
     pending = status.get("pending_workers", 0)
     print(f"workers: {len(status['workers'])}" + (f" (+{pending} pending: launched, not started yet)" if pending else ""))
     for w in status["workers"]:
@@ -187,6 +192,18 @@ def _status(args: argparse.Namespace) -> int:
     for e in status["errors"]:
         print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
     return 0
+
+
+def job_line(j: dict) -> str:
+    """One job of a shared fleet in ``status``: who it is, how far, and what it gets."""
+    def pct(x: object) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    world = "idle" if j.get("world_size") is None else f"world size {j['world_size']}"
+    return (f"  job {j['fingerprint']} {j['table']}: {world}, {j.get('clients', 0)} clients, "
+            f"epoch {'-' if j.get('epoch') is None else j['epoch']} {pct(j.get('progress'))} done, "
+            f"{j.get('rows_per_s', 0):,.0f} rows/s (share {pct(j.get('share'))}, weight {j.get('weight', 1):g} "
+            f"{j.get('priority', 'normal')}), stall {j.get('stall', 0):.1%}")
 
 
 def worker_line(w: dict) -> str:

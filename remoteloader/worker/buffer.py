@@ -96,12 +96,14 @@ class PieceBuffer:
         self._count = 0
         self._hungry: frozenset = frozenset()  # sessions holding credit with nothing buffered
         self._discarded: Counter = Counter()  # reason -> pieces, cumulative
-        self._unreleased: dict[str, set[tuple[int, int]]] = {}  # reason -> (epoch, split id)s to hand back
+        # reason -> (epoch, split id[, job])s to hand back (the job when the run names one)
+        self._unreleased: dict[str, set[tuple]] = {}
         self._splits: dict[int, _HeldSplit] = {}  # id of a TransformedSplit -> what is held of it
         self._largest = 0  # bytes of the largest split seen (of this job): the next one's estimate
         # Deterministic order: a rank reads `cycle` splits at once, so its share holds at least
         # that many splits' pieces (bytes still bound what is held: a piece is a view of its split).
-        self.min_share = 0
+        # By session: a worker of a shared fleet holds runs of jobs in other orders too.
+        self.min_shares: dict[str, int] = {}
         self._warned_oversized = False
         self._cond = threading.Condition()
 
@@ -185,9 +187,17 @@ class PieceBuffer:
     def blocked_ranks(self) -> list[int]:
         """Ranks the producer should not take a split of now: silent, or at their share."""
         with self._cond:
-            held = self._held_sessions()
-            return sorted({state.rank for session, state in self._sessions.items() if state.rank is not None
-                           and (state.silent or (session in held and self._full_for(session)))})
+            return sorted({self._sessions.get(session).rank for session in self._blocked_sessions()})
+
+    def blocked_sessions(self) -> list[str]:
+        """The same by session (a master of several jobs: their ranks share numbers)."""
+        with self._cond:
+            return sorted(self._blocked_sessions())
+
+    def _blocked_sessions(self) -> set[str]:
+        held = self._held_sessions()
+        return {session for session, state in self._sessions.items() if state.rank is not None
+                and (state.silent or (session in held and self._full_for(session)))}
 
     # -- pusher side -------------------------------------------------------------------
     def credited(self, run: RunId) -> bool:
@@ -284,8 +294,9 @@ class PieceBuffer:
             self._warned_oversized = False
             self._cond.notify_all()
 
-    def take_released(self) -> dict[str, list[tuple[int, int]]]:
-        """Reason -> (epoch, split id)s of discarded pieces, for ``splits_released``."""
+    def take_released(self) -> dict[str, list[tuple]]:
+        """Reason -> (epoch, split id)s of discarded pieces, with their job when their run
+        names one (``(epoch, split id, job)``), for ``splits_released``."""
         with self._cond:
             released, self._unreleased = self._unreleased, {}
             return {reason: sorted(splits) for reason, splits in released.items()}
@@ -335,10 +346,11 @@ class PieceBuffer:
 
     def _drop_queue(self, run: RunId, reason: str) -> None:
         queue = self._queues.pop(run)
-        epoch = self._runs[run].epoch
+        epoch, job = self._runs[run].epoch, self._runs[run].job
         if queue:
             self._discarded[reason] += len(queue)
-            self._unreleased.setdefault(reason, set()).update((epoch, p.split_id) for p in queue)
+            self._unreleased.setdefault(reason, set()).update((epoch, p.split_id, *((job,) if job else ()))
+                                                              for p in queue)
             self._count -= len(queue)
             for piece in queue:
                 self._leave(piece)
@@ -353,12 +365,21 @@ class PieceBuffer:
     def _session_current(self, session: str) -> int:
         return sum(len(q) for r, q in self._queues.items() if r[0] == session and not self._sessions.is_ahead(r))
 
-    def _share(self) -> int:
+    def set_min_share(self, session: str, pieces: int) -> None:
+        """The least share of ``session`` (0: none): what its order needs held at once.
+        Entries of sessions the worker no longer knows go."""
+        with self._cond:
+            known = {s for s, _ in self._sessions.items()}
+            self.min_shares = {s: n for s, n in self.min_shares.items() if s in known and s != session}
+            if pieces:
+                self.min_shares[session] = pieces
+
+    def _share(self, session: str) -> int:
         """The capacity split evenly over the sessions heard from recently (at least one piece)."""
         cutoff = self._clock() - self.silent_after_s
         live = sum(1 for _, state in self._sessions.items()
                    if state.rank is not None and state.heard > cutoff and not state.silent)
-        return max(1, self.capacity // max(1, live), self.min_share)
+        return max(1, self.capacity // max(1, live), self.min_shares.get(session, 0))
 
     # Bytes: a handful of splits are held at a time, so these sums are short.
     def _hold(self, run: Run, piece: Piece) -> None:
@@ -403,9 +424,10 @@ class PieceBuffer:
 
     def _capacity(self) -> int:
         """The capacity, raised to every live rank's minimum share in deterministic order."""
-        if not self.min_share:
+        if not self.min_shares:
             return self.capacity
-        return max(self.capacity, self.min_share * max(1, len(self._held_sessions() | self._hungry)))
+        floor = sum(self.min_shares.get(s, 0) for s in self._held_sessions() | self._hungry)
+        return max(self.capacity, floor or max(self.min_shares.values()))
 
     def _room_for_pieces(self) -> bool:
         count, capacity = self._current_count(), self._capacity()
@@ -427,7 +449,7 @@ class PieceBuffer:
         return bool(starving) and need <= HARD_LIMIT * self.budget_bytes
 
     def _full_for(self, session: str) -> bool:
-        return self._session_current(session) >= self._share() or self._current_count() >= HARD_LIMIT * self._capacity()
+        return self._session_current(session) >= self._share(session) or self._current_count() >= HARD_LIMIT * self._capacity()
 
 
 def _enqueue(queue: deque, piece: Piece) -> None:

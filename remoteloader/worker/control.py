@@ -38,7 +38,8 @@ class Control:
         self.master_gone = False  # no master to say bye to
         self._drain_reported = False
         self._drain_deadline = float("inf")
-        self._unreported: dict[str, list[list[int]]] = {}  # reason -> released splits the master has not heard of
+        # (reason, job) -> released (epoch, split id)s the master has not heard of
+        self._unreported: dict[tuple[str, str], list[tuple[int, int]]] = {}
         self._rng = random.Random()  # jitter for heartbeat retries
         self._proc = psutil.Process()
         self._proc.cpu_percent()  # the first call primes the counter
@@ -127,7 +128,8 @@ class Control:
         stats = dict(self.stats.to_dict(), cpu=self._proc.cpu_percent() / 100.0, capacity=self.buffer.capacity,
                      ahead=self.buffer.ahead_count(), mem=float(self._proc.memory_info().rss), time=time.time(),
                      io=session.processor.io.to_dict(), discarded=self.buffer.discarded(), **self.buffer.byte_stats(),
-                     costs=[msgspec.to_builtins(session.processor.costs.to_record(session.fingerprint))])
+                     costs=[msgspec.to_builtins(processor.costs.to_record(fingerprint))
+                            for fingerprint, processor in session.pipelines.items()])
         mark = self.buffer.mark()
         try:
             reply = self.rpc.call(M.Heartbeat(worker_id=session.worker_id, token=session.token,
@@ -165,16 +167,17 @@ class Control:
         self.buffer.release_silent()  # sessions silent past --client-timeout: their pieces go back
         for reason, splits in self.buffer.take_released().items():
             log.warning("discarded pieces of %d splits (%s); handing them back", len(splits), reason)
-            self._unreported.setdefault(reason, []).extend(list(s) for s in splits)
-        for reason, splits in list(self._unreported.items()):
+            for epoch, split_id, *job in splits:  # one message names one job: grouped by (reason, job)
+                self._unreported.setdefault((reason, job[0] if job else ""), []).append((epoch, split_id))
+        for (reason, job), splits in list(self._unreported.items()):
             while splits:
                 chunk = splits[:RELEASE_CHUNK]
                 try:
                     self.rpc.call(M.SplitsReleased(worker_id=session.worker_id, token=session.token,
-                                                   splits=[M.SplitRef(*s) for s in chunk], reason=reason),
+                                                   splits=[M.SplitRef(*s) for s in chunk], reason=reason, job=job),
                                   timeout_s=min(self.rpc.timeout_s, 2.0))
                 except (MasterUnavailable, RemoteError) as e:
                     log.warning("splits_released: %s; retrying", e)
                     return
                 del splits[:len(chunk)]
-            del self._unreported[reason]
+            del self._unreported[(reason, job)]

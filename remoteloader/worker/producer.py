@@ -11,12 +11,13 @@ import zmq
 
 from ..core.allowlist import TableAllowlist
 from ..core.plan import pieces_of
-from ..core.processor import SplitError, SplitTask
+from ..core.processor import SplitError, SplitProcessor, SplitTask
+from ..spec import SpecError
 from ..protocol import messages as M
 from ..protocol.rpc import MasterUnavailable, RemoteError, RpcClient
 from .buffer import STORED, WRONG_JOB, Outcome, PieceBuffer
 from .faults import Faults
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, TableRefused
 from .runs import Run
 from .session import CurrentSession, SessionEnded, WorkerSession
 
@@ -36,19 +37,22 @@ class ProducerStats:
         self.rows = self.batches = self.splits = 0
         self.busy_s = 0.0
         self.producing: Optional[list[int]] = None  # [epoch, split_id, pieces produced]
+        self.producing_job = ""  # the job (spec fingerprint) of that split
 
     def to_dict(self) -> dict:
         stats = {"rows": self.rows, "batches": self.batches, "splits": self.splits, "busy_s": self.busy_s}
         producing = self.producing
         if producing is not None:
             stats["split"] = list(producing)
+            stats["job"] = self.producing_job
         return stats
 
 
 class Producer:
     def __init__(self, lifecycle: Lifecycle, current: CurrentSession, buffer: PieceBuffer, ctx: zmq.Context,
                  connect: Callable[[], RpcClient], allowlist: TableAllowlist, faults: Faults,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 compile: Optional[Callable[[M.Spec], SplitProcessor]] = None) -> None:
         self.lifecycle = lifecycle
         self.current = current
         self.buffer = buffer
@@ -58,6 +62,7 @@ class Producer:
         self.allowlist = allowlist
         self.faults = faults
         self.clock = clock  # what busy time is measured with
+        self.compile = compile  # a job's pipeline from get_spec's answer (Registrar.compile)
         self.stats = ProducerStats()
 
     def run(self) -> None:
@@ -77,7 +82,7 @@ class Producer:
                 task = self._next_task(rpc, session)
                 if task is None:
                     continue
-                if task.fingerprint != session.fingerprint:
+                if task.fingerprint != session.fingerprint and not session.shared:
                     log.warning("%s is for job %s, this worker's pipeline for %s", task.describe(),
                                 task.fingerprint, session.fingerprint)
                     self._release(rpc, session, task, WRONG_JOB)
@@ -87,7 +92,9 @@ class Producer:
                     self._report_failure(rpc, session, task, f"{task.describe()}: file {task.file.path!r} is "
                                                              "outside this worker's --allow-table prefixes")
                 else:
-                    self._process(rpc, session, task, notify)
+                    processor = self._pipeline(rpc, session, task)
+                    if processor is not None:
+                        self._process(rpc, session, task, notify, processor)
         finally:
             rpc.close()
             notify.close(linger=0)
@@ -96,8 +103,10 @@ class Producer:
         stop = self.lifecycle.stop
         ended = SessionEnded(stop, self.current, session)
         try:
+            # A shared fleet's master is told sessions: a rank blocked in one job is not in another.
             reply = rpc.call(M.GetSplit(worker_id=session.worker_id, token=session.token,
-                                        avoid_ranks=list(self.buffer.blocked_ranks()),
+                                        avoid_ranks=[] if session.shared else self.buffer.blocked_ranks(),
+                                        avoid_sessions=self.buffer.blocked_sessions() if session.shared else [],
                                         read_ahead=self.buffer.room_to_read_ahead()), stop=ended)
         except (MasterUnavailable, RemoteError) as e:  # an unknown worker: the control thread registers again
             if ended.is_set() and not stop.is_set():
@@ -113,16 +122,47 @@ class Producer:
         stop.wait(reply.retry_ms / 1000 if isinstance(reply, M.NoSplit) else 0.5)
         return None
 
-    def _process(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, notify: zmq.Socket) -> None:
+    def _pipeline(self, rpc: RpcClient, session: WorkerSession, task: SplitTask) -> Optional[SplitProcessor]:
+        """The pipeline of the task's job: the session's, or (a shared fleet) one compiled
+        before or now, from the master's get_spec for that job. A job this worker cannot
+        compile fails its split (the job's clients hear why; the other jobs go on); a master
+        that does not answer gets the split back."""
+        if task.fingerprint == session.fingerprint:
+            return session.processor
+        processor = session.pipelines.get(task.fingerprint)
+        if processor is not None:
+            return processor
+        try:
+            reply = rpc.call(M.GetSpec(fingerprint=task.fingerprint),
+                             stop=SessionEnded(self.lifecycle.stop, self.current, session))
+            if not isinstance(reply, M.Spec) or reply.fingerprint != task.fingerprint:
+                raise MasterUnavailable(f"get_spec of job {task.fingerprint} answered with {M.tag(reply)!r}")
+            processor = self.compile(reply)
+        except (MasterUnavailable, RemoteError) as e:
+            log.warning("%s: %s", task.describe(), e)
+            self._release(rpc, session, task, "no_pipeline")
+            return None
+        except (TableRefused, SpecError) as e:
+            self._report_failure(rpc, session, task, f"{task.describe()}: job {task.fingerprint}: {e}")
+            return None
+        log.info("compiled the pipeline of job %s", task.fingerprint)
+        if reply.split_bytes is not None:
+            self.buffer.expect_split_bytes(reply.split_bytes)
+        session.pipelines.put(task.fingerprint, processor)
+        return processor
+
+    def _process(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, notify: zmq.Socket,
+                 processor: SplitProcessor) -> None:
         run = Run.of(task)
         unwanted = self.buffer.admit(run)
         if unwanted is not None:
             self._release(rpc, session, task, unwanted)
             return
         self.stats.producing = [task.epoch, task.split_id, 0]
-        self._order_share(session, task)
+        self.stats.producing_job = task.fingerprint
+        self._order_share(processor, task)
         try:
-            outcome, failure = self._produce(session, task, run, notify)
+            outcome, failure = self._produce(session, task, run, notify, processor)
             if failure is not None:
                 self._report_failure(rpc, session, task, failure)
             elif outcome.dropped:
@@ -132,37 +172,38 @@ class Producer:
                 # Still reported as producing until the master knows it is produced, so a
                 # heartbeat in between never makes the split look abandoned.
                 self._call_quietly(rpc, M.SplitProduced(worker_id=session.worker_id, token=session.token,
-                                                        epoch=task.epoch, split_id=task.split_id))
+                                                        epoch=task.epoch, split_id=task.split_id,
+                                                        job=task.fingerprint))
         finally:
             self.stats.producing = None
 
-    def _order_share(self, session: WorkerSession, task: SplitTask) -> None:
+    def _order_share(self, processor: SplitProcessor, task: SplitTask) -> None:
         """A deterministic order reads `cycle` splits of a rank at once: the buffer holds that
         many of the job's largest splits for a rank (a split is whole stripes, so it may be
         far larger than split_rows), else the pieces a rank waits for could never be made."""
-        spec = session.processor.spec
+        spec = processor.spec
         if spec.cycle is None:
-            self.buffer.min_share = 0
+            self.buffer.set_min_share(task.session, 0)
             return
         pieces = max(pieces_of(spec.split_rows, spec.batch_size), pieces_of(task.row_hi - task.row_lo, spec.batch_size))
-        if self._largest_split[0] != session.fingerprint:
-            self._largest_split = (session.fingerprint, 0)
-        self._largest_split = (session.fingerprint, max(self._largest_split[1], pieces))
-        self.buffer.min_share = spec.cycle * self._largest_split[1]
+        if self._largest_split[0] != task.fingerprint:
+            self._largest_split = (task.fingerprint, 0)
+        self._largest_split = (task.fingerprint, max(self._largest_split[1], pieces))
+        self.buffer.set_min_share(task.session, spec.cycle * self._largest_split[1])
 
-    def _produce(self, session: WorkerSession, task: SplitTask, run: Run,
-                 notify: zmq.Socket) -> tuple[Outcome, Optional[str]]:
+    def _produce(self, session: WorkerSession, task: SplitTask, run: Run, notify: zmq.Socket,
+                 processor: Optional[SplitProcessor] = None) -> tuple[Outcome, Optional[str]]:
         """Put the split's pieces into the buffer: ``STORED`` once every one is in, else the
         outcome that ended it (``STOPPED``, or dropped), and the failure's message if it failed.
 
-        Busy time is counted here, piece by piece (heartbeats see it grow during a long
+        ``processor``: the task's job's pipeline (default: the session's). Busy time is counted here, piece by piece (heartbeats see it grow during a long
         split): from the start to the end of the split, less the time inside ``put``."""
         stats, stop, clock = self.stats, self.lifecycle.stop, self.clock
         split = None  # the transformed split, once its first piece is out
         outcome = STORED
         mark = clock()
         try:
-            for piece in session.processor.pieces(task):  # the first comes once the split is transformed
+            for piece in (processor or session.processor).pieces(task):  # the first comes once the split is transformed
                 self.faults.before_piece(stop)
                 split = piece.source
                 stats.busy_s += clock() - mark
@@ -189,12 +230,13 @@ class Producer:
 
     def _release(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, reason: str) -> None:
         self._call_quietly(rpc, M.SplitsReleased(worker_id=session.worker_id, token=session.token,
-                                                 splits=[M.SplitRef(task.epoch, task.split_id)], reason=reason))
+                                                 splits=[M.SplitRef(task.epoch, task.split_id)], reason=reason,
+                                                 job=task.fingerprint))
 
     def _report_failure(self, rpc: RpcClient, session: WorkerSession, task: SplitTask, message: str) -> None:
         log.error("%s", message)
         self._call_quietly(rpc, M.SplitFailed(worker_id=session.worker_id, token=session.token, epoch=task.epoch,
-                                              split_id=task.split_id, error=message[:8000]))
+                                              split_id=task.split_id, error=message[:8000], job=task.fingerprint))
 
     def _call_quietly(self, rpc: RpcClient, request: M.WorkerRequest) -> None:
         try:

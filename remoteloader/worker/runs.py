@@ -35,6 +35,7 @@ class Run:
     seq: int
     rank: int
     epoch: int
+    job: str = ""  # its job's spec fingerprint: what the worker names when it hands the split back
 
     @property
     def id(self) -> RunId:
@@ -42,16 +43,17 @@ class Run:
 
     @classmethod
     def of(cls, task: SplitTask) -> "Run":
-        return cls(task.session, task.seq, task.rank, task.epoch)
+        return cls(task.session, task.seq, task.rank, task.epoch, task.fingerprint)
 
 
 class SessionState:
     """What the worker knows of one client session."""
 
-    __slots__ = ("rank", "credited", "seen", "heard", "silent")
+    __slots__ = ("rank", "job", "credited", "seen", "heard", "silent")
 
     def __init__(self, seen: int, now: float) -> None:
         self.rank: Optional[int] = None  # known once a task of it arrives
+        self.job = ""  # its job's spec fingerprint, known with its rank
         self.credited = -1  # the newest seq its client granted credit for
         self.seen = seen  # generation (``Sessions.mark``) at which the worker first saw it
         self.heard = now  # its last credit (or its first piece): silence is measured from here
@@ -62,7 +64,8 @@ class Sessions:
     def __init__(self) -> None:
         self._live: dict[str, SessionState] = {}
         self._gone: OrderedDict[str, None] = OrderedDict()
-        self._rank_session: dict[int, str] = {}  # rank -> the session its newest task came for
+        # (job, rank) -> the session its newest task came for: a shared fleet's jobs have ranks of the same numbers
+        self._rank_session: dict[tuple[str, int], str] = {}
         self._generation = 0
 
     def get(self, session: str) -> Optional[SessionState]:
@@ -84,17 +87,17 @@ class Sessions:
         return state is not None and 0 <= state.credited < run[1]
 
     def admit(self, run: Run, now: float) -> list[str]:
-        """A task of ``run`` arrived: the sessions it retires (another session of its rank)."""
+        """A task of ``run`` arrived: the sessions it retires (another session of its rank in its job)."""
         state = self._state(run.session, now)
         if state is None:
             return []
-        state.rank = run.rank
+        state.rank, state.job = run.rank, run.job
         retired = []
-        previous = self._rank_session.get(run.rank)
+        previous = self._rank_session.get((run.job, run.rank))
         if previous is not None and previous != run.session:
             self.forget(previous)
             retired.append(previous)
-        self._rank_session[run.rank] = run.session
+        self._rank_session[run.job, run.rank] = run.session
         return retired
 
     def credit(self, run: RunId, now: float) -> bool:
@@ -126,8 +129,7 @@ class Sessions:
 
     def forget(self, session: str) -> None:
         state = self._live.pop(session, None)
-        if state is not None and state.rank is not None and self._rank_session.get(state.rank) == session:
-            del self._rank_session[state.rank]
+        self._unindex(session, state)
         self._gone[session] = None
         if len(self._gone) > MAX_SESSIONS:
             self._gone.popitem(last=False)  # sessions are never reused: the oldest matter least
@@ -135,9 +137,11 @@ class Sessions:
     def expire(self, idle: Collection[str]) -> None:
         """Drop what is known of sessions long silent with nothing held (bounds the table)."""
         for session in idle:
-            state = self._live.pop(session, None)
-            if state is not None and state.rank is not None and self._rank_session.get(state.rank) == session:
-                del self._rank_session[state.rank]
+            self._unindex(session, self._live.pop(session, None))
+
+    def _unindex(self, session: str, state: Optional[SessionState]) -> None:
+        if state is not None and state.rank is not None and self._rank_session.get((state.job, state.rank)) == session:
+            del self._rank_session[state.job, state.rank]
 
     def _state(self, session: str, now: float) -> Optional[SessionState]:
         state = self._live.get(session)

@@ -105,8 +105,6 @@ class Worker:
         # The transformed splits it holds stay within buffer_bytes (buffer.py).
         self.buffer = PieceBuffer(buffer_batches, silent_after_s=client_timeout_s, budget_bytes=buffer_bytes)
         self.faults = faults or Faults()
-        self.producer = Producer(self.lifecycle, self.current, self.buffer, self.ctx, self._connect, allowlist,
-                                 self.faults)
         # Which client connections proved (by the master's signature) the session they credit.
         tokens = SessionTokens()
         self.pusher = Pusher(self.data, self.ctx, self.buffer, CreditBook(client_timeout_s), self.lifecycle, tokens,
@@ -116,6 +114,8 @@ class Worker:
         registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex,
                               arena=self.arenas.path if self.arenas is not None else "",
                               cache=self.cache, node=node)
+        self.producer = Producer(self.lifecycle, self.current, self.buffer, self.ctx, self._connect, allowlist,
+                                 self.faults, compile=registrar.compile)
         self.control = Control(self.lifecycle, self.current, registrar, self.buffer, _StatsWithSeals(self),
                                self._connect(), drain_timeout_s, tokens)
 

@@ -19,10 +19,12 @@ from ..core.cache.job import JobCache
 from ..core.cache.store import BlockStore
 from ..core.cache.writer import BlockWriter
 from ..core.processor import SplitProcessor
+from ..formats import IOStats
 from ..protocol import messages as M
 from ..protocol.rpc import HandshakeRefused, MasterUnavailable, RemoteError, RpcClient
 from ..spec import DatasetSpec
 from .lifecycle import Lifecycle, TableRefused
+from .pipelines import Pipelines
 
 log = logging.getLogger(__name__)
 HANDSHAKE_RETRY_S = 5.0  # a worker whose handshake the master refuses tries again this often (the keys may be fixed)
@@ -36,6 +38,11 @@ class WorkerSession:
     fingerprint: str  # the job (spec fingerprint) the processor was compiled for
     processor: SplitProcessor
     heartbeat_interval: float
+    # A master of several jobs (registered.max_jobs > 1): splits of any of them are this
+    # worker's to produce, each with its job's pipeline from ``pipelines``. Else a split of
+    # another job means the master moved to it: the worker registers for that job.
+    shared: bool
+    pipelines: Pipelines
 
 
 class CurrentSession:
@@ -119,9 +126,12 @@ class Registrar:
 
     def __init__(self, addr: str, allowlist: TableAllowlist, coalesce_gap: int, lifecycle: Lifecycle,
                  register_timeout_s: Optional[float] = None, key: str = "",
-                 cache: Optional[tuple[BlockStore, BlockWriter]] = None, node: str = "", arena: str = "") -> None:
+                 cache: Optional[tuple[BlockStore, BlockWriter]] = None, node: str = "",
+                 pipelines: Optional[Pipelines] = None, arena: str = "") -> None:
         self.addr = addr
         self.arena = arena  # its arena socket (protocol/arena.py), for clients on this host
+        self.pipelines = pipelines if pipelines is not None else Pipelines()  # kept across registrations
+        self.io = IOStats()  # every pipeline's reads, one set of counters
         self.node = node  # where this worker runs (--node): the master gives it to that node's ranks first
         self.cache = cache  # the block cache (store, background writer), or None
         self.key = key  # this process's X25519 public key (hex), for clients' sealed frames
@@ -153,9 +163,11 @@ class Registrar:
                     self._leave(rpc, reply.worker_id, reply.token)
                     processor = None
                     continue
-                log.info("worker %s serving on %s (job %s)", reply.worker_id, self.addr, fingerprint)
+                log.info("worker %s serving on %s (job %s%s)", reply.worker_id, self.addr, fingerprint,
+                         f", one of up to {reply.max_jobs}" if reply.max_jobs > 1 else "")
+                self.pipelines.put(fingerprint, processor)
                 return WorkerSession(reply.worker_id, reply.token, reply.verify_key, fingerprint, processor,
-                                     reply.heartbeat_interval)
+                                     reply.heartbeat_interval, reply.max_jobs > 1, self.pipelines)
             except HandshakeRefused as e:  # its keys: said at once, retried slowly (the master may be restarted)
                 log.error("%s; retrying every %.0f s", e, HANDSHAKE_RETRY_S)
                 self.lifecycle.stop.wait(HANDSHAKE_RETRY_S)
@@ -176,15 +188,20 @@ class Registrar:
             raise MasterUnavailable(f"get_spec answered with {M.tag(reply)!r}")
         if previous is not None and reply.fingerprint == previous.fingerprint:
             return previous.processor, previous.fingerprint
+        return self.compile(reply), reply.fingerprint
+
+    def compile(self, reply: M.Spec) -> SplitProcessor:
+        """The pipeline of the job ``reply`` (get_spec's answer) describes. Raises TableRefused
+        for a table outside --allow-table, SpecError for a spec this worker cannot bind."""
         spec = DatasetSpec.from_dict(reply.spec)
         if not self.allowlist.allows(spec.table.path):
             raise TableRefused(f"the master's job reads table {spec.table.path!r}, outside this "
                                "worker's --allow-table prefixes; refusing to serve it")
         bound = bind_schema(spec, reply.schema)
         cache = None if self.cache is None else JobCache(*self.cache, bound)
-        processor = SplitProcessor(bound, self.coalesce_gap, cache)
+        processor = SplitProcessor(bound, self.coalesce_gap, cache, io=self.io)
         processor.warm_up()
-        return processor, reply.fingerprint
+        return processor
 
     def _leave(self, rpc: RpcClient, worker_id: str, token: str) -> None:
         """Undo a registration made with the wrong pipeline, so it never gets a split."""

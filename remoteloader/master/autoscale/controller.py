@@ -78,25 +78,26 @@ class Autoscaler:
             self.launcher.start(max(0, min(decision.count, room)))
         elif decision.action == "remove":
             for worker_id in decision.remove[: decision.count]:
-                if worker_id in self.service.state.workers:
+                if worker_id in self.service.fleet.workers:
                     self.service.drain(worker_id)
 
     def observation(self, now: float) -> Observation:
-        st, rates = self.service.state, self.service.rates
+        fleet, rates = self.service.fleet, self.service.rates
         # Only workers that report count: one that registered and never heartbeated (a
         # registration flood, or a worker dying at start) must not make the pool look full.
-        active = [w for w in st.workers.values() if not w.draining and w.stats]
+        active = [w for w in fleet.workers.values() if not w.draining and w.stats]
         # Pieces prefetched for a next epoch serve no trainer now: they do not make a buffer full.
         workers = tuple(WorkerSignal(w.worker_id, rates.rate("w:" + w.worker_id, "rows"),
                                      max(0, w.buffered - int(w.stats.get("ahead", 0))),
                                      int(w.stats.get("capacity", 1)), float(w.stats.get("cpu", 0.0)),
                                      self.service.worker_busy(w.worker_id))
                         for w in active)
+        # The trainers of every job: the fleet is sized for the sum of their demands.
         clients = tuple(ClientSignal(cid, self.service.client_stall(cid), rates.rate("c:" + cid, "batches"),
                                      self.service.client_starved(cid),
                                      rates.rate("c:" + cid, "rows") if "rows" in st.client_stats.get(cid, {}) else None)
-                        for cid in st.clients)
-        draining = sum(1 for w in st.workers.values() if w.draining)
+                        for st in fleet.jobs.values() for cid in st.clients)
+        draining = sum(1 for w in fleet.workers.values() if w.draining)
         pending = max(0, self.launcher.running() - len(active) - draining)
         return Observation(now, workers, clients, pending)
 
