@@ -84,6 +84,7 @@ class DatasetSpec:
     autoscale: Optional[dict] = None  # {min_workers, max_workers}: let the master size the worker pool
     cache: Optional[dict] = None  # {mode, expected_epochs}: the block cache (docs/cache.md); None: mode auto
     order: Optional[dict] = None  # {deterministic, cycle}: a rank's batch order as a pure function (guarantees.md)
+    mix_splits: int = 1  # K: every full batch draws its rows from K lanes of the rank's splits (core/schedule.py)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -143,6 +144,8 @@ class DatasetSpec:
             out["cache"] = dict(self.cache)
         if self.order is not None:
             out["order"] = dict(self.order)
+        if self.mix_splits != 1:  # absent at its default: a spec of before the key keeps its fingerprint
+            out["mix_splits"] = self.mix_splits
         return out
 
     @property
@@ -157,8 +160,18 @@ class DatasetSpec:
 
     @property
     def cycle(self) -> Optional[int]:
-        """The interleave cycle of a deterministic order; None: batches come in arrival order."""
+        """The interleave cycle of a deterministic order (without mixing: its lanes are the
+        schedule then); None: no cycle."""
+        if self.mix_splits > 1:
+            return None
         return self.order["cycle"] if self.order is not None and self.order["deterministic"] else None
+
+    @property
+    def splits_in_flight(self) -> Optional[int]:
+        """How many of a rank's splits its batches need at once: the ``mix_splits`` lanes when
+        batches mix splits, else a deterministic order's cycle; None: batches come in arrival
+        order, from one split at a time. Workers' shares and split sizes are planned for it."""
+        return self.mix_splits if self.mix_splits > 1 else self.cycle
 
     def fingerprint(self) -> str:
         """Identity of the job: two clients may share a master only with equal fingerprints."""
@@ -194,13 +207,14 @@ def spec_differences(mine: Any, theirs: Any, limit: int = 4, _path: str = "", _d
 
 # -- parsing ---------------------------------------------------------------------------
 _TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling", "on_error",
-             "autoscale", "cache", "order"}
+             "autoscale", "cache", "order", "mix_splits"}
 _AUTOSCALE_KEYS = {"min_workers", "max_workers"}
 _CACHE_KEYS = {"mode", "expected_epochs"}
 CACHE_MODES = ("auto", "off", "read", "write-all")
 _ORDER_KEYS = {"deterministic", "cycle"}
 DEFAULT_CYCLE = 4
 MAX_CYCLE = 1024
+MAX_MIX_SPLITS = 1024  # as many lanes as a cycle has splits: each is a split in flight per rank
 _TABLE_KEYS = {"path", "format", "partitions"}
 _FEATURE_GROUP_KEYS = {"label", "dense", "sparse", "passthrough"}
 _FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
@@ -303,6 +317,7 @@ def _parse(data: Any, base_dir: Path) -> DatasetSpec:
         autoscale=_parse_autoscale(top.get("autoscale")),
         cache=_parse_cache(top.get("cache")),
         order=_parse_order(top.get("order")),
+        mix_splits=_typed(top.get("mix_splits", 1), (int,), "mix_splits", "a positive integer"),
     )
     _check_batching(spec)
     return spec
@@ -319,6 +334,14 @@ def _check_batching(spec: DatasetSpec) -> None:
         raise SpecError(f"on_error: must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}")
     if spec.seed < 0 or spec.seed >= 2**63:
         raise SpecError(f"seed: must be in [0, 2**63), got {spec.seed}")
+    if not 1 <= spec.mix_splits <= MAX_MIX_SPLITS:
+        raise SpecError(f"mix_splits: {spec.mix_splits} is not between 1 and {MAX_MIX_SPLITS}")
+    if spec.mix_splits > spec.batch_size:
+        raise SpecError(f"mix_splits: {spec.mix_splits} lanes cannot each give a row to a batch of "
+                        f"batch_size {spec.batch_size}")
+    if spec.mix_splits > 1 and spec.order is not None and spec.order["cycle"] != DEFAULT_CYCLE:
+        raise SpecError(f"order.cycle: {spec.order['cycle']} is not used with mix_splits {spec.mix_splits} (its "
+                        "lanes are the schedule): leave order.cycle out")
 
 
 def _even_batches(value: Any) -> str:

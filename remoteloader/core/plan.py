@@ -77,6 +77,7 @@ class SplitTask:
     fingerprint: str = ""
     cache: Optional[CacheDirective] = None  # what the split does with the block cache; None: nothing
     order: Optional[list[int]] = None  # (cycle group, slot) in the rank's deterministic schedule; None: arrival order
+    lane: Optional[list[int]] = None  # mix_splits: (lane, offset, share) in the rank's lanes (core/schedule.py)
 
     def to_wire(self) -> SplitTaskRecord:
         """The task as ``get_split`` answers it: its file lists only the split's units (a
@@ -239,10 +240,10 @@ def cut_into_lanes(splits: Sequence[EpochSplit], world_size: int, batch_size: in
 
 def make_task(files: Sequence[DataFile], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0,
               session: str = "", seq: int = 0, fingerprint: str = "", cache: Optional[CacheDirective] = None,
-              order: Optional[tuple[int, int]] = None) -> SplitTask:
+              order: Optional[tuple[int, int]] = None, lane: Optional[tuple[int, int, int]] = None) -> SplitTask:
     """What a worker needs to produce one epoch split (for the run ``seq`` of client ``session``)."""
     return SplitTask(epoch=epoch, split_id=split.id, rank=split.rank, base=base.id, file=files[base.file],
                      first_unit=base.first_unit, stop_unit=base.stop_unit, raw_rows=base.raw_rows,
                      position=base.position, base_rows=base.rows, row_lo=split.row_lo, row_hi=split.row_hi,
                      skip=skip, session=session, seq=seq, fingerprint=fingerprint, cache=cache,
-                     order=None if order is None else list(order))
+                     order=None if order is None else list(order), lane=None if lane is None else list(lane))

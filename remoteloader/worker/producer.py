@@ -137,18 +137,19 @@ class Producer:
             self.stats.producing = None
 
     def _order_share(self, session: WorkerSession, task: SplitTask) -> None:
-        """A deterministic order reads `cycle` splits of a rank at once: the buffer holds that
-        many of the job's largest splits for a rank (a split is whole stripes, so it may be
-        far larger than split_rows), else the pieces a rank waits for could never be made."""
+        """A deterministic order reads `cycle` splits of a rank at once, mixed batches one split
+        of each of `mix_splits` lanes: the buffer holds that many of the job's largest splits
+        for a rank (a split is whole stripes, so it may be far larger than split_rows), else
+        the pieces a rank waits for could never be made."""
         spec = session.processor.spec
-        if spec.cycle is None:
+        if spec.splits_in_flight is None:
             self.buffer.min_share = 0
             return
         pieces = max(pieces_of(spec.split_rows, spec.batch_size), pieces_of(task.row_hi - task.row_lo, spec.batch_size))
         if self._largest_split[0] != session.fingerprint:
             self._largest_split = (session.fingerprint, 0)
         self._largest_split = (session.fingerprint, max(self._largest_split[1], pieces))
-        self.buffer.min_share = spec.cycle * self._largest_split[1]
+        self.buffer.min_share = spec.splits_in_flight * self._largest_split[1]
 
     def _produce(self, session: WorkerSession, task: SplitTask, run: Run,
                  notify: zmq.Socket) -> tuple[Outcome, Optional[str]]:
