@@ -17,6 +17,11 @@ the schedule waits (``waiting``) until every piece before it has been routed. Wh
 training loop has consumed is then always a prefix of the schedule, so the per-split
 state above identifies the position exactly, and a resumed run (the schedule less the
 consumed pieces, a partly used tail re-added at its place) yields the same batches.
+
+With ``mix_splits`` K > 1 (batches that mix splits), pieces are routed the same way, in the
+schedule of the rank's K lanes, each into its lane's queue (``Lanes``), and every batch is
+cut from all K queues in their shares: a piece serves about K batches, and the per-split
+state (whole pieces, rows of a partly used one) still says exactly what was consumed.
 """
 from __future__ import annotations
 
@@ -120,7 +125,7 @@ class Lanes:
     K row queues, one per lane, and each lane's share of a batch. A batch takes its share
     from every lane in lane order; a lane whose rows have all been received and that holds
     less than its share (only with a split skipped, ``on_error: skip``) gives what it holds,
-    and the lanes after it make up the rest. The proportions are the mechanism's input, so
+    and the other lanes, in order, make up the rest. The proportions are the mechanism's input, so
     sources other than a rank's lanes can be mixed the same way."""
 
     def __init__(self, shares: Sequence[int], coming: Sequence[int]) -> None:
