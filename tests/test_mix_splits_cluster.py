@@ -1,7 +1,7 @@
 """Batches that mix splits (spec ``mix_splits: 4``) through the loader: every rank's batch
 sequence is the same with 1, 2 and 4 workers (in-process clusters), through a worker
-SIGKILLed mid-epoch (real processes), through a state_dict() loaded into a new loader and a
-resume onto another world size, and from LocalDataset whatever its DataLoader workers;
+SIGKILLed mid-epoch (real processes), through a state_dict() loaded into a new loader (each
+rank's own part, and the job's position as DCP saves it) and a resume onto another world size, and from LocalDataset whatever its DataLoader workers;
 every row exactly once across 2 ranks, and every full batch holds rows of 4 splits."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from remoteloader import LocalDataset, RemoteDataLoader
-from remoteloader.client import local
+from remoteloader.client import local, resume
 from remoteloader.core.binding import bind
 from remoteloader.core.plan import plan_base_splits
 from remoteloader.spec import DatasetSpec
@@ -115,6 +115,16 @@ def test_a_state_dict_continues_the_same_sequence_and_a_resume_elsewhere_is_exac
     again = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
     for x in again:
         x.load_state_dict(parts)
+    rest = consume(again)
+    for x in again:
+        x.close()
+    assert [[digest(b) for b in f + r] for f, r in zip(first, rest)] == reference
+    # The job's position (what DCP saves under torch.distributed), on the same world size: in
+    # place, each rank's consumed rows named back in its own lanes' splits, the same sequence.
+    position = resume.job_position(resume.rank_parts(parts))
+    again = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
+    for x in again:
+        x.load_state_dict(position)
     rest = consume(again)
     for x in again:
         x.close()
