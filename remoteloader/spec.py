@@ -85,6 +85,7 @@ class DatasetSpec:
     cache: Optional[dict] = None  # {mode, expected_epochs}: the block cache (docs/cache.md); None: mode auto
     order: Optional[dict] = None  # {deterministic, cycle}: a rank's batch order as a pure function (guarantees.md)
     share: Optional[dict] = None  # {weight, priority}: this job's share of a shared fleet (docs/operations.md)
+    mix_splits: int = 1  # K: every full batch draws its rows from K lanes of the rank's splits (core/schedule.py)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -146,6 +147,8 @@ class DatasetSpec:
             out["order"] = dict(self.order)
         if self.share is not None:
             out["share"] = dict(self.share)
+        if self.mix_splits != 1:  # absent at its default: a spec of before the key keeps its fingerprint
+            out["mix_splits"] = self.mix_splits
         return out
 
     @property
@@ -170,8 +173,18 @@ class DatasetSpec:
 
     @property
     def cycle(self) -> Optional[int]:
-        """The interleave cycle of a deterministic order; None: batches come in arrival order."""
+        """The interleave cycle of a deterministic order (without mixing: its lanes are the
+        schedule then); None: no cycle."""
+        if self.mix_splits > 1:
+            return None
         return self.order["cycle"] if self.order is not None and self.order["deterministic"] else None
+
+    @property
+    def splits_in_flight(self) -> Optional[int]:
+        """How many of a rank's splits its batches need at once: the ``mix_splits`` lanes when
+        batches mix splits, else a deterministic order's cycle; None: batches come in arrival
+        order, from one split at a time. Workers' shares and split sizes are planned for it."""
+        return self.mix_splits if self.mix_splits > 1 else self.cycle
 
     def fingerprint(self) -> str:
         """Identity of the job: two clients may share a master only with equal fingerprints."""
@@ -207,7 +220,7 @@ def spec_differences(mine: Any, theirs: Any, limit: int = 4, _path: str = "", _d
 
 # -- parsing ---------------------------------------------------------------------------
 _TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling", "on_error",
-             "autoscale", "cache", "order", "share"}
+             "autoscale", "cache", "order", "share", "mix_splits"}
 _SHARE_KEYS = {"weight", "priority"}
 PRIORITIES = ("low", "normal", "high")
 MAX_SHARE_WEIGHT = 1000
@@ -217,6 +230,7 @@ CACHE_MODES = ("auto", "off", "read", "write-all")
 _ORDER_KEYS = {"deterministic", "cycle"}
 DEFAULT_CYCLE = 4
 MAX_CYCLE = 1024
+MAX_MIX_SPLITS = 1024  # as many lanes as a cycle has splits: each is a split in flight per rank
 _TABLE_KEYS = {"path", "format", "partitions"}
 _FEATURE_GROUP_KEYS = {"label", "dense", "sparse", "passthrough"}
 _FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
@@ -320,6 +334,7 @@ def _parse(data: Any, base_dir: Path) -> DatasetSpec:
         cache=_parse_cache(top.get("cache")),
         order=_parse_order(top.get("order")),
         share=_parse_share(top.get("share")),
+        mix_splits=_typed(top.get("mix_splits", 1), (int,), "mix_splits", "a positive integer"),
     )
     _check_batching(spec)
     return spec
@@ -336,6 +351,14 @@ def _check_batching(spec: DatasetSpec) -> None:
         raise SpecError(f"on_error: must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}")
     if spec.seed < 0 or spec.seed >= 2**63:
         raise SpecError(f"seed: must be in [0, 2**63), got {spec.seed}")
+    if not 1 <= spec.mix_splits <= MAX_MIX_SPLITS:
+        raise SpecError(f"mix_splits: {spec.mix_splits} is not between 1 and {MAX_MIX_SPLITS}")
+    if spec.mix_splits > spec.batch_size:
+        raise SpecError(f"mix_splits: {spec.mix_splits} lanes cannot each give a row to a batch of "
+                        f"batch_size {spec.batch_size}")
+    if spec.mix_splits > 1 and spec.order is not None and spec.order["cycle"] != DEFAULT_CYCLE:
+        raise SpecError(f"order.cycle: {spec.order['cycle']} is not used with mix_splits {spec.mix_splits} (its "
+                        "lanes are the schedule): leave order.cycle out")
 
 
 def _even_batches(value: Any) -> str:

@@ -17,16 +17,21 @@ the schedule waits (``waiting``) until every piece before it has been routed. Wh
 training loop has consumed is then always a prefix of the schedule, so the per-split
 state above identifies the position exactly, and a resumed run (the schedule less the
 consumed pieces, a partly used tail re-added at its place) yields the same batches.
+
+With ``mix_splits`` K > 1 (batches that mix splits), pieces are routed the same way, in the
+schedule of the rank's K lanes, each into its lane's queue (``Lanes``), and every batch is
+cut from all K queues in their shares: a piece serves about K batches, and the per-split
+state (whole pieces, rows of a partly used one) still says exactly what was consumed.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Callable, Collection, Optional, Sequence
 
 from .batch import Batch, concat_rows
 from ..core.plan import pieces_of
-from ..core.schedule import rank_schedule
+from ..core.schedule import lane_of, lane_rows, lane_schedule, proportional, rank_schedule
 
 
 @dataclass
@@ -86,18 +91,110 @@ class _Tail:
     start: int  # first row not yet used
 
 
+class RowQueue:
+    """Rows of received pieces waiting to be cut into batches, in the order they were routed:
+    tails (and partly consumed pieces) merged into full batches, or one lane's rows of mixed
+    batches. Rows leave from the front as (piece rows, where they end) with no copy."""
+
+    def __init__(self) -> None:
+        self._tails: deque[_Tail] = deque()
+        self.rows = 0
+
+    def push(self, split_id: int, piece: int, batch: Batch, start: int) -> None:
+        self._tails.append(_Tail(split_id, piece, batch, start))
+        self.rows += len(batch) - start
+
+    def take(self, rows: int, pieces: list, parts: list[Contribution]) -> None:
+        """Move the first ``rows`` rows into ``pieces`` (``(batch, start, stop)``) and ``parts``."""
+        self.rows -= rows
+        while rows:
+            tail = self._tails[0]
+            take = min(rows, len(tail.batch) - tail.start)
+            stop = tail.start + take
+            pieces.append((tail.batch, tail.start, stop))
+            parts.append(Contribution(tail.split_id, tail.piece, stop, stop == len(tail.batch)))
+            rows -= take
+            if stop == len(tail.batch):
+                self._tails.popleft()
+            else:
+                tail.start = stop
+
+
+class Lanes:
+    """Where a mixed batch's rows come from (spec ``mix_splits: K``, ``core/schedule.py``):
+    K row queues, one per lane, and each lane's share of a batch. A batch takes its share
+    from every lane in lane order; a lane whose rows have all been received and that holds
+    less than its share (only with a split skipped, ``on_error: skip``) gives what it holds,
+    and the other lanes, in order, make up the rest. The proportions are the mechanism's input, so
+    sources other than a rank's lanes can be mixed the same way."""
+
+    def __init__(self, shares: Sequence[int], coming: Sequence[int]) -> None:
+        """``coming``: the rows each lane is still to receive."""
+        self.shares = tuple(shares)
+        self.batch_size = sum(self.shares)
+        self.queues = [RowQueue() for _ in self.shares]
+        self.coming = list(coming)
+
+    @property
+    def rows(self) -> int:
+        return sum(q.rows for q in self.queues)
+
+    def push(self, lane: int, split_id: int, piece: int, batch: Batch, start: int) -> None:
+        self.queues[lane].push(split_id, piece, batch, start)
+        self.coming[lane] -= len(batch) - start
+
+    def forgo(self, lane: int, rows: int) -> None:
+        """``rows`` of the lane will never come (a skipped split)."""
+        self.coming[lane] -= rows
+
+    def full(self) -> bool:
+        """Whether the next full batch can be cut: every lane holds its share or all it will."""
+        return self.rows >= self.batch_size and all(
+            q.rows >= share or not coming for q, share, coming in zip(self.queues, self.shares, self.coming))
+
+    def cut(self) -> Ready:
+        """The next full batch: each lane's share (or what it holds), then what is missing from
+        the lanes in order."""
+        pieces: list = []
+        parts: list[Contribution] = []
+        short = self.batch_size
+        for q, share in zip(self.queues, self.shares):
+            n = min(share, q.rows)
+            if n:
+                q.take(n, pieces, parts)
+                short -= n
+        for q in self.queues:
+            n = min(short, q.rows)
+            if n:
+                q.take(n, pieces, parts)
+                short -= n
+        return Ready(pieces, parts)
+
+    def rest(self) -> Ready:
+        """Every row left, lane by lane: the epoch's short last batch."""
+        pieces: list = []
+        parts: list[Contribution] = []
+        for q in self.queues:
+            if q.rows:
+                q.take(q.rows, pieces, parts)
+        return Ready(pieces, parts)
+
+
 class EpochAssembler:
     def __init__(self, splits: list[tuple[int, int]], batch_size: int, drop_last: bool,
                  consumed: Optional[dict[int, tuple[int, int]]] = None, cycle: Optional[int] = None,
-                 padding: Collection[int] = ()) -> None:
+                 padding: Collection[int] = (), mix_splits: int = 1) -> None:
         """``splits``: (split id, rows) in plan order; ``padding``: the ids of padding splits;
-        ``cycle``: route in the deterministic schedule's order (None: in arrival order)."""
+        ``cycle``: route in the deterministic schedule's order (None: in arrival order);
+        ``mix_splits`` > 1: batches mix the rank's lanes, routed in their schedule's order
+        (``cycle`` is then unused)."""
         # Called with each batch as it joins the queue, so in the order the training loop takes
         # them (a stager copies them in that order: see staging.py).
         self.on_ready: Optional[Callable[[Ready], None]] = None
         self.batch_size = batch_size
         self.drop_last = drop_last
         self._splits, self._cycle, self._padding = list(splits), cycle, set(padding)
+        self._mix_splits = mix_splits
         self.dirty: set[int] = set()  # splits whose consumed count changed since the last ack
         self.reset({"consumed": [[sid, p, r] for sid, (p, r) in consumed.items()]} if consumed else None)
 
@@ -119,18 +216,40 @@ class EpochAssembler:
             c = self.cursors[sid]
             c.consumed_pieces, c.consumed_rows_in_piece, c.next_piece = pieces, rows_in_piece, pieces
             self.received_rows += min(c.rows, pieces * batch_size + rows_in_piece)
-        self._tails: deque[_Tail] = deque()
-        self._tail_rows = 0
+        self._tails = RowQueue()  # without lanes: tails waiting to be merged
+        self._lanes: Optional[Lanes] = None
+        self._lane: dict[int, int] = {}  # split id -> its lane
         self._ready: deque[Ready] = deque()
         self._final_emitted = False
         # Deterministic order: the schedule's pieces not yet routed, and those that arrived early.
         self._schedule: Optional[deque] = None
         self._waiting: dict[tuple[int, int], Batch] = {}
-        if self._cycle is not None:
+        if self._mix_splits > 1:
+            self._start_lanes()
+            order = lane_schedule(self._splits, batch_size, self._mix_splits)
+        elif self._cycle is not None:
             order = rank_schedule([(sid, rows, sid in self._padding) for sid, rows in self._splits], batch_size,
                                   self._cycle)
+        if self._mix_splits > 1 or self._cycle is not None:
             self._schedule = deque((sid, p) for sid, p in order if p >= self.cursors[sid].consumed_pieces)
 
+    def _start_lanes(self) -> None:
+        """Each split's lane, and what each lane is still to receive. Every lane has given the
+        same number of batches its share (consumption is a prefix of the schedule), so a
+        position of another plan or another mix_splits is refused here."""
+        batch_size, mix = self.batch_size, self._mix_splits
+        coming = list(lane_rows(self.expected_rows, batch_size, mix))
+        shares = proportional(batch_size, mix)
+        for (sid, _), (lane, _, _) in zip(self._splits, lane_of([rows for _, rows in self._splits], batch_size, mix)):
+            self._lane[sid] = lane
+            c = self.cursors[sid]
+            coming[lane] -= min(c.rows, c.consumed_pieces * batch_size + c.consumed_rows_in_piece)
+        used = [lane_total - left for lane_total, left in zip(lane_rows(self.expected_rows, batch_size, mix), coming)]
+        batches = {(u + share - 1) // share for u, share in zip(used, shares)}
+        if len(batches) > 1 and any(coming):
+            raise ValueError(f"the consumed rows per lane ({used}) are not whole batches' shares {shares} of "
+                             f"mix_splits {mix}: the position is not of this plan's lanes")
+        self._lanes = Lanes(shares, coming)
     # -- input ---------------------------------------------------------------------------
     def wants(self, split_id: int, piece: int) -> bool:
         c = self.cursors.get(split_id)
@@ -165,14 +284,22 @@ class EpochAssembler:
             self._route(split_id, piece, batch, c.consumed_rows_in_piece if piece == c.consumed_pieces else 0)
 
     def _route(self, split_id: int, piece: int, batch: Batch, start: int) -> None:
-        """A full piece is a batch of its own; a tail (or a partly consumed piece) waits to be merged."""
+        """A full piece is a batch of its own; a tail (or a partly consumed piece) waits to be
+        merged. With lanes, a piece joins its lane, and batches are cut once every lane has its share."""
+        if self._lanes is not None:
+            self._lanes.push(self._lane[split_id], split_id, piece, batch, start)
+            self._cut_mixed()
+            return
         if start == 0 and len(batch) == self.batch_size:
             self._queue(Ready([(batch, 0, len(batch))], [Contribution(split_id, piece, len(batch), True)]))
             return
-        self._tails.append(_Tail(split_id, piece, batch, start))
-        self._tail_rows += len(batch) - start
-        while self._tail_rows >= self.batch_size:
+        self._tails.push(split_id, piece, batch, start)
+        while self._tails.rows >= self.batch_size:
             self._queue(self._cut(self.batch_size))
+
+    def _cut_mixed(self) -> None:
+        while self._lanes.full():
+            self._queue(self._lanes.cut())
 
     def _queue(self, ready: Ready) -> None:
         self._ready.append(ready)
@@ -202,8 +329,12 @@ class EpochAssembler:
         c.skipped = True
         delivered = min(c.rows, c.next_piece * self.batch_size)
         self.expected_rows -= c.rows - delivered
+        if self._lanes is not None:
+            self._lanes.forgo(self._lane[split_id], c.rows - delivered)
         if self._schedule is not None:
             self._advance()
+        if self._lanes is not None:
+            self._cut_mixed()
 
     # -- output ---------------------------------------------------------------------------
     @property
@@ -213,9 +344,9 @@ class EpochAssembler:
     def next_ready(self) -> Optional[Ready]:
         if self._ready:
             return self._ready.popleft()
-        if self.complete and self._tail_rows and not self._final_emitted:
+        if self.complete and self._held_rows and not self._final_emitted:
             self._final_emitted = True
-            final = self._cut(self._tail_rows)
+            final = self._lanes.rest() if self._lanes is not None else self._cut(self._tails.rows)
             if not self.drop_last:
                 if self.on_ready is not None:
                     self.on_ready(final)
@@ -230,7 +361,12 @@ class EpochAssembler:
 
     @property
     def exhausted(self) -> bool:
-        return self.complete and not self._ready and not self._tail_rows and not self._waiting
+        return self.complete and not self._ready and not self._held_rows and not self._waiting
+
+    @property
+    def _held_rows(self) -> int:
+        """Rows received and routed, not yet cut into a batch."""
+        return self._lanes.rows if self._lanes is not None else self._tails.rows
 
     def consume(self, ready: Ready) -> None:
         """The training loop has this batch: advance the consumed cursors."""
@@ -243,19 +379,9 @@ class EpochAssembler:
             self.dirty.add(part.split_id)
 
     def _cut(self, rows: int) -> Ready:
-        pieces, parts = [], []
-        while rows:
-            tail = self._tails[0]
-            take = min(rows, len(tail.batch) - tail.start)
-            stop = tail.start + take
-            pieces.append((tail.batch, tail.start, stop))
-            parts.append(Contribution(tail.split_id, tail.piece, stop, stop == len(tail.batch)))
-            rows -= take
-            self._tail_rows -= take
-            if stop == len(tail.batch):
-                self._tails.popleft()
-            else:
-                tail.start = stop
+        pieces: list = []
+        parts: list[Contribution] = []
+        self._tails.take(rows, pieces, parts)
         return Ready(pieces, parts)
 
     # -- checkpoint and acks ----------------------------------------------------------------

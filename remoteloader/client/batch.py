@@ -357,14 +357,14 @@ def concat_rows(pieces: Sequence[tuple[Batch, int, int]], alloc: Optional[Alloc]
     dense, labels, values, lengths = next(it), next(it), next(it), next(it)
     weights = next(it) if kjt._weights is not None else None
     jagged.concat_into(plan, parts, lengths.numpy(), values.numpy(), None if weights is None else weights.numpy())
-    _rows_into(dense, [b.dense_features[start:stop] for b, start, stop in pieces])
-    _rows_into(labels, [b.labels[start:stop] for b, start, stop in pieces])
+    _rows_into(dense, [(b.dense_features, start, stop) for b, start, stop in pieces])
+    _rows_into(labels, [(b.labels, start, stop) for b, start, stop in pieces])
     passthrough = {}
     for name in first.passthrough:
-        passthrough[name] = _rows_into(next(it), [b.passthrough[name][start:stop] for b, start, stop in pieces])
+        passthrough[name] = _rows_into(next(it), [(b.passthrough[name], start, stop) for b, start, stop in pieces])
     row_weights = None
     if first.weights is not None:
-        row_weights = _rows_into(next(it), [b.weights[start:stop] for b, start, stop in pieces])
+        row_weights = _rows_into(next(it), [(b.weights, start, stop) for b, start, stop in pieces])
     padding = None
     if padded:
         padding = next(it)
@@ -397,12 +397,21 @@ def _copy_of(batch: Batch, alloc: Optional[Alloc]) -> Batch:
     return Batch(dense, sparse, labels, passthrough, row_weights, padding)
 
 
-def _rows_into(dst: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-    at = 0
-    for src in sources:
-        n = src.shape[0]
-        copy_tensor(dst[at:at + n], src)
-        at += n
+def _rows_into(dst: torch.Tensor, sources: Sequence[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+    """Rows ``[start, stop)`` of each source, one after another, into ``dst``: numpy views and
+    slices, since a mixed batch copies a slice of each of ``mix_splits`` pieces for every
+    tensor, and torch's slicing and ``numpy()`` per slice cost more than the copies."""
+    try:
+        out = dst.numpy()
+        at = 0
+        for src, start, stop in sources:
+            np.copyto(out[at:at + stop - start], src.numpy()[start:stop], casting="no")
+            at += stop - start
+    except (TypeError, RuntimeError):  # a dtype numpy lacks
+        at = 0
+        for src, start, stop in sources:
+            dst[at:at + stop - start].copy_(src[start:stop])
+            at += stop - start
     return dst
 
 

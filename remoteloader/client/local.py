@@ -31,7 +31,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..core.binding import BoundDataset, bind, bind_schema
-from ..core.plan import EpochSplit, make_task, plan_epoch, rank_shares
+from ..core.plan import EpochSplit, make_task, pieces_of, plan_epoch, rank_shares
+from ..core.schedule import lane_bounds, lane_schedule, proportional
 from ..core.cache.job import JobCache
 from ..core.cache.location import ENV_CACHE, allowed_caches, open_cache, user_cache_dir
 from ..core.cache.writer import BlockWriter
@@ -97,24 +98,35 @@ class LocalDataset(IterableDataset):
         shard, shards = (info.id, info.num_workers) if info is not None else (0, 1)
         spec, epoch = self.spec, self.epoch
         mine = [s for s in plan_epoch(self.base, epoch, spec.seed, spec.shuffle, self.world_size, spec.batch_size,
-                                      spec.drop_last, spec.even_batches) if s.rank == self.rank]
+                                      spec.drop_last, spec.even_batches, mix_splits=spec.mix_splits)
+                if s.rank == self.rank]
         rows = sum(s.rows for s in mine)
         batches = rows // spec.batch_size if spec.drop_last else -(-rows // spec.batch_size)
         first, stop = batches * shard // shards, batches * (shard + 1) // shards
-        plan = _rows_between(mine, first * spec.batch_size, min(stop * spec.batch_size, rows))
+        plan = _batches_between(mine, spec.batch_size, spec.mix_splits, first, stop)
         # One reader of the rank's whole plan yields the deterministic schedule's sequence (the
         # same as RemoteDataLoader's); several DataLoader workers each take a run of batches.
+        # Mixed batches are the lanes' schedule's in any case (the run's own lanes).
         assembler = EpochAssembler([(s.id, s.rows) for s in plan], spec.batch_size, spec.drop_last,
                                    cycle=spec.cycle if shards == 1 else None,
-                                   padding=[s.id for s in plan if s.padding])
+                                   padding=[s.id for s in plan if s.padding], mix_splits=spec.mix_splits)
         keys = self._bound.sparse_keys
+        by_id = {s.id: s for s in plan}
         try:
-            for split in plan:
-                task = make_task(self.files, self.base[split.base], split, epoch, cache=directive)
-                for piece in processor.pieces(task):
-                    batch = Batch.from_numpy(piece.arrays, keys, self._bound.pipeline.sparse_scored)
-                    assembler.add(piece.split_id, piece.index, batch.as_padding() if split.padding else batch)
-                    yield from self._drain(assembler)
+            # Splits are read in the order their pieces are needed: with lanes, one split of each
+            # lane at a time (as workers hold them), so no lane waits for another's whole split.
+            producing: dict[int, Iterator] = {}
+            for sid, _ in _piece_order(plan, spec.batch_size, spec.mix_splits):
+                split = by_id[sid]
+                if sid not in producing:
+                    task = make_task(self.files, self.base[split.base], split, epoch, cache=directive)
+                    producing[sid] = processor.pieces(task)
+                piece = next(producing[sid])  # a split's pieces come in order, as the schedule takes them
+                if piece.index == pieces_of(split.rows, spec.batch_size) - 1:
+                    del producing[sid]
+                batch = Batch.from_numpy(piece.arrays, keys, self._bound.pipeline.sparse_scored)
+                assembler.add(piece.split_id, piece.index, batch.as_padding() if split.padding else batch)
+                yield from self._drain(assembler)
             yield from self._drain(assembler)
         finally:
             if cache is not None:
@@ -143,6 +155,30 @@ def _directive(spec: DatasetSpec, features: Sequence[str]) -> Optional[CacheDire
     write = mode == "write-all" or (mode == "auto" and spec.expected_epochs > 1)
     return CacheDirective(features=list(features), sources=[], write_features=list(features) if write else [],
                           write_sources=[])
+
+
+def _piece_order(splits: Sequence[EpochSplit], batch_size: int, mix_splits: int) -> list[tuple[int, int]]:
+    """(split id, piece) of ``splits`` in the order the assembler routes them."""
+    if mix_splits > 1:
+        return lane_schedule([(s.id, s.rows) for s in splits], batch_size, mix_splits)
+    return [(s.id, i) for s in splits for i in range(pieces_of(s.rows, batch_size))]
+
+
+def _batches_between(splits: Sequence[EpochSplit], batch_size: int, mix_splits: int, first: int,
+                     stop: int) -> list[EpochSplit]:
+    """The rows of the rank's batches ``[first, stop)`` (``splits`` its plan): a run of its
+    row sequence, or with lanes, that run of every lane (batch b takes rows
+    ``[b * share, (b + 1) * share)`` of lane j, and the short last batch the lanes' rest). The
+    result's lanes are those runs, so its own mixed batches are the rank's."""
+    rows = sum(s.rows for s in splits)
+    if mix_splits == 1:
+        return _rows_between(splits, first * batch_size, min(stop * batch_size, rows))
+    bounds, full = lane_bounds(rows, batch_size, mix_splits), rows // batch_size
+    out: list[EpochSplit] = []
+    for j, share in enumerate(proportional(batch_size, mix_splits)):
+        hi = bounds[j + 1] if stop > full else bounds[j] + stop * share
+        out += _rows_between(splits, bounds[j] + first * share, hi)
+    return out
 
 
 def _rows_between(splits: Sequence[EpochSplit], lo: int, hi: int) -> list[EpochSplit]:

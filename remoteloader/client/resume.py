@@ -61,9 +61,24 @@ def spec_keys(spec: DatasetSpec) -> dict[str, str]:
 def part(spec: DatasetSpec, plan: str, rank: int, world_size: int, epoch: int, done: list,
          consumed: list, batches_yielded: int) -> dict:
     """One rank's position (see the module docstring for the fields)."""
-    return {"version": STATE_VERSION, "spec": spec_keys(spec), "plan": plan, "epoch": epoch, "done": done,
-            "rank": rank, "world_size": world_size, "batch_size": spec.batch_size, "consumed": consumed,
-            "batches_yielded": batches_yielded}
+    out = {"version": STATE_VERSION, "spec": spec_keys(spec), "plan": plan, "epoch": epoch, "done": done,
+           "rank": rank, "world_size": world_size, "batch_size": spec.batch_size, "consumed": consumed,
+           "batches_yielded": batches_yielded}
+    return _with_mix(out, spec.mix_splits)
+
+
+def _with_mix(position: dict, mix_splits: int) -> dict:
+    """``mix_splits`` is named only when batches mix splits: the lanes cut the epoch's
+    splits, so split ids and consumed prefixes are of that plan (a position of before
+    the key, and every K = 1 one, keeps its keys)."""
+    if mix_splits != 1:
+        position["mix_splits"] = mix_splits
+    return position
+
+
+def mix_of(position: Mapping) -> int:
+    """The ``mix_splits`` a position was saved with."""
+    return int(position.get("mix_splits", 1))
 
 
 def state_of(mine: dict, fingerprint: str) -> dict:
@@ -103,9 +118,11 @@ def job_position(parts: Mapping[int, Mapping]) -> dict:
     first = next(iter(parts.values()))
     for key in ("spec", "plan", "epoch", "world_size", "batch_size"):
         common(parts, key)
-    return {"version": STATE_VERSION, "spec": dict(first["spec"]), "plan": first["plan"],
-            "epoch": first["epoch"], "done": merged_done(parts), "world_size": first["world_size"],
-            "batch_size": first["batch_size"]}
+    if len({mix_of(p) for p in parts.values()}) != 1:
+        raise ValueError(f"the ranks' states disagree on 'mix_splits': {sorted({mix_of(p) for p in parts.values()})}")
+    return _with_mix({"version": STATE_VERSION, "spec": dict(first["spec"]), "plan": first["plan"],
+                      "epoch": first["epoch"], "done": merged_done(parts), "world_size": first["world_size"],
+                      "batch_size": first["batch_size"]}, mix_of(first))
 
 
 def common(parts: Mapping[int, Mapping], key: str) -> Any:
@@ -165,14 +182,17 @@ def resume_of(state: Any, spec: DatasetSpec, rank: int, world_size: int) -> Resu
         _checked(p, _PART_KEYS, f"the state of rank {p['rank']}", spec)
     old_world = common(parts, "world_size")
     same_batches = common(parts, "batch_size") == spec.batch_size
-    if old_world == world_size and rank in parts and same_batches:
+    # A part's split ids are of its plan, which the lanes of its mix_splits cut.
+    same_plan = all(mix_of(p) == spec.mix_splits for p in parts.values())
+    if old_world == world_size and rank in parts and same_batches and same_plan:
         mine = dict(parts[rank])
         consumed = {int(c[0]): (int(c[1]), int(c[2])) for c in mine["consumed"]}
         return Resume(int(mine["epoch"]), mine["plan"], mine["done"], consumed, mine)
     if sorted(parts) == list(range(old_world)):
         return _elastic(job_position(parts), spec, rank, world_size)
-    need = "its own part (same world size)" if same_batches else \
-        f"a batch_size of {spec.batch_size} instead of {common(parts, 'batch_size')}"
+    need = "its own part (same world size)" if same_batches and same_plan else \
+        f"a batch_size of {spec.batch_size} instead of {common(parts, 'batch_size')}" if not same_batches else \
+        f"mix_splits {spec.mix_splits} instead of {sorted({mix_of(p) for p in parts.values()})}"
     raise ValueError(f"state_dict holds ranks {sorted(parts)} of a {old_world}-rank job: rank {rank} of "
                      f"{world_size} needs {need} or all {old_world} parts")
 
@@ -181,8 +201,8 @@ def _elastic(position: Mapping, spec: DatasetSpec, rank: int, world_size: int) -
     """Resume by leaving out every row the old job consumed (any world size, any batch size);
     in deterministic order on the same world size and batch size, in place instead."""
     done = [[int(b), int(lo), int(hi)] for b, lo, hi in position["done"]]
-    in_place = (spec.cycle is not None and position.get("world_size") == world_size
-                and position.get("batch_size") == spec.batch_size)
+    in_place = (spec.splits_in_flight is not None and position.get("world_size") == world_size
+                and position.get("batch_size") == spec.batch_size and mix_of(position) == spec.mix_splits)
     mine = part(spec, position["plan"], rank, world_size, int(position["epoch"]), done, [], 0)
     # In place, the plan is the epoch's own: its rows consumed are named in this rank's
     # splits when the epoch starts (consumed_in).

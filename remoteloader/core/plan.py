@@ -24,6 +24,7 @@ import numpy as np
 
 from ..formats import DataFile, Unit
 from ..protocol.messages import CacheDirective, FileRecord, SplitTaskRecord, UnitRecord
+from .schedule import lane_bounds, pieces_of  # noqa: F401 (pieces_of: imported from here too)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class SplitTask:
     fingerprint: str = ""
     cache: Optional[CacheDirective] = None  # what the split does with the block cache; None: nothing
     order: Optional[list[int]] = None  # (cycle group, slot) in the rank's deterministic schedule; None: arrival order
+    lane: Optional[list[int]] = None  # mix_splits: (lane, offset, share) in the rank's lanes (core/schedule.py)
 
     def to_wire(self) -> SplitTaskRecord:
         """The task as ``get_split`` answers it: its file lists only the split's units (a
@@ -186,8 +188,9 @@ def remaining_rows(base: BaseSplit, done: Intervals) -> list[tuple[int, int]]:
 
 def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, world_size: int,
                batch_size: int = 1, drop_last: bool = False, even: str = "off",
-               done: Optional[Intervals] = None) -> list[EpochSplit]:
-    """Every rank's epoch splits; ``done`` leaves out rows consumed before a resume."""
+               done: Optional[Intervals] = None, mix_splits: int = 1) -> list[EpochSplit]:
+    """Every rank's epoch splits; ``done`` leaves out rows consumed before a resume;
+    ``mix_splits`` > 1 cuts each rank's splits at its lanes' boundaries (``cut_into_lanes``)."""
     order = epoch_rng(seed, epoch).permutation(len(base)) if shuffle else np.arange(len(base))
     ranges = [(int(i), lo, hi) for i in order for lo, hi in remaining_rows(base[int(i)], done or {})]
     shares = rank_shares(sum(hi - lo for _, lo, hi in ranges), world_size, batch_size, drop_last, even)
@@ -208,20 +211,39 @@ def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, 
         for r in range(world_size):
             if shares.padding[r]:
                 out.append(EpochSplit(len(out), r, b, lo, lo + 1, padding=True))
+    return out if mix_splits == 1 else cut_into_lanes(out, world_size, batch_size, mix_splits)
+
+
+def cut_into_lanes(splits: Sequence[EpochSplit], world_size: int, batch_size: int,
+                   lanes: int) -> list[EpochSplit]:
+    """The same rows with each rank's splits (in plan order, its padding last) cut where its
+    ``lanes`` lanes begin (``core.schedule.lane_bounds``), as a split is cut where a rank's
+    share begins: every split then lies in one lane. Ids are renumbered, rank by rank."""
+    by_rank: list[list[EpochSplit]] = [[] for _ in range(world_size)]
+    for s in splits:
+        by_rank[s.rank].append(s)
+    out: list[EpochSplit] = []
+    for mine in by_rank:
+        bounds = lane_bounds(sum(s.rows for s in mine), batch_size, lanes)[1:-1]
+        start = 0  # the split's first row in the rank's sequence
+        for s in mine:
+            lo = s.row_lo
+            for bound in bounds:
+                if start < bound < start + s.rows:  # a lane begins inside the split
+                    cut = s.row_lo + bound - start
+                    out.append(replace(s, id=len(out), row_lo=lo, row_hi=cut))
+                    lo = cut
+            out.append(replace(s, id=len(out), row_lo=lo))
+            start += s.rows
     return out
 
 
 def make_task(files: Sequence[DataFile], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0,
               session: str = "", seq: int = 0, fingerprint: str = "", cache: Optional[CacheDirective] = None,
-              order: Optional[tuple[int, int]] = None) -> SplitTask:
+              order: Optional[tuple[int, int]] = None, lane: Optional[tuple[int, int, int]] = None) -> SplitTask:
     """What a worker needs to produce one epoch split (for the run ``seq`` of client ``session``)."""
     return SplitTask(epoch=epoch, split_id=split.id, rank=split.rank, base=base.id, file=files[base.file],
                      first_unit=base.first_unit, stop_unit=base.stop_unit, raw_rows=base.raw_rows,
                      position=base.position, base_rows=base.rows, row_lo=split.row_lo, row_hi=split.row_hi,
                      skip=skip, session=session, seq=seq, fingerprint=fingerprint, cache=cache,
-                     order=None if order is None else list(order))
-
-
-def pieces_of(rows: int, batch_size: int) -> int:
-    """A split's rows travel as full batches plus one short tail piece."""
-    return -(-rows // batch_size)
+                     order=None if order is None else list(order), lane=None if lane is None else list(lane))

@@ -23,7 +23,7 @@ from ..transforms import FeatureOutput, sampling_keep, validate_sampling
 from .binding import BoundDataset
 from .cache.costs import CostMeter
 from .plan import SplitTask, epoch_rng, pieces_of
-from .schedule import piece_key
+from .schedule import OrderKey, lane_piece_key, piece_key
 
 if TYPE_CHECKING:
     from .cache.job import JobCache
@@ -77,7 +77,13 @@ class SplitProcessor:
         size = self.spec.batch_size
         for i in range(task.skip, pieces_of(task.row_hi - task.row_lo, size)):
             lo, hi = i * size, min((i + 1) * size, split.rows)
-            yield Piece(task.split_id, i, hi - lo, split, lo, hi, None if task.order is None else piece_key(task.order, i))
+            yield Piece(task.split_id, i, hi - lo, split, lo, hi, self._key(task, i))
+
+    def _key(self, task: SplitTask, piece: int) -> Optional[OrderKey]:
+        """The piece's key in its rank's schedule (lanes, or a deterministic cycle); None: none."""
+        if task.lane is not None:
+            return lane_piece_key(task.lane, piece, self.spec.batch_size)
+        return None if task.order is None else piece_key(task.order, piece)
 
     def transform(self, task: SplitTask) -> TransformedSplit:
         start = time.perf_counter()

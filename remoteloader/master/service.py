@@ -129,7 +129,8 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
         per_row = None
     base = plan_base_splits(files, spec.split_rows)
     # A deterministic order reads `cycle` splits of a rank at once: they must fit a worker together.
-    share = budget_bytes if spec.cycle is None else budget_bytes * 2 // (spec.cycle + 1)
+    # Mixed batches read `mix_splits` splits of a rank at once, one per lane: the same.
+    share = budget_bytes if spec.splits_in_flight is None else budget_bytes * 2 // (spec.splits_in_flight + 1)
     cap = split_rows_within(share, per_row) if per_row is not None else None
     if cap is not None and base and max(s.raw_rows for s in base) > cap:
         planned = max(s.raw_rows for s in base)
@@ -540,7 +541,8 @@ class MasterService:
         task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
                          seq=run.seq, fingerprint=job.fingerprint,
                          cache=self.cache.directive(st, self.runtime[fingerprint].bound),
-                         order=None if cycle is None else split_order(progress.position, cycle, s.padding))
+                         order=None if cycle is None else split_order(progress.position, cycle, s.padding),
+                         lane=progress.lane)
         return M.Split(split=task.to_wire())
 
     def _on_split_produced(self, m: M.SplitProduced) -> Reply:
@@ -730,6 +732,8 @@ class MasterService:
         prefixes of the epoch's splits, a few per base split: more ranges than that is not a
         checkpoint. (Their shape was checked at decode; here, whether they fit the job.)"""
         splits = st.job.splits
+        # A lane boundary cuts a base split as a rank boundary does (mix_splits): so many more.
+        most = MAX_DONE_RANGES * st.job.spec.mix_splits
         merged: list[list[int]] = []
         per_split: dict[int, int] = {}
         for base, lo, hi in sorted((d.base_split, d.lo, d.hi) for d in done):
@@ -741,8 +745,8 @@ class MasterService:
                 merged[-1][2] = hi
                 continue
             per_split[base] = per_split.get(base, 0) + 1
-            if per_split[base] > MAX_DONE_RANGES:
-                raise RequestError(f"done: more than {MAX_DONE_RANGES} row ranges in base split {base}: a "
+            if per_split[base] > most:
+                raise RequestError(f"done: more than {most} row ranges in base split {base}: a "
                                    "checkpoint's consumed rows are prefixes of the epoch's splits")
             merged.append([base, lo, hi])
         return merged
@@ -762,7 +766,7 @@ class MasterService:
         run = st.ranks.get(rank)
         errors = st.errors_for(rank, run.epoch) if run is not None and run.seq == m.seq else []
         holders = []
-        if run is not None and run.seq == m.seq and st.job.spec.cycle is not None:
+        if run is not None and run.seq == m.seq and st.job.spec.splits_in_flight is not None:
             holders = [M.SplitHolder(sid, worker) for sid in sorted(run.in_flight)
                        if (worker := run.splits[sid].worker) is not None]
         return M.Membership(workers=workers, errors=[msgspec.convert(e, M.SplitError, from_attributes=True)

@@ -22,6 +22,7 @@ from ..core.plan import (
     plan_epoch,
     rank_shares,
 )
+from ..core.schedule import lane_of, lane_piece_key
 from ..formats import DataFile
 from ..spec import DatasetSpec
 from . import updates as U
@@ -56,6 +57,7 @@ class SplitProgress:
     produced: bool = False
     failed: Optional[str] = None
     position: int = 0  # in its rank's plan: where it comes in a deterministic order
+    lane: Optional[tuple[int, int, int]] = None  # mix_splits: (lane, offset, share), ``core.schedule.lane_of``
 
     @property
     def done(self) -> bool:
@@ -398,8 +400,15 @@ class JobState:
         assert self.job is not None and self.job.world_size is not None
         batch_size = self.job.spec.batch_size
         mine = self._plan(epoch).by_rank.get(rank, [])
-        return RankEpoch(epoch, session, seq, {s.id: SplitProgress(s, pieces_of(s.rows, batch_size), position=i)
-                                               for i, s in enumerate(mine)}, deque(s.id for s in mine))
+        splits = {s.id: SplitProgress(s, pieces_of(s.rows, batch_size), position=i) for i, s in enumerate(mine)}
+        pending = deque(s.id for s in mine)
+        mix = self.job.spec.mix_splits
+        if mix > 1:  # lanes: splits go out in the order the batches first need them, K lanes at once
+            lanes = lane_of([s.rows for s in mine], batch_size, mix)
+            for s, lane in zip(mine, lanes):
+                splits[s.id].lane = lane
+            pending = deque(s.id for _, s in sorted(zip(lanes, mine), key=lambda x: lane_piece_key(x[0], 0, batch_size)))
+        return RankEpoch(epoch, session, seq, splits, pending)
 
     def _on_SplitAssigned(self, u: U.SplitAssigned) -> None:
         rank_epoch, progress = self._owner(u.epoch, u.split_id)
@@ -447,10 +456,15 @@ class JobState:
 
     def _requeue(self, which: Callable[[SplitProgress], bool], rank_epochs: Optional[list[RankEpoch]] = None) -> None:
         """Assigned, unfinished splits matching ``which`` (of ``rank_epochs``, default all)
-        go back to the front of their queues."""
+        go back to the front of their queues, in the order the rank needs them: plan order,
+        or with lanes the order their batches first need them in (one worker holds several
+        lanes' splits)."""
+        def need(p: SplitProgress) -> Any:
+            return p.split.id if p.lane is None else lane_piece_key(p.lane, 0, self.job.spec.batch_size)
+
         for rank_epoch in self._rank_epochs() if rank_epochs is None else rank_epochs:
             hit = [p for p in map(rank_epoch.splits.__getitem__, rank_epoch.in_flight) if which(p)]
-            for p in sorted(hit, key=lambda p: p.split.id, reverse=True):
+            for p in sorted(hit, key=need, reverse=True):
                 if p.worker in self.workers:
                     self.workers[p.worker].assigned.discard((rank_epoch.epoch, p.split.id))
                 p.worker, p.produced = None, False
@@ -462,7 +476,7 @@ class JobState:
             spec = self.job.spec
             self._plans[epoch] = EpochPlan(plan_epoch(
                 self.job.splits, epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
-                spec.drop_last, spec.even_batches, self.resumed.get(epoch)))
+                spec.drop_last, spec.even_batches, self.resumed.get(epoch), spec.mix_splits))
             oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
             if self._plan_floor is not None:
                 oldest = min(oldest, self._plan_floor)

@@ -178,18 +178,19 @@ class Producer:
             self.stats.producing = None
 
     def _order_share(self, processor: SplitProcessor, task: SplitTask) -> None:
-        """A deterministic order reads `cycle` splits of a rank at once: the buffer holds that
-        many of the job's largest splits for a rank (a split is whole stripes, so it may be
-        far larger than split_rows), else the pieces a rank waits for could never be made."""
+        """A deterministic order reads `cycle` splits of a rank at once, mixed batches one split
+        of each of `mix_splits` lanes: the buffer holds that many of the job's largest splits
+        for a rank (a split is whole stripes, so it may be far larger than split_rows), else
+        the pieces a rank waits for could never be made."""
         spec = processor.spec
-        if spec.cycle is None:
+        if spec.splits_in_flight is None:
             self.buffer.set_min_share(task.session, 0)
             return
         pieces = max(pieces_of(spec.split_rows, spec.batch_size), pieces_of(task.row_hi - task.row_lo, spec.batch_size))
         if self._largest_split[0] != task.fingerprint:
             self._largest_split = (task.fingerprint, 0)
         self._largest_split = (task.fingerprint, max(self._largest_split[1], pieces))
-        self.buffer.set_min_share(task.session, spec.cycle * self._largest_split[1])
+        self.buffer.set_min_share(task.session, spec.splits_in_flight * self._largest_split[1])
 
     def _produce(self, session: WorkerSession, task: SplitTask, run: Run, notify: zmq.Socket,
                  processor: Optional[SplitProcessor] = None) -> tuple[Outcome, Optional[str]]:
