@@ -8,6 +8,7 @@ import torch
 from remoteloader.client.assembly import EpochAssembler
 from remoteloader.client.batch import Batch, KeyedJaggedTensor
 from remoteloader.core.plan import pieces_of
+from tests.assembly_helpers import run
 
 
 def make_batch(row_ids):
@@ -29,23 +30,6 @@ def pieces_for(split_rows, batch_size):
             lo, hi = p * batch_size, min(rows, (p + 1) * batch_size)
             out.append((sid, p, make_batch(list(range(first + lo, first + hi)))))
         first += rows
-    return out
-
-
-def run(assembler, arrivals, stop_after=None):
-    """The batches the assembler yields from ``arrivals`` (the first ``stop_after`` of them, if given)."""
-    out = []
-    for sid, p, b in arrivals:
-        if assembler.wants(sid, p):
-            assembler.add(sid, p, b)
-        while (r := assembler.next_ready()) is not None:
-            assembler.consume(r)
-            out.append(r.batch)
-            if len(out) == stop_after:
-                return out
-    while (r := assembler.next_ready()) is not None:
-        assembler.consume(r)
-        out.append(r.batch)
     return out
 
 

@@ -24,7 +24,8 @@ from remoteloader.client.position import Position
 from remoteloader.client.stream import EpochStream, StreamConfig
 from remoteloader.spec import load_spec
 from tests.conftest import ROWS, spec_dict
-from tests.test_assembly import pieces_for, run
+from tests.assembly_helpers import run
+from tests.test_assembly import pieces_for
 from tests.test_pinning import FakePinning, assert_equal
 
 SPLITS = [13, 4, 9, 16, 7, 1, 11]  # rows per split; batches of 4: whole pieces and tails of every length

@@ -18,6 +18,7 @@ from remoteloader.core.schedule import lane_bounds, lane_of, lane_rows, lane_sch
 from remoteloader.spec import DatasetSpec, SpecError
 from tests.conftest import examples, spec_dict
 from tests.test_assembly import make_batch, pieces_for
+from tests.assembly_helpers import drain
 from tests.test_order_assembly import arrival_orders
 
 
@@ -30,17 +31,7 @@ def rank_plan(split_rows, batch_size, lanes):
 def assemble(split_rows, batch_size, lanes, arrivals, consumed=None, stop_after=None, drop_last=False):
     """Row ids of each batch, and the assembler's state when stopped (or at the end)."""
     a = EpochAssembler(list(enumerate(split_rows)), batch_size, drop_last, consumed=consumed, mix_splits=lanes)
-    out = []
-    for sid, p, b in arrivals:
-        if a.wants(sid, p):
-            a.add(sid, p, b)
-        while (r := a.next_ready()) is not None:
-            a.consume(r)
-            out.append(r.batch.passthrough["row_id"].tolist())
-            if stop_after is not None and len(out) == stop_after:
-                return out, a.get_state()
-    assert a.exhausted
-    return out, a.get_state()
+    return drain(a, arrivals, stop_after)
 
 
 def test_shares_and_lanes_are_exact():

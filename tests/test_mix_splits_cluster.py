@@ -111,24 +111,20 @@ def test_a_state_dict_continues_the_same_sequence_and_a_resume_elsewhere_is_exac
     parts = {k: v for x in loaders for k, v in x.state_dict().items()}
     for x in loaders:
         x.close()
+    def resumed_from(state: dict) -> list:
+        again = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
+        for x in again:
+            x.load_state_dict(state)
+        rest = consume(again)
+        for x in again:
+            x.close()
+        return [[digest(b) for b in f + r] for f, r in zip(first, rest)]
+
     # Each rank's own part, in a new loader: the same sequence goes on.
-    again = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
-    for x in again:
-        x.load_state_dict(parts)
-    rest = consume(again)
-    for x in again:
-        x.close()
-    assert [[digest(b) for b in f + r] for f, r in zip(first, rest)] == reference
+    assert resumed_from(parts) == reference
     # The job's position (what DCP saves under torch.distributed), on the same world size: in
     # place, each rank's consumed rows named back in its own lanes' splits, the same sequence.
-    position = resume.job_position(resume.rank_parts(parts))
-    again = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
-    for x in again:
-        x.load_state_dict(position)
-    rest = consume(again)
-    for x in again:
-        x.close()
-    assert [[digest(b) for b in f + r] for f, r in zip(first, rest)] == reference
+    assert resumed_from(resume.job_position(resume.rank_parts(parts))) == reference
     # Every old rank's part, on one rank: the rest of the epoch replanned into new lanes, each row once.
     loader = RemoteDataLoader(spec, master=master.addr, rank=0, world_size=1, timeout=90)
     loader.load_state_dict(parts)

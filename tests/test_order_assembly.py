@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from remoteloader.client.assembly import EpochAssembler
 from remoteloader.core.schedule import rank_schedule, split_order, piece_key
+from tests.assembly_helpers import drain
 from tests.test_assembly import pieces_for
 from tests.conftest import examples
 
@@ -19,17 +20,7 @@ BATCH = 4
 def sequence(split_rows, arrivals, cycle, padding=(), consumed=None, stop_after=None):
     """Row ids of each batch the assembler yields, and its consumed state when stopped."""
     a = EpochAssembler(list(enumerate(split_rows)), BATCH, False, consumed=consumed, cycle=cycle, padding=padding)
-    out = []
-    for sid, p, b in arrivals:
-        if a.wants(sid, p):
-            a.add(sid, p, b)
-        while (r := a.next_ready()) is not None:
-            a.consume(r)
-            out.append(r.batch.passthrough["row_id"].tolist())
-            if stop_after is not None and len(out) == stop_after:
-                return out, a.consumed_state()
-    assert a.exhausted
-    return out, a.consumed_state()
+    return drain(a, arrivals, stop_after, state=lambda a: a.consumed_state())
 
 
 def arrival_orders(pieces, rng, workers):
