@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 from ..protocol import messages as M
 from ..protocol.address import AddressError
 from ..protocol.arena import (ArenaError, MessageReader, check_arena_path, frame, layout, peer_credentials,
-                              same_network_namespace, tensor_bytes)
+                              same_network_namespace)
+from ..protocol.wire import tensor_bytes
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ import logging
 import time
 from typing import Optional
 
-import numpy as np
 import zmq
 
 from .. import jagged
@@ -277,7 +276,7 @@ class WorkerFetcher:
         try:
             if peer is None or header.gen is None or header.nonce is None:
                 raise SealError("bounds", "batch is not sealed")
-            sizes = [_declared_bytes(d) for d in header.tensors] if sizes is None else sizes
+            sizes = [wire.tensor_bytes(d) for d in header.tensors] if sizes is None else sizes
             return peer.opener.open(raw, header.gen, header.nonce, [_buffer(f) for f in frames], sizes)
         except SealError as e:
             self.refused += 1
@@ -331,14 +330,3 @@ def _sealed(credit: Credit, gen: int, nonce: int) -> Credit:
 
 def _buffer(frame) -> memoryview:
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
-
-
-def _declared_bytes(desc) -> int:
-    """The bytes a tensor descriptor declares (dims are bounded at decode: exact ints)."""
-    n = _ITEMSIZE[desc.dtype]
-    for d in desc.shape:
-        n *= d
-    return n
-
-
-_ITEMSIZE = {name: np.dtype(t).itemsize for name, t in wire.DTYPES.items()}

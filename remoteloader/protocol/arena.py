@@ -35,14 +35,13 @@ from typing import Optional, Sequence
 
 from . import wire
 from .address import AddressError, check_ipc_directory, ipc_path, is_ipc
-from .messages import ARENA_ALIGN, Message, TensorDesc
+from .messages import ARENA_ALIGN, Message
 
 ARENA_SUFFIX = ".arena"
 ENV_ARENA = "REMOTELOADER_ARENA"  # "off": a client never maps workers' arenas (diagnostics, benchmarks)
 MAX_ARENA_MESSAGE = 64 << 10
 PAGE = 4096  # regions start on page boundaries: no two batches share a page
 _LENGTH = struct.Struct("<I")
-_ITEMSIZE = {name: wire._NP_DTYPES[name].itemsize for name in wire.DTYPES}
 
 
 class ArenaError(Exception):
@@ -56,13 +55,6 @@ def arena_socket_path(data_addr: str) -> Optional[str]:
 
 def arenas_wanted() -> bool:
     return os.environ.get(ENV_ARENA, "").strip().lower() not in ("off", "0", "no", "false")
-
-
-def tensor_bytes(desc: TensorDesc) -> int:
-    n = _ITEMSIZE[desc.dtype]
-    for d in desc.shape:  # each bounded at decode: the product is exact
-        n *= d
-    return n
 
 
 def layout(sizes: Sequence[int]) -> tuple[list[int], int]:

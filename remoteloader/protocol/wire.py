@@ -22,7 +22,7 @@ from .messages import (DISCARD_REASONS, MASTER_REQUESTS, MAX_FRAME_BYTES, MAX_PI
                        MESSAGE_TYPES, AnyMessage, Message, TensorDesc, tag)
 
 __all__ = ["DISCARD_REASONS", "MASTER_REQUESTS", "PROTOCOL_VERSION", "ProtocolError", "encode", "decode",
-           "safe_decode", "pack_arrays", "unpack_arrays", "unpack_pieces"]
+           "safe_decode", "pack_arrays", "tensor_bytes", "unpack_arrays", "unpack_pieces"]
 
 MAX_HEADER_BYTES = 16 << 20  # a spec with a large map_id table still fits; nothing else comes close
 MAX_FRAMES = 64
@@ -100,6 +100,15 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[list[TensorDesc], lis
     return descs, frames
 
 
+def tensor_bytes(desc: TensorDesc) -> int:
+    """The bytes a tensor descriptor declares (its dims are bounded at decode: the product is
+    exact in Python ints)."""
+    n = _NP_DTYPES[desc.dtype].itemsize
+    for d in desc.shape:
+        n *= d
+    return n
+
+
 def unpack_arrays(descs: Sequence[TensorDesc], frames: Sequence[Any]) -> dict[str, np.ndarray]:
     """Arrays viewing the received frames' memory; the descriptors' types were checked at
     decode, each frame's size is checked here before it is trusted."""
@@ -110,10 +119,7 @@ def unpack_arrays(descs: Sequence[TensorDesc], frames: Sequence[Any]) -> dict[st
         name, shape = desc.name, desc.shape
         buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
         dt = _NP_DTYPES[desc.dtype]
-        elements = 1
-        for d in shape:  # each d is bounded above: the product is exact in Python ints
-            elements *= d
-        expected = elements * dt.itemsize
+        expected = tensor_bytes(desc)
         if buf.nbytes != expected:
             raise ProtocolError(f"tensor {name!r}: frame has {buf.nbytes} bytes, shape {shape} {desc.dtype} needs {expected}")
         out[name] = np.frombuffer(buf, dtype=dt).reshape(shape) if expected else np.zeros(shape, dtype=dt)
