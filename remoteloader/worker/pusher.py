@@ -72,8 +72,8 @@ class Pusher:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, arenas: Optional[ArenaServer] = None) -> None:
         """``max_message_bytes``: the most bytes of pieces one data message carries (a single
         piece larger than that still goes, alone); never above ``wire.MAX_FRAME_BYTES``.
-        ``arenas``: the arena socket (one host, no keys): batches for a client that maps one
-        of its arenas are written there, and only their headers sent."""
+        ``arenas``: the arena socket (clients on this host): batches for a client that maps
+        one of its arenas are written there, and only their headers sent."""
         self.data = data
         self.arenas = arenas
         self._arena_of: dict[bytes, str] = {}  # client connection -> the arena its last credit named
@@ -140,10 +140,13 @@ class Pusher:
         # is ignored; credit for a run with no task here yet is kept: the task may come.
         if self.buffer.credited(run):
             self.credit.grant(run, identity, grant.pieces, grant.bytes)
-        if grant.arena is not None and self.arenas is not None:
-            self._arena_of[identity] = grant.arena
-            if len(self._arena_of) > 4 * MAX_SESSIONS:  # connections of clients long gone
-                self._arena_of.pop(next(iter(self._arena_of)))
+        if self.arenas is not None:
+            if grant.arena is None:  # the client no longer names one: frames from now on
+                self._arena_of.pop(identity, None)
+            else:
+                self._arena_of[identity] = grant.arena
+                if len(self._arena_of) > 4 * MAX_SESSIONS:  # connections of clients long gone
+                    self._arena_of.pop(next(iter(self._arena_of)))
 
     def push(self) -> None:
         """Push pieces to clients holding credit for their run: as many as the credit
