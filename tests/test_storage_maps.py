@@ -15,6 +15,7 @@ from remoteloader.formats import maps
 from remoteloader.storage import flatten_table
 from remoteloader.storage import flatten as flatten_module
 from remoteloader.storage import orc_stripes
+from tests.test_storage_reorder import RecordingBar
 
 GEN = dict(rows=3000, partitions=2, dense=4, sparse=5, scored=2, seed=9, stripe_rows=500, row_group_rows=500,
            progress=False)
@@ -218,26 +219,11 @@ def test_flatten_progress_advances_per_stripe(tables, tmp_path, monkeypatch):
     """Each bar moves once per stripe / row group: keys scanned per source unit, then per
     file each output unit as it is written and each written unit as it is verified."""
     _, _, map_table, _ = tables
-    bars: list[list[int]] = []
-
-    class Bar:
-        def __init__(self, total: int, desc: str, enabled: bool):
-            self.total, self.updates = total, []
-            bars.append(self.updates)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def update(self, n: int) -> None:
-            self.updates.append(n)
-
-    monkeypatch.setattr(flatten_module, "progress_bar", Bar)
+    recorded: list[RecordingBar] = []
+    monkeypatch.setattr(flatten_module, "progress_bar", lambda *a: RecordingBar(recorded, *a))
     flatten_table(str(map_table), str(tmp_path / "kept"))  # 2 files of 3 units of 500 rows
     flatten_table(str(map_table), str(tmp_path / "big"), stripe_rows=1000)  # 1000 + 500 rows a file
-    assert bars == [[500] * 6, [500] * 3 * 2 * 2, [500] * 6, [1000, 500] * 2 * 2]
+    assert [bar.updates for bar in recorded] == [[500] * 6, [500] * 3 * 2 * 2, [500] * 6, [1000, 500] * 2 * 2]
 
 
 def test_flatten_encodes_each_row_once_in_bounded_batches(tables, tmp_path, orc_encoders):
