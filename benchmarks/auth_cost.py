@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,21 @@ def reap(pids: list[int], timeout: float = 10.0) -> None:
 
 def descendants() -> list[int]:
     return [c.pid for c in psutil.Process().children(recursive=True)]
+
+
+@contextlib.contextmanager
+def run_directory(prefix: str) -> Iterator[Path]:
+    """A scratch directory for one benchmark run. On the way out, also on errors, every
+    process the run started is stopped by pid and the directory removed; after a run that
+    succeeded, a process still left is an error."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    finally:
+        reap(descendants())
+        shutil.rmtree(tmp, ignore_errors=True)
+    left = descendants()
+    assert not left, f"processes left running: {left}"
 
 
 @contextlib.contextmanager

@@ -36,17 +36,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.auth_cost import descendants, reap, tcp_master
+from benchmarks.auth_cost import run_directory, tcp_master
 from benchmarks.client_cpu import COLUMNS, SHORT, dlrm_spec, dlrm_table, job_arguments, memcpy_baseline
 from benchmarks.pinning import mock_pinning
 from benchmarks.socket_floor import receive_cost
@@ -100,9 +98,8 @@ def main() -> None:
     results: dict[tuple[str, bool, str], list[dict]] = {v: [] for v in variants}
     copies = [memcpy_baseline()]
     floors = {kind: [receive_cost(kind)] for kind in ("unix", "tcp")}
-    tmp = Path(tempfile.mkdtemp(prefix="rl-ingest-"))
     start = time.perf_counter()
-    try:
+    with run_directory("rl-ingest-") as tmp:
         dlrm_table(tmp / "t", args.rows, args.dense, args.sparse)
         for i in range(args.rounds):
             for cap, pin, arenas in variants[i % len(variants):] + variants[:i % len(variants)]:
@@ -115,11 +112,6 @@ def main() -> None:
                       f"client {r['cpu_s_gb']:.3f} CPU s/GB ({r['cores']:.2f} cores), {r['faults_gb']:,.0f} faults/GB; "
                       + ", ".join(f"{SHORT[g]} {r['threads_s_gb'][g]:.3f}" for g in COLUMNS),
                       file=sys.stderr, flush=True)
-    finally:
-        reap(descendants())
-        shutil.rmtree(tmp, ignore_errors=True)
-    left = descendants()
-    assert not left, f"processes left running: {left}"
     copies.append(memcpy_baseline())
     for kind in floors:
         floors[kind].append(receive_cost(kind))

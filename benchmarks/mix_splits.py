@@ -28,16 +28,14 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.auth_cost import descendants, job_spec, reap
+from benchmarks.auth_cost import job_spec, run_directory
 from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table
 from remoteloader import RemoteDataLoader
 from remoteloader.client import assembly
@@ -171,9 +169,8 @@ def main() -> None:
         args.rows, args.copies, args.rounds, args.epochs = 600_000, 2, 2, 1
     os.environ.setdefault("REMOTELOADER_QUIET", "1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the finally blocks stop the children
-    tmp = Path(tempfile.mkdtemp(prefix="rl-mix-"))
     start = time.perf_counter()
-    try:
+    with run_directory("rl-mix-") as tmp:
         table = make_table(tmp, args.rows, args.copies, SPLIT_ROWS)
         spec = DatasetSpec.from_dict(mix_spec(table, 1))
         files = bind(spec).files
@@ -190,11 +187,6 @@ def main() -> None:
                       f"{r.cpu_us_per_batch:.0f} us a batch, splits a "
                       f"batch {statistics.median(r.splits):g}, partitions {statistics.median(r.partitions):g}",
                       file=sys.stderr, flush=True)
-    finally:
-        reap(descendants())
-        shutil.rmtree(tmp, ignore_errors=True)
-    left = descendants()
-    assert not left, f"processes left running: {left}"
     passed = report(cases, args, time.perf_counter() - start)
     print("PASS" if passed else "FAIL")
 

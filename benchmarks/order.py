@@ -53,18 +53,16 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from benchmarks.auth_cost import descendants, job_spec, reap, tcp_master
+from benchmarks.auth_cost import job_spec, reap, run_directory, tcp_master
 from remoteloader import RemoteDataLoader
 from remoteloader.tools.datagen import generate_table
 
@@ -312,17 +310,11 @@ def main() -> None:
     os.environ.setdefault("REMOTELOADER_QUIET", "1")
     # SIGTERM (a timeout, a kill by pid) unwinds like Ctrl-C, so the finally blocks stop the children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    tmp = Path(tempfile.mkdtemp(prefix="rl-order-"))
     start = time.perf_counter()
-    try:
+    with run_directory("rl-order-") as tmp:
         table = make_table(tmp, args.rows, args.copies, args.stripe_rows)
         delay = calibrate(table, args.workers)
         cases = rounds(table, args, delay, args.rows // args.copies * args.copies * args.epochs)
-    finally:
-        reap(descendants())
-        shutil.rmtree(tmp, ignore_errors=True)
-    left = descendants()
-    assert not left, f"processes left running: {left}"
     passed = report(cases, args, delay, time.perf_counter() - start)
     print("PASS" if passed else "FAIL")
 

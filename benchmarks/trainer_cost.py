@@ -46,18 +46,16 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from benchmarks.auth_cost import curve_data_env, descendants, reap, tcp_master
+from benchmarks.auth_cost import curve_data_env, run_directory, tcp_master
 from benchmarks.client_cpu import (COLUMNS, SHORT, ThreadCpu, batch_nbytes, collapse, dlrm_spec, dlrm_table,
                                    job_arguments,
                                    memcpy_baseline)
@@ -137,11 +135,10 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if args.pin and not cuda:
         mock_pinning()
-    tmp = Path(tempfile.mkdtemp(prefix="rl-trainer-"))
     results: dict[str, list[dict]] = {m: [] for m in modes}
     copies = [memcpy_baseline()]
     start = time.perf_counter()
-    try:
+    with run_directory("rl-trainer-") as tmp:
         dlrm_table(tmp / "t", args.rows, args.dense, args.sparse)
         keys = str(auth.keygen(tmp / "keys"))
         caches = {"plain": tmp / "cache-plain", "keys": tmp / "cache-keys"}
@@ -156,11 +153,6 @@ def main() -> None:
                 print(f"# round {i + 1} {mode:>10}: {r['rows_s']:>9,.0f} rows/s, client {r['cpu']:.2f} CPU s "
                       f"({r['cores']:.2f} cores) for {r['bytes'] / 1e9:.3f} GB = {r['cpu_s_gb']:.3f} s/GB "
                       f"({per}); {r['faults_gb']:,.0f} faults/GB", file=sys.stderr, flush=True)
-    finally:
-        reap(descendants())
-        shutil.rmtree(tmp, ignore_errors=True)
-    left = descendants()
-    assert not left, f"processes left running: {left}"
     copies.append(memcpy_baseline())
     report(args, modes, results, copies, cuda, time.perf_counter() - start)
 
