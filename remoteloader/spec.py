@@ -56,6 +56,9 @@ class TableSpec:
     path: str
     format: Optional[str] = None
     partitions: Optional[tuple[str, ...]] = None
+    # {every: seconds between re-listings, until: the last partition read, or None}: the job
+    # follows its growing table (master/follow.py, docs/spec.md "Following a growing table").
+    follow: Optional[dict] = None
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"path": self.path}
@@ -63,6 +66,8 @@ class TableSpec:
             out["format"] = self.format
         if self.partitions is not None:
             out["partitions"] = list(self.partitions)
+        if self.follow is not None:  # absent when not following: a fixed table's fingerprint is unchanged
+            out["follow"] = dict(self.follow)
         return out
 
 
@@ -231,7 +236,12 @@ _ORDER_KEYS = {"deterministic", "cycle"}
 DEFAULT_CYCLE = 4
 MAX_CYCLE = 1024
 MAX_MIX_SPLITS = 1024  # as many lanes as a cycle has splits: each is a split in flight per rank
-_TABLE_KEYS = {"path", "format", "partitions"}
+_TABLE_KEYS = {"path", "format", "partitions", "follow"}
+_FOLLOW_KEYS = {"every", "until"}
+MIN_FOLLOW_EVERY_S = 0.05  # a re-listing lists every file: more often would only burn the master's CPU
+MAX_FOLLOW_EVERY_S = 7 * 86400
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _FEATURE_GROUP_KEYS = {"label", "dense", "sparse", "passthrough"}
 _FEATURE_KEYS = {"dense": {"name", "column", "inputs", "transforms", "default"},
                  "sparse": {"name", "column", "inputs", "scores", "transforms"}}
@@ -462,7 +472,36 @@ def _parse_table(value: Any, base_dir: Path) -> TableSpec:
         parts = tuple(_name(p, f"table.partitions[{i}]").strip("/") for i, p in enumerate(_list(parts, "table.partitions")))
         if not parts:
             raise SpecError("table.partitions: the list is empty, so no row would be selected (omit the key to read all partitions)")
-    return TableSpec(path=path, format=fmt, partitions=parts)
+    return TableSpec(path=path, format=fmt, partitions=parts, follow=_parse_follow(t.get("follow")))
+
+
+def _parse_follow(value: Any) -> Optional[dict]:
+    """``table.follow: {every, until}``: re-list the table every ``every`` (seconds, or a
+    string such as ``500ms``, ``60s``, ``5m``, ``1h``) and read what lands, up to and
+    including partition ``until`` (a partition path such as ``ds=2026-01-03``; the stream
+    ends once it is present), or for ever (``until`` absent or null)."""
+    if value is None:
+        return None
+    f = _mapping(value, "table.follow")
+    _no_unknown(f, _FOLLOW_KEYS, "table.follow")
+    if "every" not in f:
+        raise SpecError("table.follow.every: required key is missing (how often the table is listed again, e.g. 60s)")
+    every = f["every"]
+    if isinstance(every, str):
+        m = _DURATION.match(every)
+        if m is None:
+            raise SpecError(f"table.follow.every: {every!r} is not a duration (e.g. 500ms, 60s, 5m, 1h)")
+        every = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    every = float(_typed(every, (int, float), "table.follow.every", "a duration (seconds, or e.g. '60s')"))
+    if not MIN_FOLLOW_EVERY_S <= every <= MAX_FOLLOW_EVERY_S:
+        raise SpecError(f"table.follow.every: {every:g} s is not between {MIN_FOLLOW_EVERY_S:g} s and "
+                        f"{MAX_FOLLOW_EVERY_S:g} s")
+    until = f.get("until")
+    if until is not None:
+        until = _name(until, "table.follow.until").strip("/")
+        if not until or any(not p or p in (".", "..") for p in until.split("/")):
+            raise SpecError(f"table.follow.until: {f['until']!r} is not a partition path (e.g. ds=2026-01-03)")
+    return {"every": every, "until": until}
 
 
 def _no_userinfo(uri: str) -> None:

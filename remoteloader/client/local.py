@@ -41,7 +41,7 @@ from ..protocol import auth as cluster_auth
 from ..protocol.auth import ENV_AUTH
 from ..protocol.messages import CacheDirective
 from ..core.sampling import plan_job_splits
-from ..spec import DatasetSpec, load_spec
+from ..spec import DatasetSpec, SpecError, load_spec
 from .assembly import EpochAssembler
 from .batch import Batch
 from .embedded import resolve_rank
@@ -55,6 +55,9 @@ class LocalDataset(IterableDataset):
         """``cache``: the block cache's location (else ``$REMOTELOADER_CACHE``, else this
         user's cache directory if the spec has a ``cache`` section); see ``_directive``."""
         self.spec = load_spec(spec)
+        if self.spec.table.follow is not None:
+            raise SpecError("table.follow: a LocalDataset reads a fixed table; following a growing table needs a "
+                            "master, which journals what each re-listing adds (RemoteDataLoader)")
         self.cache = None if self.spec.cache_mode == "off" else (
             cache or os.environ.get(ENV_CACHE) or (user_cache_dir() if self.spec.cache is not None else None))
         self.rank, self.world_size = resolve_rank(rank, world_size)

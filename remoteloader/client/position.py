@@ -85,6 +85,10 @@ class Position:
         saved at one step (by ``dcp.save``) has them."""
         if self.run is not None:
             return self.run.rows
+        if self.spec.table.follow is not None:
+            # A stream: its next window is fixed by the master when the first rank starts it.
+            raise TypeError("len() of a loader that follows its table (table.follow) is its window's, known once "
+                            "its epoch has started (its first batch taken): a window covers what landed since the last")
         pending = self.pending
         if pending is None or pending.epoch != self.next_epoch:
             return job.rank_rows

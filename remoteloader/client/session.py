@@ -23,6 +23,7 @@ from ..spec import DatasetSpec, SpecError
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 5.0  # one try of a call; the session's retry policy spans ``timeout``
 BINDING_RETRY_S = 0.2
+WAITING_RETRY_S = (0.05, 1.0)  # a following job's next window waits for data: first and longest pause
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,21 @@ class ClientSession:
         return self._with_rejoin(lambda: self._start(start), restart_run=False)
 
     def _start(self, start: RunStart) -> M.Epoch:
-        reply = self._call(M.StartEpoch(session=self.id, epoch=start.epoch, consumed=ack_records(start.consumed),
-                                        done=[M.DoneRange(*d) for d in start.done]))
+        pause = WAITING_RETRY_S[0]
+        while True:
+            try:
+                reply = self._call(M.StartEpoch(session=self.id, epoch=start.epoch,
+                                                consumed=ack_records(start.consumed),
+                                                done=[M.DoneRange(*d) for d in start.done]))
+                break
+            except RemoteError as e:
+                # A following job's next window: the table has not grown since the last. A stream
+                # waits for data as long as it takes (close() stops it); the master says why.
+                if e.code != "waiting" or self.stop.is_set():
+                    raise
+                log.info("rank %d epoch %d: %s", self.rank, start.epoch, e)
+                self.stop.wait(pause)
+                pause = min(2 * pause, WAITING_RETRY_S[1])
         self.run = RunId(self.id, reply.seq, start.epoch, self.token, self.seals)
         return reply
 

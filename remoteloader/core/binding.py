@@ -16,6 +16,7 @@ from ..formats import (
     DataFile,
     TableError,
     Skipped,
+    in_stream,
     list_table,
     read_schema,
     virtual_column_kind,
@@ -61,6 +62,14 @@ def bind(spec: DatasetSpec) -> BoundDataset:
     left_out = Skipped()
     try:
         files = list_table(spec.table.path, spec.table.format, spec.table.partitions, skipped=left_out)
+        if spec.table.follow is not None:  # a following job reads up to its until partition
+            if len(files) == 1 and files[0].path == spec.table.path:
+                raise SpecError(f"table.follow: table {spec.table.path!r} is a single file: there is nothing to "
+                                "follow (follow a directory of partitions)")
+            files = [f for f in files if in_stream(f.partition, spec.table.follow["until"])]
+            if not files:
+                raise TableError(f"no file of table {spec.table.path} is in a partition up to table.follow.until "
+                                 f"{spec.table.follow['until']!r} yet")
         with ThreadPoolExecutor(8) as pool:
             schemas = list(pool.map(read_schema, files))
     except TableError as e:
@@ -71,8 +80,8 @@ def bind(spec: DatasetSpec) -> BoundDataset:
                         "to leave it out (reported)")
     bound = bind_schema(spec, _majority_schema(schemas))
     kept, skipped = [], [f"{u} skipped (on_error: skip)" for u in left_out.unreadable]
+    stored = stored_columns(bound)
     for f, schema in zip(files, schemas):
-        stored = sorted({_stored_column(c) for c in bound.read_columns})
         problem = next((f"column {c!r} is {schema.get(c, 'missing')} in {f.path}, "
                         f"{bound.schema[c]} in the rest of the table"
                         for c in stored if schema.get(c) != bound.schema[c]), None)
@@ -86,6 +95,11 @@ def bind(spec: DatasetSpec) -> BoundDataset:
         raise SpecError(f"table: no readable file left in {spec.table.path!r}: {'; '.join(skipped)[:2000]}")
     bound.files, bound.skipped, bound.ignored = kept, skipped, left_out.ignored
     return bound
+
+
+def stored_columns(bound: BoundDataset) -> list[str]:
+    """The file columns a job reads (a map column once for all its features), sorted."""
+    return sorted({_stored_column(c) for c in bound.read_columns})
 
 
 def _stored_column(name: str) -> str:

@@ -192,7 +192,8 @@ def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, 
     """Every rank's epoch splits; ``done`` leaves out rows consumed before a resume;
     ``mix_splits`` > 1 cuts each rank's splits at its lanes' boundaries (``cut_into_lanes``)."""
     order = epoch_rng(seed, epoch).permutation(len(base)) if shuffle else np.arange(len(base))
-    ranges = [(int(i), lo, hi) for i in order for lo, hi in remaining_rows(base[int(i)], done or {})]
+    # Epoch splits name their base split by id: ``base`` may be a window of the job's (following a table).
+    ranges = [(base[int(i)].id, lo, hi) for i in order for lo, hi in remaining_rows(base[int(i)], done or {})]
     shares = rank_shares(sum(hi - lo for _, lo, hi in ranges), world_size, batch_size, drop_last, even)
     bounds = np.concatenate([[0], np.cumsum(shares.rows)]).tolist()
     out: list[EpochSplit] = []

@@ -14,7 +14,7 @@ from .maps import flat_name, virtual_column_kind
 from .prefetch import DEFAULT_COALESCE_GAP, clear_tail_cache
 from .slowfs import PROFILES, SLOW_IO
 from .split import read_split, read_units
-from .table import Skipped, list_table, read_schema, table_schema
+from .table import Relisting, Skipped, in_stream, list_table, reaches, read_schema, relist, table_schema
 from .types import DataFile, IOStats, TableError, Unit
 
 __all__ = [
@@ -29,8 +29,12 @@ __all__ = [
     "clear_tail_cache",
     "column_kind",
     "flat_name",
+    "Relisting",
     "Skipped",
+    "in_stream",
     "list_table",
+    "reaches",
+    "relist",
     "open_filesystem",
     "read_schema",
     "read_split",

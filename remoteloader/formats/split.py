@@ -7,6 +7,7 @@ Columns may be virtual (``X[K]``: a feature inside map column ``X``, see ``maps`
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import pyarrow as pa
@@ -14,9 +15,9 @@ import pyarrow as pa
 from ..columns import Column
 from . import maps
 from .convert import arrow_to_column, column_kind
-from .fs import open_filesystem
+from .fs import open_filesystem, target
 from .prefetch import DEFAULT_COALESCE_GAP, PrefetchedFile
-from .table import format_module
+from .table import format_module, posix_identity
 from .types import DataFile, IOStats, TableError
 
 
@@ -69,6 +70,7 @@ def read_units(file: DataFile, first_unit: int, stop_unit: int, columns: Sequenc
     stats = IOStats(splits=1)
     fs, path = open_filesystem(file.path)
     missing: list[str] = []
+    _check_unchanged(file, path, where)
     try:
         with fs.open_input_file(path) as source:
             prefetched = PrefetchedFile(source, source.size(), stats)
@@ -76,13 +78,32 @@ def read_units(file: DataFile, first_unit: int, stop_unit: int, columns: Sequenc
             physical, missing = _physical(columns, layout.columns)
             if not missing:
                 reader = module.prefetched_reader(prefetched, layout, first_unit, stop_unit, physical, coalesce_gap)
-                return reader.read(first_unit, stop_unit, physical)
+                table = reader.read(first_unit, stop_unit, physical)
+                _check_unchanged(file, path, where)  # a rewrite during the read: none of it is used
+                return table
     except module.READ_ERRORS as e:  # TableError is a ValueError: planning errors land here too
         raise TableError(f"cannot read {where}: {e}") from e
     finally:
         if io_stats is not None:
             io_stats.add(stats)
     raise TableError(f"{where}: no column {missing[0]!r} in the file" + (f" (nor {missing[1:]})" if missing[1:] else ""))
+
+
+def _check_unchanged(file: DataFile, path: str, where: str) -> None:
+    """A file on a POSIX filesystem must be the version that was listed (``identity``: inode,
+    modification and change times, and size): rows planned from its old footer are never
+    read from a new version, nor half from each. One ``stat`` per split read. (An object
+    store's version is checked when a following job lists its table again.)"""
+    if not file.identity.startswith("posix:") or not target(file.path).local:
+        return
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise TableError(f"{where}: cannot stat the file ({e}): removed after it was listed?") from None
+    now = posix_identity(st)
+    if (now, st.st_size) != (file.identity, file.nbytes):
+        raise TableError(f"{where}: the file changed after it was listed (size {file.nbytes} -> {st.st_size}, "
+                         f"identity {file.identity} -> {now}): not read; list the table again to read it")
 
 
 def _physical(columns: Sequence[str], names: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -214,6 +214,11 @@ def _select_partitions(files: list[tuple[str, pafs.FileInfo]], partitions: Seque
     return kept
 
 
+def posix_identity(st: os.stat_result) -> str:
+    """``DataFile.identity`` of a file on a POSIX filesystem, from its ``stat``."""
+    return f"posix:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
 def file_identity(info: pafs.FileInfo, local: bool) -> tuple[str, int]:
     """What the filesystem says of this version of the file (``DataFile.identity``) and its
     size. On a local disk (a path, ``file://``, ``slow+file://``: a POSIX filesystem, NFS
@@ -224,7 +229,7 @@ def file_identity(info: pafs.FileInfo, local: bool) -> tuple[str, int]:
     seconds): pyarrow 26 exposes no ETag, version or generation."""
     if local:
         st = os.stat(info.path)  # the file the reader opens (a symlinked table file: its target)
-        return f"posix:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}", st.st_size
+        return posix_identity(st), st.st_size
     mtime = info.mtime_ns
     return f"mtime_ns:{'unknown' if mtime is None else mtime}", info.size
 
@@ -257,3 +262,73 @@ def _parallel(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(min(_METADATA_THREADS, len(items))) as pool:
         return list(pool.map(fn, items))
+
+
+@dataclass
+class Relisting:
+    """What listing a table again found against the files listed before (``relist``)."""
+
+    new: list[DataFile]  # files not listed before, described from their footers, sorted by path
+    changed: list[str]  # listed files whose size or identity changed since: ``PATH: what``
+    removed: list[str]  # listed files gone
+    skipped: Skipped  # unreadable data files, files of another format (all of them, as list_table)
+
+
+def relist(path: str, format: str, partitions: Optional[Sequence[str]], known: dict[str, DataFile],
+           keep: Callable[[str], bool] = lambda partition: True) -> Relisting:
+    """List the table at ``path`` again: one recursive listing, the identity of each file
+    listed before (``known``, by path) compared with what the filesystem says now, and
+    footers read only for new files whose partition ``keep`` accepts. A file is never
+    described twice: a changed one is reported, not listed anew (its rows were planned from
+    the old footer)."""
+    fs, root = open_filesystem(path)
+    local = target(path).local
+    report = Skipped()
+    _, found = _find_files(fs, root, path, format, report, local)
+    if partitions is not None:
+        found = _select_partitions(found, partitions, path)
+    root_name = table_root(path)
+    new, changed, seen = [], [], set()
+    for relative, info in found:
+        name = child_name(root_name, relative)
+        seen.add(name)
+        before = known.get(name)
+        if before is None:
+            if keep(posixpath.dirname(relative)):
+                new.append((relative, info))
+            continue
+        try:
+            identity, size = file_identity(info, local)
+        except OSError as e:  # gone between the listing and the stat
+            changed.append(f"{name}: cannot stat it ({e})")
+            continue
+        if before.identity and (identity, size) != (before.identity, before.nbytes):
+            changed.append(f"{name}: changed after it was listed (size {before.nbytes} -> {size}, "
+                           f"identity {before.identity} -> {identity})")
+    removed = [f"{name}: removed after it was listed" for name in sorted(set(known) - seen)]
+
+    def describe(item: tuple[str, pafs.FileInfo]) -> DataFile:
+        relative, info = item
+        return _describe(fs, info, child_name(root_name, relative), format, posixpath.dirname(relative), local)
+
+    return Relisting(_parallel(describe, new), changed, removed, report)
+
+
+def _parts(path: str) -> tuple[str, ...]:
+    return tuple(p for p in path.split("/") if p)
+
+
+def in_stream(partition: str, until: Optional[str]) -> bool:
+    """Whether a following job reads files of ``partition``: every partition up to and
+    including ``until`` (``table.follow.until``), compared path component by component
+    (``ds=2026-01-03`` takes every ``ds=2026-01-03/hr=..``; Hive's zero-padded values sort
+    as they read); every partition when ``until`` is None."""
+    if until is None:
+        return True
+    wanted = _parts(until)
+    return _parts(partition)[:len(wanted)] <= wanted
+
+
+def reaches(partition: str, until: Optional[str]) -> bool:
+    """Whether ``partition`` is (or lies under) ``until``: once it is listed, the stream ends."""
+    return until is not None and _parts(partition)[:len(_parts(until))] == _parts(until)

@@ -36,6 +36,7 @@ from .cache_plan import CachePlanner
 from .history import History
 from .journal import Journal
 from .fleet import FleetState
+from .follow import Follower
 from .metrics import RateWindow
 from .share import JobShares, effective_weight
 from .state import JobState
@@ -104,6 +105,7 @@ class JobRuntime:
     bound: BoundDataset
     row_bytes: Optional[float] = None
     split_bytes: Optional[int] = None
+    follower: Optional[Follower] = None  # a following job's re-listings (master/follow.py)
 
 
 @dataclass
@@ -128,10 +130,7 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
                     redact_text(str(e))[:500], spec.split_rows)
         per_row = None
     base = plan_base_splits(files, spec.split_rows)
-    # A deterministic order reads `cycle` splits of a rank at once: they must fit a worker together.
-    # Mixed batches read `mix_splits` splits of a rank at once, one per lane: the same.
-    share = budget_bytes if spec.splits_in_flight is None else budget_bytes * 2 // (spec.splits_in_flight + 1)
-    cap = split_rows_within(share, per_row) if per_row is not None else None
+    cap = _split_cap(spec, budget_bytes, per_row)
     if cap is not None and base and max(s.raw_rows for s in base) > cap:
         planned = max(s.raw_rows for s in base)
         base = plan_base_splits(files, cap)
@@ -146,6 +145,14 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
     if not splits or sum(s.rows for s in splits) == 0:
         raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
     return Planned(bound, splits, per_row)
+
+
+def _split_cap(spec: DatasetSpec, budget_bytes: int, per_row: Optional[float]) -> Optional[int]:
+    """Rows of a split that keep it within its share of a worker's budget (None: unknown).
+    A deterministic order reads `cycle` splits of a rank at once: they must fit a worker
+    together. Mixed batches read `mix_splits` splits of a rank at once, one per lane: the same."""
+    share = budget_bytes if spec.splits_in_flight is None else budget_bytes * 2 // (spec.splits_in_flight + 1)
+    return split_rows_within(share, per_row) if per_row is not None else None
 
 
 class PendingBind:
@@ -226,6 +233,7 @@ class MasterService:
         self._snapshot_bytes = journal.size if journal is not None else 0
         for fingerprint, st in self.fleet.jobs.items():
             self.runtime[fingerprint] = JobRuntime(bind_schema(st.job.spec, st.job.schema))
+            self._follow(fingerprint)
         self._commit(U.MasterStarted(clock()))
         self.sync()
 
@@ -301,7 +309,36 @@ class MasterService:
             record_projection(self.config.popularity_log, spec.table.path, bound.read_columns)
         st = self.fleet.jobs[fingerprint]
         log.info("job %s: %d files, %d splits, %d rows", fingerprint, len(files), len(splits), st.job.total_rows)
+        self._follow(fingerprint)
         return st
+
+    def _follow(self, fingerprint: str) -> None:
+        """Start re-listing a following job's table (until its stream has ended)."""
+        job, runtime = self.fleet.jobs[fingerprint].job, self.runtime[fingerprint]
+        if not job.follows or job.ended:
+            return
+        cap = _split_cap(job.spec, self.config.buffer_bytes, runtime.row_bytes)
+        reported = {e["message"] for e in self.fleet.jobs[fingerprint].errors if e["epoch"] < 0}
+        runtime.follower = Follower(runtime.bound, job.files, job.splits, min(job.spec.split_rows, cap or 1 << 62),
+                                    reported)
+
+    def _take_growths(self) -> None:
+        """Commit what the followers listed since the last tick, one journaled update each."""
+        for fingerprint, runtime in list(self.runtime.items()):
+            if runtime.follower is None:
+                continue
+            for growth in runtime.follower.take():
+                self._commit(U.ForJob(fingerprint, U.TableGrew(
+                    growth.first_file, growth.first_split, [U.file_record(f) for f in growth.files],
+                    [U.SplitRecord.of(s) for s in growth.splits], growth.problems, growth.ended)))
+                for problem in growth.problems:
+                    log.warning("following job %s: %s", fingerprint, redact_text(problem))
+                if growth.files:
+                    log.info("following job %s: %d new files, %d splits, %d rows", fingerprint, len(growth.files),
+                             len(growth.splits), sum(s.rows for s in growth.splits))
+            if self.fleet.jobs[fingerprint].job.ended:
+                runtime.follower.stop()
+                runtime.follower = None
 
     # -- dispatch ----------------------------------------------------------------------
     def handle(self, request: Union[M.Message, dict]) -> Reply:
@@ -324,6 +361,7 @@ class MasterService:
     def tick(self) -> None:
         """Periodic duties: dead workers lose their splits, hung workers the split they hold."""
         now = self.clock()
+        self._take_growths()
         self.rates.forget({"w:" + w for w in self.fleet.workers} | {"c:" + c for c in self.fleet.session_job})
         for w in list(self.fleet.workers.values()):
             if w.last_seen < now - self.config.heartbeat_timeout:
@@ -691,6 +729,8 @@ class MasterService:
         if end_idle:
             log.info("job %s ends: its loaders left, and a new job needs its place", idle[0])
             self._commit(U.JobEnded(idle[0], "its loaders left, and a new job needed its place"))
+            if self.runtime[idle[0]].follower is not None:
+                self.runtime[idle[0]].follower.stop()
             del self.runtime[idle[0]]
             self.shares.forget(idle[0])
 
@@ -701,6 +741,8 @@ class MasterService:
         if not epoch < self.config.max_epoch:
             raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code=ErrorCode.BAD_EPOCH)
         consumed = _acks(m.consumed)
+        if st.job.follows and epoch not in st.job.windows:
+            self._open_window(fingerprint, st, epoch)
         done = self._check_done(st, m.done)
         current = st.ranks.get(rank)
         if done and current is not None and epoch > current.epoch + 1:
@@ -725,6 +767,22 @@ class MasterService:
         splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding)
                   for p in st.epoch_splits(rank, epoch)]
         return M.Epoch(epoch=epoch, seq=seq, splits=splits)
+
+    def _open_window(self, fingerprint: str, st: JobState, epoch: int) -> None:
+        """The first start of a following job's epoch fixes its window: the base splits
+        added since the window before (every rank's run of the epoch then plans the same
+        rows). With nothing new yet, the client is told to wait (``waiting``: it retries)
+        unless the stream has ended, whose windows from then on are empty."""
+        job = st.job
+        if epoch > 0 and epoch - 1 not in job.windows:
+            raise RequestError(f"epoch {epoch}: a following job reads its windows in order, and epoch {epoch - 1} "
+                               "has not started", code=ErrorCode.BAD_EPOCH)
+        lo = job.windows[epoch - 1][1] if epoch > 0 else 0
+        if lo == len(job.splits) and not job.ended:
+            raise RequestError(f"epoch {epoch}: no new data in table {redact(job.spec.table.path)} since the "
+                               f"window before; waiting for it to grow (listed every {job.spec.table.follow['every']:g} s)",
+                               code=ErrorCode.WAITING)
+        self._commit(U.ForJob(fingerprint, U.WindowOpened(epoch, lo, len(job.splits))))
 
     def _check_done(self, st: JobState, done: list[M.DoneRange]) -> list:
         """Rows consumed before an elastic resume, disjoint and coalesced (adjacent ranges

@@ -98,13 +98,33 @@ class Job:
     splits: list[BaseSplit]
     total_rows: int
     world_size: Optional[int] = None
+    # Following a growing table (spec table.follow): the first listing's split count, each
+    # epoch's window of base splits [lo, hi) (journaled: WindowOpened), whether it has ended.
+    listed: Optional[int] = None
+    windows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    ended: bool = False
+
+    @property
+    def follows(self) -> bool:
+        return self.listed is not None
 
     @property
     def plan_fingerprint(self) -> str:
-        """Identity of the split plan: a resumed epoch is only exact over the same splits."""
-        blob = json.dumps([s.to_wire() for s in self.splits]
-                          + [[f.path, f.num_rows] for f in self.files]).encode()
+        """Identity of the split plan: a resumed epoch is only exact over the same splits. A
+        following job's lists only grow (every id keeps its meaning): its plan is the first
+        listing's, so a checkpoint stays valid as the table grows (not on a job that listed
+        the table anew: its ids differ)."""
+        splits = self.splits if self.listed is None else self.splits[:self.listed]
+        files = self.files if self.listed is None else self.files[:max((s.file + 1 for s in splits), default=0)]
+        blob = json.dumps([s.to_wire() for s in splits] + [[f.path, f.num_rows] for f in files]).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    def window(self, epoch: int) -> list[BaseSplit]:
+        """The base splits epoch ``epoch`` plans: all of them, or a following job's window."""
+        if self.listed is None:
+            return self.splits
+        lo, hi = self.windows[epoch]
+        return self.splits[lo:hi]
 
 
 REPLACED_KEPT = 1024
@@ -167,6 +187,9 @@ class JobState:
             job = u.job
             self._on_JobSubmitted(U.JobSubmitted(job.spec, job.fingerprint, job.schema, job.files, job.splits, []))
             self.job.world_size = job.world_size
+            if self.job.follows:
+                self.job.listed, self.job.ended = job.listed, job.ended
+                self.job.windows = {epoch: tuple(w) for epoch, w in job.windows.items()}
         self._worker_seq = u.worker_seq
         for w in u.workers:
             self.workers[w.worker_id] = WorkerInfo(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, draining=w.draining,
@@ -215,7 +238,7 @@ class JobState:
             version=U.SNAPSHOT_VERSION,
             job=None if job is None else U.JobRecord(
                 job.spec, job.fingerprint, dict(job.schema), [U.file_record(f) for f in job.files],
-                [U.SplitRecord.of(s) for s in job.splits], job.world_size),
+                [U.SplitRecord.of(s) for s in job.splits], job.world_size, job.listed, dict(job.windows), job.ended),
             worker_seq=self._worker_seq,
             workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned),
                                     w.key, w.node, w.arena) for w in self.workers.values()],
@@ -243,10 +266,36 @@ class JobState:
         splits = [s.base_split(i) for i, s in enumerate(u.splits)]
         self.cache_plan, self.cache_reverted = {}, set()
         self.job = Job(u.spec, u.fingerprint, u.schema, [U.data_file(f) for f in u.files], splits,
-                       sum(s.rows for s in splits))
+                       sum(s.rows for s in splits), listed=len(splits) if u.spec.table.follow is not None else None)
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
                            for m in u.skipped)
         self.error_counts["skipped"] += len(u.skipped)
+
+    def _on_TableGrew(self, u: U.TableGrew) -> None:
+        job = self.job
+        if job is None or not job.follows:
+            raise ValueError("a growth of a job that does not follow its table")
+        if (u.first_file, u.first_split) != (len(job.files), len(job.splits)):
+            raise ValueError(f"a growth from file {u.first_file} and split {u.first_split}, but the job has "
+                             f"{len(job.files)} files and {len(job.splits)} splits")
+        job.files.extend(U.data_file(f) for f in u.files)
+        job.splits.extend(s.base_split(u.first_split + i) for i, s in enumerate(u.splits))
+        job.total_rows += sum(s.rows for s in u.splits)
+        job.ended = job.ended or u.ended
+        skipped = self.job.spec.on_error == "skip"
+        self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": skipped}
+                           for m in u.problems)
+        self.error_counts["skipped" if skipped else "failed"] += len(u.problems)
+
+    def _on_WindowOpened(self, u: U.WindowOpened) -> None:
+        job = self.job
+        if job is None or not job.follows:
+            raise ValueError("a window of a job that does not follow its table")
+        lo = 0 if u.epoch == 0 else job.windows.get(u.epoch - 1, (None, None))[1]
+        if u.epoch in job.windows or u.lo != lo or not lo <= u.hi <= len(job.splits):
+            raise ValueError(f"window [{u.lo}, {u.hi}) of epoch {u.epoch} does not follow the job's windows")
+        job.windows[u.epoch] = (u.lo, u.hi)
+        self._plans.pop(u.epoch, None)
 
     def _on_WorkerRegistered(self, u: U.WorkerRegistered) -> None:
         self._worker_seq += 1
@@ -475,7 +524,7 @@ class JobState:
         if epoch not in self._plans:
             spec = self.job.spec
             self._plans[epoch] = EpochPlan(plan_epoch(
-                self.job.splits, epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
+                self.job.window(epoch), epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
                 spec.drop_last, spec.even_batches, self.resumed.get(epoch), spec.mix_splits))
             oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
             if self._plan_floor is not None:
@@ -602,7 +651,7 @@ class JobState:
         return [U.EpochPrefetched(rank, re.epoch + 1, re.session, self.next_seq[re.session])
                 for rank, re in sorted(self.ranks.items())
                 if worker_id in self.partitions.get(rank, ()) and not re.pending and rank not in self.prefetched
-                and re.session in self.clients]
+                and re.session in self.clients and (not self.job.follows or re.epoch + 1 in self.job.windows)]
 
     def stalled_splits(self, now: float, heartbeat_interval: float, split_timeout: float) -> list[tuple]:
         """(epoch, split_id, worker_id, reason) of assigned splits that make no progress:
@@ -668,6 +717,8 @@ _APPLY: dict[type, Callable[[JobState, Any], None]] = {
     U.SplitFailed: JobState._on_SplitFailed,
     U.EpochFinished: JobState._on_EpochFinished,
     U.CachePlanChanged: JobState._on_CachePlanChanged,
+    U.TableGrew: JobState._on_TableGrew,
+    U.WindowOpened: JobState._on_WindowOpened,
 }
 _unhandled = set(U.UPDATE_TYPES.values()) - set(_APPLY) - set(U.FLEET_ONLY)
 if _unhandled:

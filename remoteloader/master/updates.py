@@ -84,6 +84,11 @@ class JobRecord(msgspec.Struct, frozen=True):
     files: list[FileRecord]
     splits: list[SplitRecord]
     world_size: Optional[int]
+    # Following a table: splits of the first listing (what the plan fingerprint covers), each
+    # window's base split range by epoch, and whether the stream has ended.
+    listed: Optional[int] = None
+    windows: dict[int, tuple[int, int]] = {}
+    ended: bool = False
 
 
 class WorkerRecord(msgspec.Struct, frozen=True):
@@ -297,12 +302,33 @@ class EpochFinished(Update):
     seq: int
 
 
+class TableGrew(Update):
+    """A re-listing of a following job's table found new files (``core/follow.py``): they
+    and their base splits continue the job's lists, which must end at ``first_file`` and
+    ``first_split`` (a growth is never applied twice, nor out of order). ``problems``: files
+    changed, removed or unreadable since, told once; ``ended``: ``follow.until`` was reached."""
+    first_file: int
+    first_split: int
+    files: list[FileRecord]
+    splits: list[SplitRecord]
+    problems: list[str]
+    ended: bool
+
+
+class WindowOpened(Update):
+    """Epoch ``epoch`` of a following job reads base splits ``[lo, hi)``: those added since
+    the window before (the first: the first listing's and what landed until it started)."""
+    epoch: int
+    lo: int
+    hi: int
+
+
 # -- many jobs on one master (issue 39) ------------------------------------------------------
 # The updates of one job. Everything else (a start, workers' updates) concerns the whole fleet.
 JOB_UPDATES: tuple[type[Update], ...] = (
     JobSubmitted, ClientJoined, ClientHeartbeat, ClientLeft, PartitionsChanged, EpochStarted, EpochResumed,
     EpochPrefetched, SplitAssigned, SplitProduced, SplitsConsumed, SplitFailed, CachePlanChanged, EpochFinished,
-    SplitRevoked, Snapshot)
+    SplitRevoked, Snapshot, TableGrew, WindowOpened)
 JobUpdate = Union[JOB_UPDATES]  # type: ignore[valid-type]
 
 
