@@ -947,7 +947,29 @@ class MasterService:
                         "progress": round(done / splits, 4) if splits else None,
                         "rows_per_s": round(rows[fp], 1), "share": round(rows[fp] / total, 4) if total else None,
                         "weight": st.job.spec.share_weight, "priority": st.job.spec.priority,
-                        "stall": round(max((self.client_stall(cid) for cid in st.clients), default=0.0), 4)})
+                        "stall": round(max((self.client_stall(cid) for cid in st.clients), default=0.0), 4),
+                        **({"follow": self._follow_status(fp, st)} if st.job.follows else {})})
+        return out
+
+    def _follow_status(self, fingerprint: str, st: JobState) -> dict:
+        """A following job's stream: its watermark (the latest partition listed), its windows,
+        what is listed but in no window yet, and its last re-listing."""
+        job, now = st.job, time.time()
+        follower = self.runtime[fingerprint].follower
+        last = max(job.windows, default=None)
+        windowed = job.windows[last][1] if last is not None else 0
+        out = {"every_s": job.spec.table.follow["every"], "until": job.spec.table.follow["until"],
+               "watermark": max((f.partition for f in job.files), key=lambda p: tuple(p.split("/")), default=""),
+               "files": len(job.files), "windows": len(job.windows),
+               "window": None if last is None else {"epoch": last, "splits": list(job.windows[last]),
+                                                    "rows": sum(s.rows for s in job.window(last))},
+               "waiting_rows": sum(s.rows for s in job.splits[windowed:]), "ended": job.ended}
+        if follower is not None:
+            stats = follower.stats
+            out.update(listings=stats.listings, last_listing_s=round(stats.last_s, 4),
+                       last_listing_cpu_s=round(stats.last_cpu_s, 4), listed_files=stats.last_files,
+                       last_listing_age_s=None if stats.last_at is None else round(now - stats.last_at, 1),
+                       error=stats.error)
         return out
 
 
