@@ -190,3 +190,30 @@ def test_a_following_spec_refuses_a_single_file_and_local_mode(tmp_path):
         bind(DatasetSpec.from_dict(single))
     with pytest.raises(SpecError, match="table.follow: a LocalDataset reads a fixed table"):
         LocalDataset(follow_spec(table))
+
+
+def test_validate_and_status_show_what_a_stream_reads(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from remoteloader.tools.cli import follow_line, main
+
+    table = tmp_path / "t"
+    for i, (first, rows) in enumerate([(0, 500), (500, 300), (800, 300)]):
+        land_partition(table, f"ds={i + 1}", first, rows)
+    spec = follow_spec(table, every="30s", until="ds=2")
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(tmp_path / "spec.yaml"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["partitions"] == ["ds=1", "ds=2"] and report["rows"] == 800
+    assert report["follow"] == {"every_s": 30.0, "until": "ds=2", "watermark": "ds=2", "ends_at_once": True,
+                                "after_until": ["ds=3"]}
+
+    service = MasterService(MasterConfig(), None, Clock())
+    service.submit(DatasetSpec.from_dict(follow_spec(table, every=HOUR)))
+    hello(service, DatasetSpec.from_dict(follow_spec(table, every=HOUR)))
+    start(service, 0)
+    line = follow_line(service.status()["jobs"][0])
+    assert line.startswith(f"follow {service.state.job.fingerprint}: watermark ds=3, 3 files; window 0: 1,100 rows, "
+                           "0 rows waiting for the next")

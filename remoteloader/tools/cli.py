@@ -86,6 +86,8 @@ def _validate(args: argparse.Namespace) -> int:
         "files_skipped": [redact(m) for m in bound.skipped],  # on_error: skip, with why
         "files_ignored": [redact(m) for m in bound.ignored],  # under the path, of another format
     }
+    if spec.table.follow is not None:
+        report["follow"] = _follow_report(spec, files)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -105,7 +107,32 @@ def _validate(args: argparse.Namespace) -> int:
                   f"within half its --buffer-bytes)")
         for line in report["files_skipped"] + report["files_ignored"]:
             print(f"  not read     {line}")
+        if "follow" in report:
+            f = report["follow"]
+            print(f"  follows      re-listed every {f['every_s']:g} s, "
+                  + (f"up to and including partition {f['until']}" if f["until"] else "for ever (no until)")
+                  + f"; watermark {f['watermark'] or '(the table root)'}; window 0 is what the listing holds when "
+                  "the first epoch starts, each later window what landed since")
+            if f["ends_at_once"]:
+                print(f"  follows      partition {f['until']} is listed already: the stream ends after window 0")
+            if f["after_until"]:
+                print(f"  not read     partitions after until: {', '.join(f['after_until'][:5])}"
+                      f"{' ...' if len(f['after_until']) > 5 else ''}")
     return 0
+
+
+def _follow_report(spec, files) -> dict:
+    """What a following spec reads now and later (``table.follow``): the partitions after its
+    ``until`` already present are never read."""
+    from ..formats import in_stream, list_table, reaches
+
+    until = spec.table.follow["until"]
+    after = [] if until is None else sorted({f.partition for f in list_table(spec.table.path, spec.table.format,
+                                                                              spec.table.partitions)
+                                              if not in_stream(f.partition, until)})
+    return {"every_s": spec.table.follow["every"], "until": until,
+            "watermark": max((f.partition for f in files), key=lambda p: tuple(p.split("/")), default=""),
+            "ends_at_once": any(reaches(f.partition, until) for f in files), "after_until": after}
 
 
 def _ask_status(args: argparse.Namespace, history: bool = False, rpc=None) -> dict:
@@ -179,6 +206,9 @@ def _status(args: argparse.Namespace) -> int:
               f"{c.get('batches_per_s', 0):.1f} batches/s  queued {c.get('queued', 0)}")
     for rank, r in status["ranks"].items():
         print(f"rank {rank}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
+    for j in jobs:
+        if j.get("follow"):
+            print(follow_line(j))
     for d in status.get("autoscaler", [])[-5:]:
         print(f"autoscaler: {d['action']} {d['count']} -> {d['workers']} workers: {d['reason']}")
     cache = status.get("cache")
@@ -204,6 +234,20 @@ def job_line(j: dict) -> str:
             f"epoch {'-' if j.get('epoch') is None else j['epoch']} {pct(j.get('progress'))} done, "
             f"{j.get('rows_per_s', 0):,.0f} rows/s (share {pct(j.get('share'))}, weight {j.get('weight', 1):g} "
             f"{j.get('priority', 'normal')}), stall {j.get('stall', 0):.1%}")
+
+
+def follow_line(j: dict) -> str:
+    """A following job's stream in ``status``: its watermark, windows and last re-listing."""
+    f = j["follow"]
+    window = f.get("window")
+    listing = ("" if f.get("listings") is None else
+               f"; {f['listings']} listings, the last {f.get('last_listing_age_s')} s ago took "
+               f"{f.get('last_listing_s', 0):.3f} s ({f.get('last_listing_cpu_s', 0):.3f} s CPU) for "
+               f"{f.get('listed_files', 0):,} files" + (f", failed: {f['error']}" if f.get("error") else ""))
+    return (f"follow {j['fingerprint']}: watermark {f['watermark'] or '-'}"
+            + (f" (until {f['until']})" if f.get("until") else "") + f", {f['files']} files; "
+            + (f"window {window['epoch']}: {window['rows']:,} rows" if window else "no window yet")
+            + f", {f['waiting_rows']:,} rows waiting for the next" + ("; ENDED" if f["ended"] else "") + listing)
 
 
 def worker_line(w: dict) -> str:
