@@ -562,6 +562,7 @@ class MasterService:
         if (choice is None and m.read_ahead and self.config.prefetch_next_epoch
                 and not any(st.splits_ahead(m.worker_id) for st in jobs.values())):
             for fingerprint in order:
+                self._open_window_ahead(fingerprint, jobs[fingerprint])
                 for prefetch in jobs[fingerprint].prefetch_candidates(m.worker_id):
                     self._commit(U.ForJob(fingerprint, prefetch))
                 choice = jobs[fingerprint].choose_split(m.worker_id, avoid[fingerprint])
@@ -783,6 +784,20 @@ class MasterService:
                                f"window before; waiting for it to grow (listed every {job.spec.table.follow['every']:g} s)",
                                code=ErrorCode.WAITING)
         self._commit(U.ForJob(fingerprint, U.WindowOpened(epoch, lo, len(job.splits))))
+
+    def _open_window_ahead(self, fingerprint: str, st: JobState) -> None:
+        """A following job's next window, opened early once a rank has nothing left to hand
+        out of the last one and there is new data, so that workers read ahead into it as into
+        a fixed table's next epoch (the window is then fixed here, not at its first start:
+        what lands meanwhile is the window after's)."""
+        job = st.job
+        if not job.follows or not job.windows:
+            return
+        last = max(job.windows)
+        lo = job.windows[last][1]
+        if lo < len(job.splits) and any(r.epoch == last and not r.pending and r.session in st.clients
+                                        for r in st.ranks.values()):
+            self._commit(U.ForJob(fingerprint, U.WindowOpened(last + 1, lo, len(job.splits))))
 
     def _check_done(self, st: JobState, done: list[M.DoneRange]) -> list:
         """Rows consumed before an elastic resume, disjoint and coalesced (adjacent ranges
