@@ -55,9 +55,11 @@ def test_partitions_landed_while_training_are_read_exactly_once(tmp_path, cluste
     land_partition(table, "ds=1", 0, 1000, files=2)
     master = cluster.master(workers=2)
     spec = follow_spec(table, until="ds=3")
-    landed = []
+    landed, lengths = [], {}
 
     def land(window: int, rank: int, i: int) -> None:
+        if i == 0:  # len() once the window has started: the rank's batches of it
+            lengths[window, rank] = len(loaders[rank])
         if window == 0 and not landed:  # while the first window is read: a partition of 2 files
             landed.append(land_partition(table, "ds=2", 1000, 700, files=2))
         elif window == 1 and len(landed) == 1:  # while the second is read: the last partition (until)
@@ -65,12 +67,15 @@ def test_partitions_landed_while_training_are_read_exactly_once(tmp_path, cluste
 
     loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
     try:
+        with pytest.raises(TypeError, match="follows its table"):
+            len(loaders[0])  # the next window is not fixed yet
         windows = follow_windows(loaders, land)
     finally:
         for x in loaders:
             x.close()
     assert len(landed) == 2
     exactly_once(windows, 2200)
+    assert lengths == {(w, r): len(batches) for w, per_rank in enumerate(windows) for r, batches in enumerate(per_rank)}
     follow = master_status(master.addr)["jobs"][0]["follow"]
     assert follow["ended"] and follow["watermark"] == "ds=3" and follow["windows"] == len(windows) + 1
 
