@@ -68,25 +68,30 @@ def timed_fixed(table: Path, workers: int) -> tuple[int, float]:
             return rows, time.perf_counter() - start
 
 
-def timed_follow(table: Path, later: list[str], workers: int) -> tuple[int, float, int]:
-    """(rows, seconds, windows with rows) of a following job over ``table``, landing ``later``
-    after its first batch."""
+def timed_follow(table: Path, later: list[str], workers: int) -> tuple[int, float, int, float]:
+    """(rows, seconds, windows with rows, the seconds between the last batch of window 0 and
+    the first of window 1) of a following job over ``table``, landing ``later`` after its
+    first batch."""
     spec = job_spec(table)
     spec["table"]["follow"] = {"every": 0.5, "until": later[-1]}
     with cluster(table, workers) as (addr, _):
         with RemoteDataLoader(spec, master=addr, timeout=120) as loader:
             loader.sparse_keys
-            start, rows, windows = time.perf_counter(), 0, 0
+            start, rows, windows, times = time.perf_counter(), 0, 0, []
             while True:
                 n = 0
+                times.append([])
                 for b in loader:
                     if rows == 0:
                         for name in later:
                             os.rename(table / "_staged" / name, table / name)
                     rows, n = rows + len(b), n + 1
+                    times[-1].append(time.perf_counter())
                 if n == 0:
-                    return rows, time.perf_counter() - start, windows
+                    seconds = time.perf_counter() - start
+                    break
                 windows += 1
+    return rows, seconds, windows, times[1][0] - times[0][-1] if windows >= 2 else float("nan")
 
 
 def unstage(table: Path, later: list[str]) -> None:
@@ -108,14 +113,15 @@ def throughput(root: Path, rows: int, rounds: int, workers: int) -> list[float]:
                 got[which] = timed_fixed(fixed, workers)
             else:
                 unstage(table, later)
-                n, seconds, windows = timed_follow(table, later, workers)
+                n, seconds, windows, gap = timed_follow(table, later, workers)
                 assert windows == 2, f"the following job read {windows} windows, not 2: landing came too late"
                 got[which] = (n, seconds)
         assert got["fixed"][0] == got["follow"][0] == rows, got
         rate = {k: n / s for k, (n, s) in got.items()}
+        batch_s = got["fixed"][1] / (rows / 1024)  # a batch's share of the fixed job's time
         ratios.append(rate["follow"] / rate["fixed"])
         print(f"round {r + 1}: fixed {rate['fixed']:,.0f} rows/s, following {rate['follow']:,.0f} rows/s "
-              f"(2 windows): ratio {ratios[-1]:.3f}", flush=True)
+              f"(2 windows; between them {gap * 1e3:.0f} ms, {gap / batch_s:.1f} batches of the fixed job's time): ratio {ratios[-1]:.3f}", flush=True)
     return ratios
 
 
