@@ -86,7 +86,7 @@ class Position:
         if self.run is not None:
             return self.run.rows
         if self.spec.table.follow is not None:
-            # A stream: its next window is fixed by the master when the first rank starts it.
+            # A stream: the master fixes its next window when a rank starts it (or workers read ahead into it).
             raise TypeError("len() of a loader that follows its table (table.follow) is its window's, known once "
                             "its epoch has started (its first batch taken): a window covers what landed since the last")
         pending = self.pending

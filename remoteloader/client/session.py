@@ -138,7 +138,8 @@ class ClientSession:
                 # waits for data as long as it takes (close() stops it); the master says why.
                 if e.code != "waiting" or self.stop.is_set():
                     raise
-                log.info("rank %d epoch %d: %s", self.rank, start.epoch, e)
+                if pause == WAITING_RETRY_S[0]:
+                    log.info("rank %d epoch %d: %s", self.rank, start.epoch, e)
                 self.stop.wait(pause)
                 pause = min(2 * pause, WAITING_RETRY_S[1])
         self.run = RunId(self.id, reply.seq, start.epoch, self.token, self.seals)
