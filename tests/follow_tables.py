@@ -31,7 +31,7 @@ def land_partition(table: Path, name: str, first_row: int, rows: int, files: int
     staging = table / f"_landing-{name.replace('/', '-')}"
     staging.mkdir(parents=True)
     bounds = np.linspace(first_row, first_row + rows, files + 1).astype(int)
-    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         pq.write_table(partition_table(int(lo), int(hi - lo)), staging / f"part-{i:05d}.parquet",
                        row_group_size=ROW_GROUP)
     (table / name).parent.mkdir(parents=True, exist_ok=True)

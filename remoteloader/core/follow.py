@@ -12,7 +12,7 @@ from __future__ import annotations
 __all__ = ["Growth", "in_stream", "plan_growth", "reaches"]
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Sequence
 
 from ..formats import DataFile, Relisting, TableError, in_stream, reaches, read_schema, relist
 from .binding import BoundDataset, stored_columns
