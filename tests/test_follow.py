@@ -217,3 +217,30 @@ def test_validate_and_status_show_what_a_stream_reads(tmp_path, capsys):
     line = follow_line(service.status()["jobs"][0])
     assert line.startswith(f"follow {service.state.job.fingerprint}: watermark ds=3, 3 files; window 0: 1,100 rows, "
                            "0 rows waiting for the next")
+
+
+def test_workers_read_ahead_into_the_next_window_once_data_has_landed(tmp_path):
+    """With window 0 all handed out, a worker asking for more opens window 1 early (if data
+    landed) and reads ahead into it, as into a fixed table's next epoch; with nothing
+    landed it gets no split, and no window is opened."""
+    from tests.test_master_service import register
+
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 600)
+    spec = DatasetSpec.from_dict(follow_spec(table, every=HOUR))
+    service = MasterService(MasterConfig(), None, Clock())
+    service.submit(spec)
+    (worker,) = register(service)
+    hello(service, spec)
+    start(service, 0)
+    job = service.state.job
+    for _ in range(len(job.splits)):
+        assert call(service, "get_split", worker_id=worker, read_ahead=False)[0] == "split"
+    assert call(service, "get_split", worker_id=worker)[0] == "no_split" and list(job.windows) == [0]
+    land_partition(table, "ds=2", 600, 300)
+    grow(service)
+    t, reply = call(service, "get_split", worker_id=worker)
+    assert t == "split" and reply["split"]["epoch"] == 1 and reply["split"]["file"]["partition"] == "ds=2"
+    assert job.windows[1] == (job.windows[0][1], len(job.splits))
+    t, epoch1 = start(service, 1)  # the trainer's start takes the window (and the run) workers began
+    assert t == "epoch" and rows(epoch1) == 300
