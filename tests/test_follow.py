@@ -244,3 +244,19 @@ def test_workers_read_ahead_into_the_next_window_once_data_has_landed(tmp_path):
     assert job.windows[1] == (job.windows[0][1], len(job.splits))
     t, epoch1 = start(service, 1)  # the trainer's start takes the window (and the run) workers began
     assert t == "epoch" and rows(epoch1) == 300
+
+
+def test_a_relisting_that_fails_is_reported_and_the_next_one_goes_on(tmp_path):
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 300)
+    service = MasterService(MasterConfig(), None, Clock())
+    service.submit(DatasetSpec.from_dict(follow_spec(table, every=HOUR)))
+    follower = service.runtime[service.state.job.fingerprint].follower
+    os.rename(table, tmp_path / "away")  # the table is briefly gone (a remount, a permission flap)
+    follower.relist_once()
+    assert "cannot list table path" in follower.stats.error and not follower.take()
+    assert "cannot list table path" in service.status()["jobs"][0]["follow"]["error"]
+    os.rename(tmp_path / "away", table)
+    land_partition(table, "ds=2", 300, 200)
+    grow(service)
+    assert follower.stats.error is None and len(service.state.job.files) == 2

@@ -75,8 +75,8 @@ class Follower:
         wall, cpu = time.monotonic(), time.thread_time()
         try:
             growth, listing = plan_growth(self.bound, self._files, self._splits, self.split_rows, self._reported)
-        except (TableError, OSError) as e:  # a table briefly unlistable: tried again at the next interval
-            self.stats.error = redact_text(str(e))[:500]
+        except Exception as e:  # a table briefly unlistable, or any failure: the thread lives on and lists again
+            self.stats.error = redact_text(f"{type(e).__name__}: {e}" if not isinstance(e, TableError) else str(e))[:500]
             log.warning("following %s: re-listing failed (%s); trying again in %g s",
                         redact_text(self.bound.spec.table.path), self.stats.error, self.every)
             return Growth(len(self._files), len(self._splits), [], [])
