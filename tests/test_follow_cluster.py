@@ -108,6 +108,7 @@ def test_a_master_sigkilled_between_two_landings_neither_loses_nor_repeats_one(t
 
 DCP_SCRIPT = """
 import json, os, sys
+from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
