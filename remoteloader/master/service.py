@@ -293,7 +293,7 @@ class MasterService:
         fingerprint = spec.fingerprint()
         self._commit(U.ForJob(fingerprint, U.JobSubmitted(
             spec, fingerprint, bound.schema, [U.file_record(f) for f in files], [U.SplitRecord.of(s) for s in splits],
-            bound.skipped)))
+            bound.skipped, bound.file_tables)))
         split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
         self.runtime[fingerprint] = JobRuntime(bound, planned.row_bytes, split_bytes)
         if self.config.popularity_log:
@@ -722,7 +722,8 @@ class MasterService:
         consumed = self._current_acks(st, rank, seq, consumed)
         if consumed:  # a resumed client: what it consumed before is not produced again
             self._commit(U.ForJob(fingerprint, U.SplitsConsumed(rank, seq, consumed)))
-        splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding)
+        splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding,
+                                   None if p.split.lane is None else list(p.split.lane))
                   for p in st.epoch_splits(rank, epoch)]
         return M.Epoch(epoch=epoch, seq=seq, splits=splits)
 
@@ -732,6 +733,9 @@ class MasterService:
         prefixes of the epoch's splits, a few per base split: more ranges than that is not a
         checkpoint. (Their shape was checked at decode; here, whether they fit the job.)"""
         splits = st.job.splits
+        if done and st.job.spec.tables:
+            raise RequestError("done: a mix of tables resumes on the world size it was saved on (its tables' passes "
+                               "are dealt to the ranks; docs/guarantees.md)", code=ErrorCode.RESUME_MISMATCH)
         # A lane boundary cuts a base split as a rank boundary does (mix_splits): so many more.
         most = MAX_DONE_RANGES * st.job.spec.mix_splits
         merged: list[list[int]] = []

@@ -22,6 +22,7 @@ from ..core.plan import (
     plan_epoch,
     rank_shares,
 )
+from ..core.mix import plan_mixed_epoch
 from ..core.schedule import lane_of, lane_piece_key
 from ..formats import DataFile
 from ..spec import DatasetSpec
@@ -98,6 +99,11 @@ class Job:
     splits: list[BaseSplit]
     total_rows: int
     world_size: Optional[int] = None
+    file_tables: list[int] = field(default_factory=list)  # tables mixed by weight: each file's table
+
+    def base_tables(self) -> list[int]:
+        """Each base split's table in the mix (spec ``tables``)."""
+        return [self.file_tables[s.file] for s in self.splits]
 
     @property
     def plan_fingerprint(self) -> str:
@@ -243,7 +249,7 @@ class JobState:
         splits = [s.base_split(i) for i, s in enumerate(u.splits)]
         self.cache_plan, self.cache_reverted = {}, set()
         self.job = Job(u.spec, u.fingerprint, u.schema, [U.data_file(f) for f in u.files], splits,
-                       sum(s.rows for s in splits))
+                       sum(s.rows for s in splits), file_tables=list(u.tables))
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
                            for m in u.skipped)
         self.error_counts["skipped"] += len(u.skipped)
@@ -403,7 +409,11 @@ class JobState:
         splits = {s.id: SplitProgress(s, pieces_of(s.rows, batch_size), position=i) for i, s in enumerate(mine)}
         pending = deque(s.id for s in mine)
         mix = self.job.spec.mix_splits
-        if mix > 1:  # lanes: splits go out in the order the batches first need them, K lanes at once
+        if self.job.spec.tables:  # a mix of tables: its lanes as planned, in the order the batches need them
+            for s in mine:
+                splits[s.id].lane = s.lane
+            pending = deque(s.id for s in sorted(mine, key=lambda s: lane_piece_key(s.lane, 0, batch_size)))
+        elif mix > 1:  # lanes: splits go out in the order the batches first need them, K lanes at once
             lanes = lane_of([s.rows for s in mine], batch_size, mix)
             for s, lane in zip(mine, lanes):
                 splits[s.id].lane = lane
@@ -474,9 +484,15 @@ class JobState:
     def _plan(self, epoch: int) -> EpochPlan:
         if epoch not in self._plans:
             spec = self.job.spec
-            self._plans[epoch] = EpochPlan(plan_epoch(
-                self.job.splits, epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
-                spec.drop_last, spec.even_batches, self.resumed.get(epoch), spec.mix_splits))
+            if spec.tables:  # a mix of tables (never resumed on another world size: core/mix.py)
+                mixed = plan_mixed_epoch(self.job.splits, self.job.base_tables(), [t.weight for t in spec.tables],
+                                         [t.when_done for t in spec.tables], epoch, spec.seed, spec.shuffle,
+                                         self.job.world_size, spec.batch_size, spec.even_batches)
+                self._plans[epoch] = EpochPlan([s for r in sorted(mixed) for s in mixed[r].splits])
+            else:
+                self._plans[epoch] = EpochPlan(plan_epoch(
+                    self.job.splits, epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
+                    spec.drop_last, spec.even_batches, self.resumed.get(epoch), spec.mix_splits))
             oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
             if self._plan_floor is not None:
                 oldest = min(oldest, self._plan_floor)
@@ -628,6 +644,9 @@ class JobState:
         """Each rank's rows of a whole epoch (a resumed epoch has fewer)."""
         assert self.job is not None and self.job.world_size is not None
         spec = self.job.spec
+        if spec.tables:  # a mix: each rank's rows of its passes, the same every epoch (core/mix.py)
+            rows = [sum(s.rows for s in self._plan(0).by_rank.get(r, ())) for r in range(self.job.world_size)]
+            return RankShares(tuple(rows), (0,) * len(rows), 0)
         return rank_shares(self.job.total_rows, self.job.world_size, spec.batch_size, spec.drop_last,
                            spec.even_batches)
 

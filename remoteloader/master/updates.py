@@ -158,6 +158,7 @@ class JobSubmitted(Update):
     files: list[FileRecord]
     splits: list[SplitRecord]
     skipped: list[str]  # files left out (on_error: skip), with the reason
+    tables: list[int] = []  # tables mixed by weight (spec tables): each file's table; empty: one table
 
 
 class WorkerRegistered(Update):
