@@ -16,13 +16,12 @@ import json
 import os
 import re
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 from urllib.parse import urlsplit
 
 import yaml
-
-from .core.schedule import weighted_shares
 
 
 class SpecError(ValueError):
@@ -401,6 +400,19 @@ def _check_batching(spec: DatasetSpec) -> None:
     if spec.mix_splits > 1 and spec.order is not None and spec.order["cycle"] != DEFAULT_CYCLE:
         raise SpecError(f"order.cycle: {spec.order['cycle']} is not used with mix_splits {spec.mix_splits} (its "
                         "lanes are the schedule): leave order.cycle out")
+
+
+def weighted_shares(batch_size: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """Rows of a batch for each weight: ``floor(B * W(<=j) / W) - floor(B * W(<j) / W)``, W(<=j)
+    the cumulative weight, computed exactly; each is within one row of ``B * w / W``."""
+    exact = [Fraction(w) for w in weights]
+    total, cum, out, prev = sum(exact), Fraction(0), [], 0
+    for w in exact:
+        cum += w
+        upto = (batch_size * cum) // total
+        out.append(int(upto - prev))
+        prev = upto
+    return tuple(out)
 
 
 def _check_mix(spec: DatasetSpec) -> None:

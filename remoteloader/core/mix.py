@@ -206,3 +206,18 @@ class BatchCounts:
 
     def counts(self, batch: int) -> list[int]:
         return [next((c for a, b, c in runs if a <= batch < b), 0) for runs in self._runs]
+
+
+def mix_report(batch_size: int, weights: Sequence[float], policies: Sequence[str], rows: Sequence[int]) -> dict:
+    """What one rank's epoch of the mix reads when its passes hold ``rows`` rows of each table
+    (``remoteloader validate``: the whole tables on one rank): each table's rows a batch, rows
+    and passes an epoch, and the runs of batches with the same rows of each table."""
+    segments = composition(batch_size, weights, policies, rows)
+    read = table_rows(segments, len(weights))
+    shares = weighted_shares(batch_size, weights)
+    return {
+        "batches_per_epoch": sum(s.batches for s in segments),
+        "tables": [{"weight": w, "when_done": p, "rows": n, "rows_per_batch": share, "rows_per_epoch": r,
+                    "passes": round(r / n, 3) if n else 0} for w, p, n, share, r in zip(weights, policies, rows, shares, read)],
+        "segments": [{"first_batch": s.first_batch, "batches": s.batches, "rows": list(s.counts)} for s in segments],
+    }

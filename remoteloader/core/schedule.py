@@ -17,8 +17,9 @@ so which rows share a merged batch is fixed too; the epoch's one short batch com
 """
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import Sequence
+
+from ..spec import weighted_shares  # noqa: F401 (the mix's shares: imported from here too)
 
 PADDING_GROUP = 1 << 62  # after every cycle
 OrderKey = tuple[int, int, int]
@@ -76,19 +77,6 @@ def proportional(total: int, parts: int) -> tuple[int, ...]:
     ``floor(total * (j + 1) / parts) - floor(total * j / parts)``, so shares differ by at
     most one row, the larger ones later, and add up to ``total``."""
     return tuple(total * (j + 1) // parts - total * j // parts for j in range(parts))
-
-
-def weighted_shares(batch_size: int, weights: Sequence[float]) -> tuple[int, ...]:
-    """Rows of a batch for each weight: ``floor(B * W(<=j) / W) - floor(B * W(<j) / W)``, W(<=j)
-    the cumulative weight, computed exactly; each is within one row of ``B * w / W``."""
-    exact = [Fraction(w) for w in weights]
-    total, cum, out, prev = sum(exact), Fraction(0), [], 0
-    for w in exact:
-        cum += w
-        upto = (batch_size * cum) // total
-        out.append(int(upto - prev))
-        prev = upto
-    return tuple(out)
 
 
 def lane_rows(rows: int, batch_size: int, lanes: int) -> tuple[int, ...]:

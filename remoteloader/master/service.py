@@ -20,6 +20,7 @@ import msgspec
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.cache.store import BlockStore
 from ..core.plan import make_task, plan_base_splits
+from ..core.schedule import weighted_shares
 from ..core.schedule import split_order
 from ..core.popularity import record_projection
 from ..core.redact import redact, redact_text
@@ -826,6 +827,18 @@ class MasterService:
             return None
         return min(1.0, self.rates.rate("w:" + worker_id, "busy_s"))
 
+    @staticmethod
+    def _mix_status(st: JobState) -> dict:
+        """A mix of tables: each table's weight, rows a batch, and the realised mix, the rows of
+        each the ranks consumed in their current epochs and their share of all of them."""
+        spec = st.job.spec
+        read = st.rows_read_by_table()
+        shares = weighted_shares(spec.batch_size, [t.weight for t in spec.tables])
+        return {"epochs": sorted({r.epoch for r in st.ranks.values()}),
+                "tables": [{"path": redact(t.table.path), "weight": t.weight, "when_done": t.when_done,
+                            "rows_per_batch": share, "rows_read": n, "share_read": round(n / max(1, sum(read)), 4)}
+                           for t, share, n in zip(spec.tables, shares, read)]}
+
     def status(self, history: bool = False) -> dict:
         """What ``remoteloader status --json`` prints; with ``history``, the run over time too.
         ``job`` and ``ranks`` are the oldest job's (a master of one job: its job); ``jobs``
@@ -844,7 +857,8 @@ class MasterService:
             "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec.table.path),
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size,
-                                             "split_bytes": self.runtime[job.fingerprint].split_bytes},
+                                             "split_bytes": self.runtime[job.fingerprint].split_bytes,
+                                             **({"mix": self._mix_status(first)} if job.spec.tables else {})},
             "jobs": self._jobs_status(),
             "max_jobs": self.config.max_jobs,
             # Per worker, from its last heartbeat: held_bytes / ahead_bytes / budget_bytes

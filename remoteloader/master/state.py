@@ -650,6 +650,16 @@ class JobState:
         return rank_shares(self.job.total_rows, self.job.world_size, spec.batch_size, spec.drop_last,
                            spec.even_batches)
 
+    def rows_read_by_table(self) -> list[int]:
+        """A mix of tables: the rows of each table the ranks consumed in their current epochs
+        (whole pieces acknowledged: what the realised mix is measured on)."""
+        read = [0] * len(self.job.spec.tables)
+        for rank_epoch in self.ranks.values():
+            for p in rank_epoch.splits.values():
+                if p.split.lane is not None and p.failed is None:
+                    read[p.split.lane[0]] += min(p.consumed * self.job.spec.batch_size, p.split.rows)
+        return read
+
     def epoch_started(self, epoch: int) -> bool:
         """Whether any rank (or a prefetch) has started ``epoch`` from its plan."""
         return any(r.epoch == epoch for r in self._rank_epochs())

@@ -86,6 +86,9 @@ def _validate(args: argparse.Namespace) -> int:
         "files_skipped": [redact(m) for m in bound.skipped],  # on_error: skip, with why
         "files_ignored": [redact(m) for m in bound.ignored],  # under the path, of another format
     }
+    if spec.tables:
+        report["mix"] = _mix_report(spec, files, bound.file_tables)
+        report["batches_per_epoch"] = report["mix"]["batches_per_epoch"]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -105,7 +108,26 @@ def _validate(args: argparse.Namespace) -> int:
                   f"within half its --buffer-bytes)")
         for line in report["files_skipped"] + report["files_ignored"]:
             print(f"  not read     {line}")
+        for i, t in enumerate(report.get("mix", {}).get("tables", ())):
+            print(f"  tables[{i}]    {t['path']}: {t['files']} files, {t['rows']:,} rows; weight {t['weight']}: "
+                  f"{t['rows_per_batch']} rows a batch, {t['rows_per_epoch']:,} rows ({t['passes']} passes) an "
+                  f"epoch on one rank; when done: {t['when_done']}")
+        for seg in report.get("mix", {}).get("segments", ()):
+            print(f"  batches      {seg['first_batch']}..{seg['first_batch'] + seg['batches'] - 1}: rows of each "
+                  f"table {seg['rows']}")
     return 0
+
+
+def _mix_report(spec, files: list, file_tables: list[int]) -> dict:
+    """A mix's epoch on one rank (core/mix.py), with each table's path and files."""
+    from ..core.mix import mix_report
+
+    rows = [sum(f.num_rows for f, t in zip(files, file_tables) if t == i) for i in range(len(spec.tables))]
+    report = mix_report(spec.batch_size, [t.weight for t in spec.tables], [t.when_done for t in spec.tables], rows)
+    for i, (entry, table) in enumerate(zip(report["tables"], spec.tables)):
+        entry.update(path=redact(table.table.path), files=sum(1 for t in file_tables if t == i),
+                     columns=dict(table.columns))
+    return report
 
 
 def _ask_status(args: argparse.Namespace, history: bool = False, rpc=None) -> dict:
@@ -177,6 +199,9 @@ def _status(args: argparse.Namespace) -> int:
     for c in status["clients"]:
         print(f"client {c['id']} rank {c['rank']}: stall {c.get('stall', 0):.1%}  "
               f"{c.get('batches_per_s', 0):.1f} batches/s  queued {c.get('queued', 0)}")
+    for i, t in enumerate((job or {}).get("mix", {}).get("tables", ())):
+        print(f"tables[{i}] {t['path']}: weight {t['weight']} ({t['rows_per_batch']} rows a batch), "
+              f"{t['rows_read']:,} rows read this epoch ({t['share_read']:.1%} of the mix), when done: {t['when_done']}")
     for rank, r in status["ranks"].items():
         print(f"rank {rank}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
     for d in status.get("autoscaler", [])[-5:]:
