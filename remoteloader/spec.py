@@ -181,6 +181,13 @@ class DatasetSpec:
         return out
 
     @property
+    def table_paths(self) -> list[tuple[str, str]]:
+        """(key, path) of every table the spec reads: what an allowlist must check."""
+        if self.tables:
+            return [(f"tables[{i}].path", t.table.path) for i, t in enumerate(self.tables)]
+        return [("table.path", self.table.path)]
+
+    @property
     def share_weight(self) -> float:
         """This job's weight among a shared fleet's jobs (1 if unsaid)."""
         return float((self.share or {}).get("weight", 1))

@@ -5,13 +5,14 @@ and spec validation naming the key."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
 from remoteloader.client.assembly import EpochAssembler
-from remoteloader.core.mix import composition, plan_mixed_epoch, table_rows
+from remoteloader.core.mix import check_passes, composition, plan_mixed_epoch, table_rows
 from remoteloader.core.plan import BaseSplit, pieces_of
 from remoteloader.core.schedule import lane_piece_key, weighted_shares
 from remoteloader.spec import DatasetSpec, SpecError
@@ -42,10 +43,6 @@ def batches_of(segments):
 @pytest.mark.parametrize("rows", [(3000, 1000), (3001, 999), (100, 5000), (5000, 7), (0, 900)])
 def test_composition_is_exact_and_follows_each_policy(policies, rows):
     batch, weights = 64, (3, 1)
-    if any(p == "restart" and n == 0 for p, n in zip(policies, rows)):
-        with pytest.raises(ValueError, match="restarts but has no row"):
-            composition(batch, weights, policies, rows)
-        return
     segments = composition(batch, weights, policies, rows)
     per_batch = batches_of(segments)
     taken = table_rows(segments, 2)
@@ -53,7 +50,7 @@ def test_composition_is_exact_and_follows_each_policy(policies, rows):
     cumulative = [0, 0]
     for b, counts in enumerate(per_batch):
         last = b == len(per_batch) - 1
-        in_mix = [t for t in (0, 1) if policies[t] == "restart" or cumulative[t] < rows[t]]
+        in_mix = [t for t in (0, 1) if cumulative[t] < rows[t] or (policies[t] == "restart" and rows[t])]
         ends = [t for t in in_mix if policies[t] != "restart" and cumulative[t] + counts[t] == rows[t]]
         if not last:
             assert sum(counts) == batch  # every batch but the epoch's last is full
@@ -232,3 +229,11 @@ def test_piece_keys_order_pieces_as_the_batches_use_them():
         for i in range(pieces_of(s.rows, 16)):
             assert lane_piece_key(s.lane, i, 16)[0] == first_batch_of_row[t][lane_row[t] + i * 16]
         lane_row[t] += s.rows
+
+
+def test_a_restarted_table_read_too_many_times_an_epoch_is_refused_naming_its_weight(tmp_path):
+    spec = DatasetSpec.from_dict(mix_dict(tmp_path, batch_size=1024))
+    spec = spec.replace(tables=(spec.tables[0], replace(spec.tables[1], when_done="restart")))
+    check_passes(spec, [10**6, 1000])  # 1,000 passes: fine
+    with pytest.raises(SpecError, match=r"tables\[1\]\.weight: .* 333,333 times"):
+        check_passes(spec, [10**9, 1000])

@@ -143,7 +143,7 @@ def _start_node_workers(spec: DatasetSpec, master: str, node: str, num_workers: 
     if not os.environ.get("REMOTELOADER_QUIET"):
         print(f"remoteloader: starting {workers} workers on {node} ({address}) for the embedded master at {master}"
               + (f" (their log: {log_file})" if log_file else ""), file=sys.stderr, flush=True)
-    return NodeWorkers(master, workers, address, node, auth_dir, [spec.table.path], _embedded_cache(spec), log_file)
+    return NodeWorkers(master, workers, address, node, auth_dir, [path for _, path in spec.table_paths], _embedded_cache(spec), log_file)
 
 
 def _start_embedded(spec: DatasetSpec, num_workers: Optional[int], auth_dir: Optional[str],
@@ -161,7 +161,7 @@ def _start_embedded(spec: DatasetSpec, num_workers: Optional[int], auth_dir: Opt
               f"{redact(spec.table.path)}{compiling}" + (f" (their log: {log_file})" if log_file else ""),
               file=sys.stderr, flush=True)
     # The embedded master serves this table only (told in its environment, off the command line).
-    return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir, allowed_tables=[spec.table.path],
+    return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir, allowed_tables=[path for _, path in spec.table_paths],
                            cache=_embedded_cache(spec), log_file=log_file, bind=bind)
 
 

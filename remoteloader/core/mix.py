@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from ..spec import DatasetSpec, SpecError
 from .plan import BaseSplit, EpochSplit, plan_epoch
 from .schedule import weighted_shares
 
@@ -55,10 +56,8 @@ def composition(batch_size: int, weights: Sequence[float], policies: Sequence[st
     finite = [policies[t] != "restart" for t in tables]
     if not any(finite):
         raise ValueError("every table restarts: the epoch would never end")
-    for t in tables:
-        if not finite[t] and rows[t] == 0:
-            raise ValueError(f"tables[{t}]: restarts but has no row for this rank")
-    mix, left = list(tables), list(rows)
+    # A restarted table with no row for this rank (fewer rows than ranks) is not in its mix.
+    mix, left = [t for t in tables if finite[t] or rows[t]], list(rows)
     out: list[Segment] = []
     batch = 0
 
@@ -145,6 +144,21 @@ def plan_mixed_epoch(base: Sequence[BaseSplit], base_table: Sequence[int], weigh
                 next_id += 1
         plans[rank] = MixedPlan(mine, segments)
     return plans
+
+
+def check_passes(spec: DatasetSpec, rows: Sequence[int]) -> None:
+    """Refuse a mix whose restarted table would be read in more than ``MAX_PASSES // 4`` passes
+    an epoch (each a plan of its own), from the tables' ``rows``: the passes are the same on any
+    world size but for rounding, which the margin covers. Errors name the weight."""
+    shares = weighted_shares(spec.batch_size, [t.weight for t in spec.tables])
+    for t, mixed in enumerate(spec.tables):
+        if mixed.when_done != "restart":
+            continue
+        longest = max(rows[f] / shares[f] for f, other in enumerate(spec.tables) if other.when_done != "restart")
+        passes = longest * shares[t] / rows[t]
+        if passes > MAX_PASSES // 4:
+            raise SpecError(f"tables[{t}].weight: the table ({rows[t]:,} rows, {shares[t]} a batch) would be read "
+                            f"about {passes:,.0f} times an epoch (at most {MAX_PASSES // 4:,}): lower its weight")
 
 
 def pass_stream(table: int, pass_: int) -> int:

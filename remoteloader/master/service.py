@@ -19,6 +19,7 @@ import msgspec
 
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.cache.store import BlockStore
+from ..core.mix import check_passes
 from ..core.plan import make_task, plan_base_splits
 from ..core.schedule import weighted_shares
 from ..core.schedule import split_order
@@ -146,6 +147,11 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
     splits = sampled_splits(bound, files, base)
     if not splits or sum(s.rows for s in splits) == 0:
         raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
+    for i, mixed in enumerate(spec.tables):
+        if not any(s.rows for s in splits if bound.file_tables[s.file] == i):
+            raise SpecError(f"tables[{i}].partitions: the selection of table {mixed.table.path!r} has no rows")
+    if spec.tables:
+        check_passes(spec, [sum(s.rows for s in splits if bound.file_tables[s.file] == i) for i in range(len(spec.tables))])
     return Planned(bound, splits, per_row)
 
 
@@ -654,10 +660,12 @@ class MasterService:
         fingerprint = spec.fingerprint()
         pending = self._binding.get(fingerprint)
         if pending is None:
-            if not TableAllowlist(self.config.allowed_tables).allows(spec.table.path):
-                # Says nothing of whether the path exists: that would be an oracle.
-                raise RequestError("table.path: this master does not serve that table (see --allow-table)",
-                                   code=ErrorCode.BAD_SPEC)
+            allowlist = TableAllowlist(self.config.allowed_tables)
+            for key, path in spec.table_paths:  # every table of a mix
+                if not allowlist.allows(path):
+                    # Says nothing of whether the path exists: that would be an oracle.
+                    raise RequestError(f"{key}: this master does not serve that table (see --allow-table)",
+                                       code=ErrorCode.BAD_SPEC)
             self._check_room()
             if len(self._binding) >= self.config.max_jobs:  # a flood of specs is refused, not absorbed
                 raise RequestError(f"the master is binding {len(self._binding)} other specs; retry",
