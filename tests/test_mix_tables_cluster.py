@@ -2,10 +2,14 @@
 exactly 48 rows of the first table and 16 of the second (batch 64), each table is read exactly
 once (``when_done: drop``), or the second in whole passes (``restart``); the renamed column
 comes from the table's own column; the sequences are the same with 1, 2 (real processes)
-and 4 workers, through a state_dict() (each rank's part, and the job's position as DCP
-saves it), and from LocalDataset whatever its DataLoader workers."""
+and 4 workers, through a worker SIGKILLed mid-epoch, through a state_dict() (each rank's
+part, and the job's position as DCP saves it), and from LocalDataset whatever its DataLoader
+workers; validate and status show the mix."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 from collections import Counter
 from types import SimpleNamespace
 
@@ -66,10 +70,10 @@ def checked(per_rank, b_passes=1):
     return [[digest(b) for b in batches] for batches in per_rank]
 
 
-def run(addr, spec, world=2, before_close=lambda: None):
+def run(addr, spec, world=2, before_close=lambda: None, on_batch=None):
     loaders = [RemoteDataLoader(spec, master=addr, rank=r, world_size=world, timeout=90) for r in range(world)]
     try:
-        per_rank = consume(loaders)
+        per_rank = consume(loaders, on_batch)
         before_close()
         return per_rank
     finally:
@@ -79,18 +83,43 @@ def run(addr, spec, world=2, before_close=lambda: None):
 
 @pytest.fixture(scope="module")
 def reference(tables):
-    """Each rank's sequence with 2 real worker processes; and what status says of the mix."""
+    """Each rank's sequence with 2 real worker processes, one SIGKILLed early in the epoch (while
+    it holds pieces of both tables the ranks have no credit for yet); and what status says."""
     from tests.conftest import Cluster
 
     cluster = Cluster()
     try:
         master = cluster.master(workers=2)
-        statuses = []
-        per_rank = run(master.addr, mix_spec(tables), before_close=lambda: statuses.append(master_status(master.addr)))
+        victim, killed, statuses = master.started_worker_pids(2)[0], [], []
+
+        def kill(rank, i):
+            if rank == 0 and i == 2:
+                os.kill(victim, signal.SIGKILL)
+                killed.append(i)
+
+        per_rank = run(master.addr, mix_spec(tables), before_close=lambda: statuses.append(master_status(master.addr)),
+                       on_batch=kill)
+        assert killed
         status = statuses[0]
     finally:
         cluster.stop()
     return SimpleNamespace(sequences=checked(per_rank), status=status)
+
+
+def test_validate_shows_what_an_epoch_of_the_mix_reads(tables, tmp_path, capsys):
+    from remoteloader.tools.cli import main
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(mix_spec(tables)))
+    assert main(["validate", str(path), "--json"]) == 0
+    mix = json.loads(capsys.readouterr().out)["mix"]
+    assert [(t["rows"], t["rows_per_batch"], t["rows_per_epoch"], t["columns"]) for t in mix["tables"]] == \
+           [(A_ROWS, 48, A_ROWS, {}), (B_ROWS, 16, B_ROWS, {"ts": "row_id"})]
+    full, last = divmod(A_ROWS, 48)  # on one rank: 62 batches of 48 + 16, then 24 + 8
+    assert mix["segments"] == [{"first_batch": 0, "batches": full, "rows": [48, 16]},
+                               {"first_batch": full, "batches": 1, "rows": [last, B_ROWS - 16 * full]}]
+    assert main(["validate", str(path)]) == 0
+    assert "tables[1]" in capsys.readouterr().out
 
 
 def test_the_mix_is_exact_and_status_shows_it(reference):
