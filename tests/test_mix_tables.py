@@ -237,3 +237,34 @@ def test_a_restarted_table_read_too_many_times_an_epoch_is_refused_naming_its_we
     check_passes(spec, [10**6, 1000])  # 1,000 passes: fine
     with pytest.raises(SpecError, match=r"tables\[1\]\.weight: .* 333,333 times"):
         check_passes(spec, [10**9, 1000])
+
+
+def test_the_master_plans_a_mix_and_a_replayed_journal_or_snapshot_rebuilds_it():
+    from remoteloader.formats import DataFile, Unit
+    from remoteloader.master import updates as U
+    from remoteloader.master.state import JobState
+
+    spec = DatasetSpec.from_dict({"tables": [{"path": "/a", "weight": 3}, {"path": "/b", "when_done": "restart"}],
+                                  "features": {"dense": ["x"]}, "batch_size": 8, "shuffle": True})
+    files = [U.file_record(DataFile(f"f{i}", "orc", "", 100, 1000, (Unit(0, 0, 50, 500), Unit(1, 50, 50, 500))))
+             for i in range(3)]
+    records = [U.SplitRecord(f, u, u + 1, 50, 50, 100 * f + 50 * u) for f in range(3) for u in range(2)]
+    history = [U.MasterStarted(0.0), U.JobSubmitted(spec, "fp", {"x": "float"}, files, records, [], [0, 0, 1]),
+               U.ClientJoined("c0", 0, 2, 0.0), U.ClientJoined("c1", 1, 2, 0.0),
+               U.EpochStarted(0, 3, "c0", 0), U.EpochStarted(1, 3, "c1", 0)]
+    st = JobState()
+    for u in history:
+        st.apply(U.decode(U.encode(u)))  # as a journal replays them
+    expected = plan_mixed_epoch(st.job.splits, [0, 0, 0, 0, 1, 1], (3, 1), ("drop", "restart"), 3, 0, True, 2, 8, "pad")
+    for rank in (0, 1):
+        progress = st.epoch_splits(rank, 3)
+        assert [p.split for p in progress] == expected[rank].splits
+        assert all(p.lane == p.split.lane for p in progress)
+        assert list(st.ranks[rank].pending) == [s.id for s in sorted(expected[rank].splits,
+                                                                       key=lambda s: lane_piece_key(s.lane, 0, 8))]
+        assert st.shares().rows[rank] == sum(s.rows for s in expected[rank].splits)
+    snap = st.snapshot()
+    rebuilt = JobState()
+    rebuilt.apply(U.decode(U.encode(snap)))
+    assert rebuilt.snapshot() == snap and rebuilt.job.file_tables == [0, 0, 1]
+    assert [p.split for p in rebuilt.epoch_splits(1, 3)] == expected[1].splits

@@ -171,7 +171,8 @@ class JobState:
         """Rebuild ``u`` into this fresh state, through the same code as live operation."""
         if u.job is not None:
             job = u.job
-            self._on_JobSubmitted(U.JobSubmitted(job.spec, job.fingerprint, job.schema, job.files, job.splits, []))
+            self._on_JobSubmitted(U.JobSubmitted(job.spec, job.fingerprint, job.schema, job.files, job.splits, [],
+                                                 job.tables))
             self.job.world_size = job.world_size
         self._worker_seq = u.worker_seq
         for w in u.workers:
@@ -221,7 +222,7 @@ class JobState:
             version=U.SNAPSHOT_VERSION,
             job=None if job is None else U.JobRecord(
                 job.spec, job.fingerprint, dict(job.schema), [U.file_record(f) for f in job.files],
-                [U.SplitRecord.of(s) for s in job.splits], job.world_size),
+                [U.SplitRecord.of(s) for s in job.splits], job.world_size, list(job.file_tables)),
             worker_seq=self._worker_seq,
             workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned),
                                     w.key, w.node, w.arena) for w in self.workers.values()],

@@ -84,6 +84,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     files: list[FileRecord]
     splits: list[SplitRecord]
     world_size: Optional[int]
+    tables: list[int] = []  # tables mixed by weight: each file's table (JobSubmitted.tables)
 
 
 class WorkerRecord(msgspec.Struct, frozen=True):
