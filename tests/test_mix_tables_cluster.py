@@ -185,3 +185,26 @@ def test_local_dataset_yields_the_same_sequence_whatever_its_dataloader_workers(
             batches += list(LocalDataset(spec, rank=r, world_size=2))
         per_rank.append(batches)
     assert checked(per_rank) == reference.sequences
+
+
+def test_a_renamed_label_is_what_sampling_the_size_estimate_and_the_batches_read(tables):
+    """b's label is its float_3 column: sampling by label reads it there, as do the master's
+    size estimate and the workers (here LocalDataset, the same processor)."""
+    from remoteloader.core.binding import bind
+    from remoteloader.core.sampling import plan_job_splits
+    from remoteloader.core.sizing import row_bytes
+    from remoteloader.spec import DatasetSpec
+
+    spec = mix_spec(tables)
+    spec["tables"][1]["columns"] = {"ts": "row_id", "label": "float_3"}
+    spec["features"]["passthrough"].append("float_3")
+    spec["sampling"] = {"rate": 0.5, "seed": 1, "label_value": 0}
+    bound = bind(DatasetSpec.from_dict(spec))
+    assert row_bytes(bound) > 0
+    kept = sum(s.rows for s in plan_job_splits(bound))
+    batches = list(LocalDataset(spec))
+    rows = [r for b in batches for r in b.passthrough["row_id"].tolist()]
+    assert 0 < kept < A_ROWS + B_ROWS and len(rows) == len(set(rows)) == kept  # drop, drop: every kept row once
+    for b in batches:
+        in_b = b.passthrough["row_id"] >= B_FIRST
+        assert (b.labels[in_b] == b.passthrough["float_3"][in_b].float()).all()
