@@ -137,7 +137,8 @@ def plan_mixed_epoch(base: Sequence[BaseSplit], base_table: Sequence[int], weigh
         for t, want in enumerate(table_rows(segments, len(weights))):
             passes = -(-want // per_pass[t]) if want else 0
             if passes > MAX_PASSES:
-                raise ValueError(f"tables[{t}]: {passes} passes of {per_pass[t]} rows in one epoch (at most {MAX_PASSES})")
+                raise ValueError(f"tables[{t}]: {passes} passes of {per_pass[t]} rows in one epoch "
+                                 f"(at most {MAX_PASSES})")
             lane = [s for p in range(passes) for s in (first[t] if p == 0 else table_pass(t, p))[rank]]
             for s in _cut_lane(lane, want, t, segments):
                 mine.append(replace(s, id=next_id))
@@ -232,6 +233,7 @@ def mix_report(batch_size: int, weights: Sequence[float], policies: Sequence[str
     return {
         "batches_per_epoch": sum(s.batches for s in segments),
         "tables": [{"weight": w, "when_done": p, "rows": n, "rows_per_batch": share, "rows_per_epoch": r,
-                    "passes": round(r / n, 3) if n else 0} for w, p, n, share, r in zip(weights, policies, rows, shares, read)],
+                    "passes": round(r / n, 3) if n else 0}
+                   for w, p, n, share, r in zip(weights, policies, rows, shares, read)],
         "segments": [{"first_batch": s.first_batch, "batches": s.batches, "rows": list(s.counts)} for s in segments],
     }

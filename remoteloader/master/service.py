@@ -151,7 +151,8 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
         if not any(s.rows for s in splits if bound.file_tables[s.file] == i):
             raise SpecError(f"tables[{i}].partitions: the selection of table {mixed.table.path!r} has no rows")
     if spec.tables:
-        check_passes(spec, [sum(s.rows for s in splits if bound.file_tables[s.file] == i) for i in range(len(spec.tables))])
+        check_passes(spec, [sum(s.rows for s in splits if bound.file_tables[s.file] == i)
+                            for i in range(len(spec.tables))])
     return Planned(bound, splits, per_row)
 
 

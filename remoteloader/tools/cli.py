@@ -201,7 +201,8 @@ def _status(args: argparse.Namespace) -> int:
               f"{c.get('batches_per_s', 0):.1f} batches/s  queued {c.get('queued', 0)}")
     for i, t in enumerate((job or {}).get("mix", {}).get("tables", ())):
         print(f"tables[{i}] {t['path']}: weight {t['weight']} ({t['rows_per_batch']} rows a batch), "
-              f"{t['rows_read']:,} rows read this epoch ({t['share_read']:.1%} of the mix), when done: {t['when_done']}")
+              f"{t['rows_read']:,} rows read this epoch ({t['share_read']:.1%} of the mix), "
+              f"when done: {t['when_done']}")
     for rank, r in status["ranks"].items():
         print(f"rank {rank}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
     for d in status.get("autoscaler", [])[-5:]:
