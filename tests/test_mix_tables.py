@@ -268,3 +268,35 @@ def test_the_master_plans_a_mix_and_a_replayed_journal_or_snapshot_rebuilds_it()
     rebuilt.apply(U.decode(U.encode(snap)))
     assert rebuilt.snapshot() == snap and rebuilt.job.file_tables == [0, 0, 1]
     assert [p.split for p in rebuilt.epoch_splits(1, 3)] == expected[1].splits
+
+
+def test_a_skipped_split_leaves_every_other_row_of_the_mix_exactly_once():
+    """on_error: skip: the skipped split's rows never come; the batches take the shortfall
+    from the other table and every other row is delivered once, every batch but the last full."""
+    base, tables = base_splits(([300, 250, 400, 120], [90, 110, 75]))
+    plan = plan_mixed_epoch(base, tables, (3, 1), ("drop", "drop"), 0, 4, True, 1, 32, "pad")[0]
+    skipped = next(s for s in plan.splits if s.table[0] == 1)
+    ids = {s.id: [s.table[0] * 10**6 + s.base * 1000 + r for r in range(s.row_lo, s.row_hi)] for s in plan.splits}
+    assembler = EpochAssembler([(s.id, s.rows) for s in plan.splits], 32, False,
+                               lanes={s.id: s.lane for s in plan.splits})
+    order = sorted(((s.id, i) for s in plan.splits for i in range(pieces_of(s.rows, 32))),
+                   key=lambda sp: lane_piece_key(plan.splits[sp[0]].lane, sp[1], 32))
+    out = []
+    for sid, p in order:
+        if sid == skipped.id:
+            assembler.skip_split(sid)
+        else:
+            assembler.add(sid, p, make_batch(ids[sid][p * 32:(p + 1) * 32]))
+        while (r := assembler.next_ready()) is not None:
+            assembler.consume(r)
+            out.append(r.batch.passthrough["row_id"].tolist())
+    assert assembler.exhausted
+    assert sorted(r for b in out for r in b) == sorted(r for sid, rows in ids.items() if sid != skipped.id for r in rows)
+    assert all(len(b) == 32 for b in out[:-1])
+
+
+def test_a_restarted_tables_later_passes_shuffle_rows_anew():
+    from remoteloader.core.mix import row_stream
+
+    assert row_stream(5, None) == row_stream(5, [1, 0]) == 6  # one table, and a mix's first pass: as before
+    assert len({row_stream(5, [1, p]) for p in range(4)} | {row_stream(6, [1, p]) for p in range(4)}) == 8
