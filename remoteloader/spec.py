@@ -16,6 +16,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 from urllib.parse import urlsplit
@@ -72,8 +73,34 @@ class TableSpec:
 
 
 @dataclass(frozen=True)
-class DatasetSpec:
+class MixedTable:
+    """One table of a mix (spec ``tables``): its weight in every batch, the job's column names
+    it has under other names, and what the job does when it runs out (core/mix.py)."""
+
     table: TableSpec
+    weight: float = 1
+    columns: tuple[tuple[str, str], ...] = ()  # (the job's column, the table's column), sorted
+    when_done: str = "drop"  # stop | restart | drop
+
+    def to_dict(self) -> dict:
+        out = {**self.table.to_dict(), "weight": self.weight, "when_done": self.when_done}
+        if self.columns:
+            out["columns"] = dict(self.columns)
+        return out
+
+    def stored(self, name: str) -> str:
+        """The table's name of the job's column ``name`` (a map column's key keeps its key)."""
+        renames = dict(self.columns)
+        suffix = next((s for s in (".ids", ".scores") if name.endswith(s)), "")
+        m = MAP_REF.match(name[:len(name) - len(suffix)])
+        if m is None:
+            return renames.get(name, name)
+        return f"{renames.get(m.group(1), m.group(1))}[{m.group(2)}]{suffix}"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    table: TableSpec  # with ``tables``: the first of them
     label: Optional[str] = None
     dense: tuple[FeatureSpec, ...] = ()
     sparse: tuple[FeatureSpec, ...] = ()
@@ -91,6 +118,7 @@ class DatasetSpec:
     order: Optional[dict] = None  # {deterministic, cycle}: a rank's batch order as a pure function (guarantees.md)
     share: Optional[dict] = None  # {weight, priority}: this job's share of a shared fleet (docs/operations.md)
     mix_splits: int = 1  # K: every full batch draws its rows from K lanes of the rank's splits (core/schedule.py)
+    tables: tuple[MixedTable, ...] = ()  # tables mixed by weight (core/mix.py); empty: one table, ``table``
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -127,7 +155,8 @@ class DatasetSpec:
     def to_dict(self) -> dict:
         """The canonical declarative form; ``from_dict(to_dict())`` gives an equal spec."""
         out: dict[str, Any] = {
-            "table": self.table.to_dict(),
+            # A mix names its tables instead; a spec of one table keeps its form (and fingerprint).
+            **({"tables": [t.to_dict() for t in self.tables]} if self.tables else {"table": self.table.to_dict()}),
             "features": {
                 "label": self.label,
                 "dense": [f.to_dict() for f in self.dense],
@@ -157,6 +186,13 @@ class DatasetSpec:
         return out
 
     @property
+    def table_paths(self) -> list[tuple[str, str]]:
+        """(key, path) of every table the spec reads: what an allowlist must check."""
+        if self.tables:
+            return [(f"tables[{i}].path", t.table.path) for i, t in enumerate(self.tables)]
+        return [("table.path", self.table.path)]
+
+    @property
     def share_weight(self) -> float:
         """This job's weight among a shared fleet's jobs (1 if unsaid)."""
         return float((self.share or {}).get("weight", 1))
@@ -180,7 +216,7 @@ class DatasetSpec:
     def cycle(self) -> Optional[int]:
         """The interleave cycle of a deterministic order (without mixing: its lanes are the
         schedule then); None: no cycle."""
-        if self.mix_splits > 1:
+        if self.mix_splits > 1 or self.tables:
             return None
         return self.order["cycle"] if self.order is not None and self.order["deterministic"] else None
 
@@ -189,6 +225,8 @@ class DatasetSpec:
         """How many of a rank's splits its batches need at once: the ``mix_splits`` lanes when
         batches mix splits, else a deterministic order's cycle; None: batches come in arrival
         order, from one split at a time. Workers' shares and split sizes are planned for it."""
+        if self.tables:  # a mix of tables reads one split of each table (its lane) at once
+            return len(self.tables)
         return self.mix_splits if self.mix_splits > 1 else self.cycle
 
     def fingerprint(self) -> str:
@@ -225,7 +263,11 @@ def spec_differences(mine: Any, theirs: Any, limit: int = 4, _path: str = "", _d
 
 # -- parsing ---------------------------------------------------------------------------
 _TOP_KEYS = {"table", "features", "batch_size", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling", "on_error",
-             "autoscale", "cache", "order", "share", "mix_splits"}
+             "autoscale", "cache", "order", "share", "mix_splits", "tables"}
+_MIXED_TABLE_KEYS = {"path", "format", "partitions", "weight", "columns", "when_done"}
+WHEN_DONE = ("stop", "restart", "drop")
+MAX_TABLES = 64
+MAX_TABLE_WEIGHT = 1e6
 _SHARE_KEYS = {"weight", "priority"}
 PRIORITIES = ("low", "normal", "high")
 MAX_SHARE_WEIGHT = 1000
@@ -303,12 +345,15 @@ def _name(value: Any, key: str) -> str:
 def _parse(data: Any, base_dir: Path) -> DatasetSpec:
     top = _mapping(data, "spec")
     _no_unknown(top, _TOP_KEYS, "")
-    if "table" not in top:
+    if "table" in top and "tables" in top:
+        raise SpecError("tables: give either table (one table) or tables (a mix), not both")
+    if "table" not in top and "tables" not in top:
         raise SpecError("table: required key is missing")
     if "features" not in top:
         raise SpecError("features: required key is missing")
 
-    table = _parse_table(top["table"], base_dir)
+    tables = _parse_tables(top["tables"], base_dir) if "tables" in top else ()
+    table = tables[0].table if tables else _parse_table(top["table"], base_dir)
     feats = _mapping(top["features"], "features")
     _no_unknown(feats, _FEATURE_GROUP_KEYS, "features")
     label = feats.get("label")
@@ -345,6 +390,7 @@ def _parse(data: Any, base_dir: Path) -> DatasetSpec:
         order=_parse_order(top.get("order")),
         share=_parse_share(top.get("share")),
         mix_splits=_typed(top.get("mix_splits", 1), (int,), "mix_splits", "a positive integer"),
+        tables=tables,
     )
     _check_batching(spec)
     return spec
@@ -366,9 +412,68 @@ def _check_batching(spec: DatasetSpec) -> None:
     if spec.mix_splits > spec.batch_size:
         raise SpecError(f"mix_splits: {spec.mix_splits} lanes cannot each give a row to a batch of "
                         f"batch_size {spec.batch_size}")
+    if spec.tables:
+        _check_mix(spec)
     if spec.mix_splits > 1 and spec.order is not None and spec.order["cycle"] != DEFAULT_CYCLE:
         raise SpecError(f"order.cycle: {spec.order['cycle']} is not used with mix_splits {spec.mix_splits} (its "
                         "lanes are the schedule): leave order.cycle out")
+
+
+def weighted_shares(batch_size: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """Rows of a batch for each weight: ``floor(B * W(<=j) / W) - floor(B * W(<j) / W)``, W(<=j)
+    the cumulative weight, computed exactly; each is within one row of ``B * w / W``."""
+    exact = [Fraction(w) for w in weights]
+    total, cum, out, prev = sum(exact), Fraction(0), [], 0
+    for w in exact:
+        cum += w
+        upto = (batch_size * cum) // total
+        out.append(int(upto - prev))
+        prev = upto
+    return tuple(out)
+
+
+def _check_mix(spec: DatasetSpec) -> None:
+    """What makes a mix of tables unusable whatever the tables hold."""
+    if spec.mix_splits != 1:
+        raise SpecError(f"mix_splits: {spec.mix_splits} is not used with tables (each table is a lane of every "
+                        "batch): leave mix_splits out")
+    if spec.order is not None and spec.order["cycle"] != DEFAULT_CYCLE:
+        raise SpecError(f"order.cycle: {spec.order['cycle']} is not used with tables (their lanes are the schedule): "
+                        "leave order.cycle out")
+    if all(t.when_done == "restart" for t in spec.tables):
+        raise SpecError("tables: every table has when_done: restart, so an epoch would never end (give one "
+                        "when_done: stop or drop)")
+    for i, rows in enumerate(weighted_shares(spec.batch_size, [t.weight for t in spec.tables])):
+        if rows == 0:
+            raise SpecError(f"tables[{i}].weight: {spec.tables[i].weight} gives the table no row of a batch of "
+                            f"batch_size {spec.batch_size}")
+
+
+def _parse_tables(value: Any, base_dir: Path) -> tuple[MixedTable, ...]:
+    """``tables: [{path, format, partitions, weight, columns, when_done}, ...]``: tables mixed by weight."""
+    items = _list(value, "tables")
+    if not 1 <= len(items) <= MAX_TABLES:
+        raise SpecError(f"tables: {len(items)} tables (between 1 and {MAX_TABLES})")
+    out = []
+    for i, item in enumerate(items):
+        key = f"tables[{i}]"
+        t = _mapping(item, key)
+        _no_unknown(t, _MIXED_TABLE_KEYS, key)
+        table = _parse_table({k: v for k, v in t.items() if k in _TABLE_KEYS}, base_dir, key)
+        weight = _typed(t.get("weight", 1), (int, float), f"{key}.weight", "a positive number")
+        if not 0 < weight <= MAX_TABLE_WEIGHT:
+            raise SpecError(f"{key}.weight: must be in (0, {MAX_TABLE_WEIGHT:g}], got {weight!r}")
+        when_done = _typed(t.get("when_done", "drop"), (str,), f"{key}.when_done", " or ".join(WHEN_DONE))
+        if when_done not in WHEN_DONE:
+            raise SpecError(f"{key}.when_done: must be one of {', '.join(WHEN_DONE)}, got {when_done!r}")
+        columns = _mapping(t.get("columns", {}), f"{key}.columns")
+        renames = {_name(k, f"{key}.columns"): _name(v, f"{key}.columns.{k}") for k, v in columns.items()}
+        stored = [v for v in renames.values()]
+        twice = next((v for v in stored if stored.count(v) > 1), None)
+        if twice is not None:
+            raise SpecError(f"{key}.columns: the table's column {twice!r} is given two job names")
+        out.append(MixedTable(table, weight, tuple(sorted(renames.items())), when_done))
+    return tuple(out)
 
 
 def _even_batches(value: Any) -> str:
@@ -452,26 +557,26 @@ def _list(value: Any, key: str) -> Sequence:
     return value
 
 
-def _parse_table(value: Any, base_dir: Path) -> TableSpec:
+def _parse_table(value: Any, base_dir: Path, key: str = "table") -> TableSpec:
     if isinstance(value, str):
         value = {"path": value}
-    t = _mapping(value, "table")
-    _no_unknown(t, _TABLE_KEYS, "table")
+    t = _mapping(value, key)
+    _no_unknown(t, _TABLE_KEYS, key)
     if "path" not in t:
-        raise SpecError("table.path: required key is missing")
-    path = _name(t["path"], "table.path")
+        raise SpecError(f"{key}.path: required key is missing")
+    path = _name(t["path"], f"{key}.path")
     if "://" in path:
-        _no_userinfo(path)
+        _no_userinfo(path, key)
     elif not os.path.isabs(path):
         path = str((base_dir / path).resolve())
     fmt = t.get("format")
     if fmt is not None and fmt not in FORMATS:
-        raise SpecError(f"table.format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise SpecError(f"{key}.format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     parts = t.get("partitions")
     if parts is not None:
-        parts = tuple(_name(p, f"table.partitions[{i}]").strip("/") for i, p in enumerate(_list(parts, "table.partitions")))
+        parts = tuple(_name(p, f"{key}.partitions[{i}]").strip("/") for i, p in enumerate(_list(parts, f"{key}.partitions")))
         if not parts:
-            raise SpecError("table.partitions: the list is empty, so no row would be selected (omit the key to read all partitions)")
+            raise SpecError(f"{key}.partitions: the list is empty, so no row would be selected (omit the key to read all partitions)")
     return TableSpec(path=path, format=fmt, partitions=parts, follow=_parse_follow(t.get("follow")))
 
 
@@ -504,15 +609,15 @@ def _parse_follow(value: Any) -> Optional[dict]:
     return {"every": every, "until": until}
 
 
-def _no_userinfo(uri: str) -> None:
+def _no_userinfo(uri: str, key: str = "table") -> None:
     """A URI's ``user:secret@`` would go wherever the table path goes (every message, log
     and status line), so it is refused, and the error never repeats it."""
     try:
         netloc = urlsplit(uri).netloc
     except ValueError as e:
-        raise SpecError(f"table.path: not a valid URI ({e})") from None
+        raise SpecError(f"{key}.path: not a valid URI ({e})") from None
     if "@" in netloc:
-        raise SpecError("table.path: a table URI must not carry credentials (user:secret@ before the host); "
+        raise SpecError(f"{key}.path: a table URI must not carry credentials (user:secret@ before the host); "
                         "give them through the storage's standard credential chain instead: the environment "
                         "(e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), a profile (~/.aws/credentials, "
                         "AWS_PROFILE) or the instance's role")

@@ -22,16 +22,22 @@ With ``mix_splits`` K > 1 (batches that mix splits), pieces are routed the same 
 schedule of the rank's K lanes, each into its lane's queue (``Lanes``), and every batch is
 cut from all K queues in their shares: a piece serves about K batches, and the per-split
 state (whole pieces, rows of a partly used one) still says exactly what was consumed.
+
+With tables mixed by weight (spec ``tables``, ``core/mix.py``) each table is a lane, the
+splits' lane keys come with the plan (``lanes``), and a batch's rows of each table are the
+plan's for that batch (``BatchCounts``): the same machinery, with shares that change where a
+table runs out.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 from .batch import Batch, concat_rows
+from ..core.mix import BatchCounts
 from ..core.plan import pieces_of
-from ..core.schedule import lane_of, lane_rows, lane_schedule, proportional, rank_schedule
+from ..core.schedule import lane_of, lane_piece_key, lane_rows, lane_schedule, proportional, rank_schedule
 
 
 @dataclass
@@ -128,12 +134,19 @@ class Lanes:
     and the other lanes, in order, make up the rest. The proportions are the mechanism's input, so
     sources other than a rank's lanes can be mixed the same way."""
 
-    def __init__(self, shares: Sequence[int], coming: Sequence[int]) -> None:
-        """``coming``: the rows each lane is still to receive."""
+    def __init__(self, shares: Sequence[int], coming: Sequence[int],
+                 per_batch: Optional[Callable[[int], Sequence[int]]] = None, first_batch: int = 0) -> None:
+        """``coming``: the rows each lane is still to receive; ``per_batch``: batch b's rows of
+        each lane where they change from batch to batch (tables mixed by weight), ``shares``
+        then give only the batch size; ``first_batch``: the number of the next batch cut."""
         self.shares = tuple(shares)
         self.batch_size = sum(self.shares)
         self.queues = [RowQueue() for _ in self.shares]
         self.coming = list(coming)
+        self.per_batch, self.batch = per_batch, first_batch
+
+    def _shares(self) -> Sequence[int]:
+        return self.shares if self.per_batch is None else self.per_batch(self.batch)
 
     @property
     def rows(self) -> int:
@@ -149,8 +162,9 @@ class Lanes:
 
     def full(self) -> bool:
         """Whether the next full batch can be cut: every lane holds its share or all it will."""
-        return self.rows >= self.batch_size and all(
-            q.rows >= share or not coming for q, share, coming in zip(self.queues, self.shares, self.coming))
+        shares = self._shares()
+        return sum(shares) == self.batch_size and self.rows >= self.batch_size and all(
+            q.rows >= share or not coming for q, share, coming in zip(self.queues, shares, self.coming))
 
     def cut(self) -> Ready:
         """The next full batch: each lane's share (or what it holds), then what is missing from
@@ -158,7 +172,9 @@ class Lanes:
         pieces: list = []
         parts: list[Contribution] = []
         short = self.batch_size
-        for q, share in zip(self.queues, self.shares):
+        shares = self._shares()
+        self.batch += 1
+        for q, share in zip(self.queues, shares):
             n = min(share, q.rows)
             if n:
                 q.take(n, pieces, parts)
@@ -183,11 +199,13 @@ class Lanes:
 class EpochAssembler:
     def __init__(self, splits: list[tuple[int, int]], batch_size: int, drop_last: bool,
                  consumed: Optional[dict[int, tuple[int, int]]] = None, cycle: Optional[int] = None,
-                 padding: Collection[int] = (), mix_splits: int = 1) -> None:
+                 padding: Collection[int] = (), mix_splits: int = 1,
+                 lanes: Optional[Mapping[int, Sequence[int]]] = None) -> None:
         """``splits``: (split id, rows) in plan order; ``padding``: the ids of padding splits;
         ``cycle``: route in the deterministic schedule's order (None: in arrival order);
         ``mix_splits`` > 1: batches mix the rank's lanes, routed in their schedule's order
-        (``cycle`` is then unused)."""
+        (``cycle`` is then unused); ``lanes``: tables mixed by weight, each split's lane key
+        (table, offset, rows a batch) as planned (``core/mix.py``; ``cycle`` is then unused)."""
         # Called with each batch as it joins the queue, so in the order the training loop takes
         # them (a stager copies them in that order: see staging.py).
         self.on_ready: Optional[Callable[[Ready], None]] = None
@@ -195,6 +213,7 @@ class EpochAssembler:
         self.drop_last = drop_last
         self._splits, self._cycle, self._padding = list(splits), cycle, set(padding)
         self._mix_splits = mix_splits
+        self._table_lanes = dict(lanes) if lanes else None
         self.dirty: set[int] = set()  # splits whose consumed count changed since the last ack
         self.reset({"consumed": [[sid, p, r] for sid, (p, r) in consumed.items()]} if consumed else None)
 
@@ -224,13 +243,18 @@ class EpochAssembler:
         # Deterministic order: the schedule's pieces not yet routed, and those that arrived early.
         self._schedule: Optional[deque] = None
         self._waiting: dict[tuple[int, int], Batch] = {}
-        if self._mix_splits > 1:
+        if self._table_lanes is not None:
+            self._start_table_lanes()
+            keys = self._table_lanes
+            order = sorted(((sid, p) for sid, rows in self._splits for p in range(pieces_of(rows, batch_size))),
+                           key=lambda sp: lane_piece_key(keys[sp[0]], sp[1], batch_size))
+        elif self._mix_splits > 1:
             self._start_lanes()
             order = lane_schedule(self._splits, batch_size, self._mix_splits)
         elif self._cycle is not None:
             order = rank_schedule([(sid, rows, sid in self._padding) for sid, rows in self._splits], batch_size,
                                   self._cycle)
-        if self._mix_splits > 1 or self._cycle is not None:
+        if self._table_lanes is not None or self._mix_splits > 1 or self._cycle is not None:
             self._schedule = deque((sid, p) for sid, p in order if p >= self.cursors[sid].consumed_pieces)
 
     def _start_lanes(self) -> None:
@@ -250,6 +274,30 @@ class EpochAssembler:
             raise ValueError(f"the consumed rows per lane ({used}) are not whole batches' shares {shares} of "
                              f"mix_splits {mix}: the position is not of this plan's lanes")
         self._lanes = Lanes(shares, coming)
+
+    def _start_table_lanes(self) -> None:
+        """Each table's lane and what it is still to receive, and the number of the next batch:
+        consumption is a prefix of the schedule, so whole batches of the plan's rows of each
+        table were consumed; a position of another plan is refused here."""
+        batch_size, keys = self.batch_size, self._table_lanes
+        tables = 1 + max((key[0] for key in keys.values()), default=0)
+        counts = BatchCounts([(keys[sid], rows) for sid, rows in self._splits], tables)
+        coming, used = [0] * tables, [0] * tables
+        for sid, rows in self._splits:
+            table, c = keys[sid][0], self.cursors[sid]
+            self._lane[sid] = table
+            done = min(c.rows, c.consumed_pieces * batch_size + c.consumed_rows_in_piece)
+            used[table] += done
+            coming[table] += rows - done
+        batches, rest = divmod(sum(used), batch_size)
+        expected = [0] * tables
+        for b in range(batches if any(used) and any(coming) else 0):
+            expected = [e + n for e, n in zip(expected, counts.counts(b))]
+        if any(coming) and (rest or expected != used):
+            raise ValueError(f"the consumed rows per table ({used}) are not those of {batches} batches of this plan "
+                             f"({expected}): the position is not of this plan's mix")
+        self._lanes = Lanes(proportional(batch_size, tables), coming, counts.counts, batches)
+
     # -- input ---------------------------------------------------------------------------
     def wants(self, split_id: int, piece: int) -> bool:
         c = self.cursors.get(split_id)

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from .session import RunStart, acks_of
 
 if TYPE_CHECKING:
-    from ..protocol.messages import Epoch
+    from ..protocol.messages import Epoch, EpochSplitInfo
     from .assembly import EpochAssembler
 
 
@@ -20,6 +20,7 @@ class SplitPlan:
     base: int
     row_lo: int
     padding: bool
+    lane: Optional[tuple[int, ...]] = None  # tables mixed by weight: its lane key (core/mix.py)
 
     def rows_consumed(self, pieces: int, tail_rows: int, batch_size: int) -> int:
         return min(self.rows, pieces * batch_size + tail_rows)
@@ -35,12 +36,27 @@ class EpochPlan:
 
     @classmethod
     def of(cls, start: RunStart, reply: "Epoch") -> "EpochPlan":
-        return cls(start.epoch, start.done,
-                   {s.split_id: SplitPlan(s.rows, s.base_split, s.row_lo, bool(s.padding)) for s in reply.splits})
+        return cls(start.epoch, start.done, {s.split_id: _split_plan(s) for s in reply.splits})
+
+    @property
+    def lanes(self) -> Optional[dict[int, tuple[int, ...]]]:
+        """Tables mixed by weight: each split's lane key; None: no mix of tables."""
+        lanes = {sid: s.lane for sid, s in self.splits.items() if s.lane is not None}
+        return lanes or None
 
     @property
     def padding_ids(self) -> list[int]:
         return [sid for sid, s in self.splits.items() if s.padding]
+
+
+def _split_plan(s: "EpochSplitInfo") -> SplitPlan:
+    """A split of a mix of tables is named in positions by its own id (``base`` = split id,
+    ``row_lo`` 0, never padding): a restarted table reads a base split in several passes of
+    one epoch, so rows of base splits would not say which pass consumed them, while split ids
+    are unique in the epoch's plan (a mix resumes only on its own world size, in place)."""
+    if s.lane is not None:
+        return SplitPlan(s.rows, s.split_id, 0, False, tuple(s.lane))
+    return SplitPlan(s.rows, s.base_split, s.row_lo, bool(s.padding))
 
 
 @dataclass

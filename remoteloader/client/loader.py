@@ -210,7 +210,7 @@ class RemoteDataLoader:
         consumed = self.position.consumed_at_start(resumed, plan)
         assembler = EpochAssembler([(sid, s.rows) for sid, s in plan.splits.items()], self.batch_size, self.drop_last,
                                    consumed=consumed, cycle=self.spec.cycle, padding=plan.padding_ids,
-                                   mix_splits=self.spec.mix_splits)
+                                   mix_splits=self.spec.mix_splits, lanes=plan.lanes)
         assembler.dirty.update(consumed)  # told to the master at the first beat
         run = EpochRun(plan, assembler, rows=assembler.expected_rows - assembler.received_rows)
         # The stream never pins: with pin_memory (or device) the stager after it does (staging.py).

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.plan import EpochSplit, make_task, pieces_of, plan_epoch, rank_shares
-from ..core.schedule import lane_bounds, lane_schedule, proportional
+from ..core.mix import plan_mixed_epoch
+from ..core.schedule import lane_bounds, lane_piece_key, lane_schedule, proportional
 from ..core.cache.job import JobCache
 from ..core.cache.location import ENV_CACHE, allowed_caches, open_cache, user_cache_dir
 from ..core.cache.writer import BlockWriter
@@ -58,12 +59,14 @@ class LocalDataset(IterableDataset):
         if self.spec.table.follow is not None:
             raise SpecError("table.follow: a LocalDataset reads a fixed table; following a growing table needs a "
                             "master, which journals what each re-listing adds (RemoteDataLoader)")
-        self.cache = None if self.spec.cache_mode == "off" else (
+        # A mix of tables leaves the cache alone (master/cache_plan.py says why).
+        self.cache = None if self.spec.cache_mode == "off" or self.spec.tables else (
             cache or os.environ.get(ENV_CACHE) or (user_cache_dir() if self.spec.cache is not None else None))
         self.rank, self.world_size = resolve_rank(rank, world_size)
         bound = bind(self.spec)
         self.schema = bound.schema
         self.files = list(bound.files or [])
+        self.file_tables = list(bound.file_tables)
         self.base = plan_job_splits(bound)
         # A shared-memory tensor, not an int: pickled into DataLoader worker processes, it
         # stays the same memory, so set_epoch reaches persistent workers.
@@ -87,6 +90,9 @@ class LocalDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Batches of this rank per epoch, whatever the number of DataLoader workers."""
+        if self.spec.tables:  # a mix's rows per rank are the same every epoch (core/mix.py)
+            rows = sum(s.rows for s in self._plan(0))
+            return rows // self.spec.batch_size if self.spec.drop_last else -(-rows // self.spec.batch_size)
         shares = rank_shares(sum(s.rows for s in self.base), self.world_size, self.spec.batch_size,
                              self.spec.drop_last, self.spec.even_batches)
         return shares.batches(self.rank, self.spec.batch_size, self.spec.drop_last)
@@ -100,26 +106,26 @@ class LocalDataset(IterableDataset):
         info = get_worker_info()
         shard, shards = (info.id, info.num_workers) if info is not None else (0, 1)
         spec, epoch = self.spec, self.epoch
-        mine = [s for s in plan_epoch(self.base, epoch, spec.seed, spec.shuffle, self.world_size, spec.batch_size,
-                                      spec.drop_last, spec.even_batches, mix_splits=spec.mix_splits)
-                if s.rank == self.rank]
+        mine = self._plan(epoch)
         rows = sum(s.rows for s in mine)
         batches = rows // spec.batch_size if spec.drop_last else -(-rows // spec.batch_size)
         first, stop = batches * shard // shards, batches * (shard + 1) // shards
-        plan = _batches_between(mine, spec.batch_size, spec.mix_splits, first, stop)
+        plan = _mixed_between(mine, first, stop) if spec.tables else \
+            _batches_between(mine, spec.batch_size, spec.mix_splits, first, stop)
         # One reader of the rank's whole plan yields the deterministic schedule's sequence (the
         # same as RemoteDataLoader's); several DataLoader workers each take a run of batches.
         # Mixed batches are the lanes' schedule's in any case (the run's own lanes).
+        lanes = {s.id: s.lane for s in plan} if spec.tables else None
         assembler = EpochAssembler([(s.id, s.rows) for s in plan], spec.batch_size, spec.drop_last,
                                    cycle=spec.cycle if shards == 1 else None,
-                                   padding=[s.id for s in plan if s.padding], mix_splits=spec.mix_splits)
+                                   padding=[s.id for s in plan if s.padding], mix_splits=spec.mix_splits, lanes=lanes)
         keys = self._bound.sparse_keys
         by_id = {s.id: s for s in plan}
         try:
             # Splits are read in the order their pieces are needed: with lanes, one split of each
             # lane at a time (as workers hold them), so no lane waits for another's whole split.
             producing: dict[int, Iterator] = {}
-            for sid, _ in _piece_order(plan, spec.batch_size, spec.mix_splits):
+            for sid, _ in _piece_order(plan, spec.batch_size, spec.mix_splits, lanes):
                 split = by_id[sid]
                 if sid not in producing:
                     task = make_task(self.files, self.base[split.base], split, epoch, cache=directive)
@@ -135,6 +141,18 @@ class LocalDataset(IterableDataset):
             if cache is not None:
                 cache.writer.close(CLOSE_WRITER_S)  # this process may end with the epoch: finish the puts
                 cache.store.close()
+
+    def _plan(self, epoch: int) -> list[EpochSplit]:
+        """This rank's splits of ``epoch``, in plan order."""
+        spec = self.spec
+        if spec.tables:
+            mixed = plan_mixed_epoch(self.base, [self.file_tables[b.file] for b in self.base],
+                                     [t.weight for t in spec.tables], [t.when_done for t in spec.tables], epoch,
+                                     spec.seed, spec.shuffle, self.world_size, spec.batch_size, spec.even_batches)
+            return mixed[self.rank].splits
+        return [s for s in plan_epoch(self.base, epoch, spec.seed, spec.shuffle, self.world_size, spec.batch_size,
+                                      spec.drop_last, spec.even_batches, mix_splits=spec.mix_splits)
+                if s.rank == self.rank]
 
     def _open_cache(self) -> Optional[JobCache]:
         if self.cache is None:
@@ -160,8 +178,12 @@ def _directive(spec: DatasetSpec, features: Sequence[str]) -> Optional[CacheDire
                           write_sources=[])
 
 
-def _piece_order(splits: Sequence[EpochSplit], batch_size: int, mix_splits: int) -> list[tuple[int, int]]:
+def _piece_order(splits: Sequence[EpochSplit], batch_size: int, mix_splits: int,
+                 lanes: Optional[Mapping[int, Sequence[int]]] = None) -> list[tuple[int, int]]:
     """(split id, piece) of ``splits`` in the order the assembler routes them."""
+    if lanes is not None:
+        return sorted(((s.id, i) for s in splits for i in range(pieces_of(s.rows, batch_size))),
+                      key=lambda sp: lane_piece_key(lanes[sp[0]], sp[1], batch_size))
     if mix_splits > 1:
         return lane_schedule([(s.id, s.rows) for s in splits], batch_size, mix_splits)
     return [(s.id, i) for s in splits for i in range(pieces_of(s.rows, batch_size))]
@@ -181,6 +203,19 @@ def _batches_between(splits: Sequence[EpochSplit], batch_size: int, mix_splits: 
     for j, share in enumerate(proportional(batch_size, mix_splits)):
         hi = bounds[j + 1] if stop > full else bounds[j] + stop * share
         out += _rows_between(splits, bounds[j] + first * share, hi)
+    return out
+
+
+def _mixed_between(splits: Sequence[EpochSplit], first: int, stop: int) -> list[EpochSplit]:
+    """A mix of tables' rows of batches ``[first, stop)``: of each split with lane key (t, o, c),
+    the rows its segment gives those batches, keyed as if batch ``first`` were the first."""
+    out = []
+    for s in splits:
+        table, offset, share = s.lane
+        lo, hi = max(0, first * share - offset), min(s.rows, stop * share - offset)
+        if lo < hi:
+            out.append(replace(s, row_lo=s.row_lo + lo, row_hi=s.row_lo + hi,
+                               lane=(table, offset + lo - first * share, share)))
     return out
 
 

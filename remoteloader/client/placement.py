@@ -143,7 +143,8 @@ def _start_node_workers(spec: DatasetSpec, master: str, node: str, num_workers: 
     if not os.environ.get("REMOTELOADER_QUIET"):
         print(f"remoteloader: starting {workers} workers on {node} ({address}) for the embedded master at {master}"
               + (f" (their log: {log_file})" if log_file else ""), file=sys.stderr, flush=True)
-    return NodeWorkers(master, workers, address, node, auth_dir, [spec.table.path], _embedded_cache(spec), log_file)
+    tables = [path for _, path in spec.table_paths]
+    return NodeWorkers(master, workers, address, node, auth_dir, tables, _embedded_cache(spec), log_file)
 
 
 def _start_embedded(spec: DatasetSpec, num_workers: Optional[int], auth_dir: Optional[str],
@@ -158,11 +159,18 @@ def _start_embedded(spec: DatasetSpec, num_workers: Optional[int], auth_dir: Opt
         compiling = "" if kernels_cached() else "; a first start on this machine compiles the transform kernels"
         where = "" if bind is None else f" on {endpoint_host(bind)} for a multi-node job, keyed,"
         print(f"remoteloader: starting an embedded master{where} and {workers} local workers for "
-              f"{redact(spec.table.path)}{compiling}" + (f" (their log: {log_file})" if log_file else ""),
+              f"{redact(spec.table.path)}{_more_tables(spec)}{compiling}" + (f" (their log: {log_file})" if log_file else ""),
               file=sys.stderr, flush=True)
-    # The embedded master serves this table only (told in its environment, off the command line).
-    return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir, allowed_tables=[spec.table.path],
+    # The embedded master serves this spec's tables only (told in its environment, off the command line).
+    tables = [path for _, path in spec.table_paths]
+    return EmbeddedCluster(workers, extra_args=extra, auth_dir=auth_dir, allowed_tables=tables,
                            cache=_embedded_cache(spec), log_file=log_file, bind=bind)
+
+
+def _more_tables(spec: DatasetSpec) -> str:
+    """How many tables a mix reads besides its first, for the banner."""
+    more = len(spec.tables) - 1
+    return "" if more < 1 else f" and {more} more table{'s' if more > 1 else ''}"
 
 
 def _embedded_cache(spec: DatasetSpec) -> Optional[str]:

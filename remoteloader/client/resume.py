@@ -203,6 +203,10 @@ def _elastic(position: Mapping, spec: DatasetSpec, rank: int, world_size: int) -
     done = [[int(b), int(lo), int(hi)] for b, lo, hi in position["done"]]
     in_place = (spec.splits_in_flight is not None and position.get("world_size") == world_size
                 and position.get("batch_size") == spec.batch_size and mix_of(position) == spec.mix_splits)
+    if spec.tables and not in_place:  # its done ranges name the plan's split ids (client/epoch.py)
+        raise ValueError(f"a mix of tables resumes on the world size and batch_size it was saved on "
+                         f"({position.get('world_size')} ranks, batch_size {position.get('batch_size')}), not "
+                         f"{world_size} ranks, batch_size {spec.batch_size}")
     mine = part(spec, position["plan"], rank, world_size, int(position["epoch"]), done, [], 0)
     # In place, the plan is the epoch's own: its rows consumed are named in this rank's
     # splits when the epoch starts (consumed_in).

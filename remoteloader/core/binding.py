@@ -21,7 +21,7 @@ from ..formats import (
     read_schema,
     virtual_column_kind,
 )
-from ..spec import MAP_REF, DatasetSpec, FeatureSpec, SpecError
+from ..spec import MAP_REF, DatasetSpec, FeatureSpec, SpecError, TableSpec
 from ..transforms import (
     FeaturePipeline,
     TransformError,
@@ -46,6 +46,7 @@ class BoundDataset:
     files: Optional[list[DataFile]] = None  # the master's view; workers get files per split
     skipped: list[str] = field(default_factory=list)  # files left out by on_error: skip, with the reason
     ignored: list[str] = field(default_factory=list)  # files under the table's path of another format
+    file_tables: list[int] = field(default_factory=list)  # tables mixed by weight: each file's table (else empty)
 
     @property
     def sparse_keys(self) -> list[str]:
@@ -59,47 +60,80 @@ def bind(spec: DatasetSpec) -> BoundDataset:
     unrelated column is fine. A file that lacks a read column or has it with another
     type fails the bind (``on_error: fail``) or is left out and reported (``skip``).
     """
-    left_out = Skipped()
-    try:
-        files = list_table(spec.table.path, spec.table.format, spec.table.partitions, skipped=left_out)
-        if spec.table.follow is not None:  # a following job reads up to its until partition
-            if len(files) == 1 and files[0].path == spec.table.path:
-                raise SpecError(f"table.follow: table {spec.table.path!r} is a single file: there is nothing to "
-                                "follow (follow a directory of partitions)")
-            files = [f for f in files if in_stream(f.partition, spec.table.follow["until"])]
-            if not files:
-                raise TableError(f"no file of table {spec.table.path} is in a partition up to table.follow.until "
-                                 f"{spec.table.follow['until']!r} yet")
-        with ThreadPoolExecutor(8) as pool:
-            schemas = list(pool.map(read_schema, files))
-    except TableError as e:
-        raise SpecError(f"table: {e}") from None
-    if left_out.unreadable and spec.on_error != "skip":
-        more = f" (and {len(left_out.unreadable) - 1} more)" if len(left_out.unreadable) > 1 else ""
-        raise SpecError(f"table: data file {left_out.unreadable[0]}{more}: fix or remove it, or set on_error: skip "
-                        "to leave it out (reported)")
+    sources = [(t.table, f"tables[{i}]", t) for i, t in enumerate(spec.tables)] or [(spec.table, "table", None)]
+    files: list[DataFile] = []
+    schemas: list[dict[str, str]] = []
+    table_of: list[int] = []  # each file's table in the mix
+    skipped: list[str] = []
+    ignored: list[str] = []
+    for i, (table, key, mixed) in enumerate(sources):
+        left_out = Skipped()
+        try:
+            listed = list_table(table.path, table.format, table.partitions, skipped=left_out)
+            if table.follow is not None:  # a following job reads up to its until partition
+                listed = _in_stream(table, listed)
+            with ThreadPoolExecutor(8) as pool:
+                read = list(pool.map(read_schema, listed))
+        except TableError as e:
+            raise SpecError(f"{key}: {e}") from None
+        if left_out.unreadable and spec.on_error != "skip":
+            more = f" (and {len(left_out.unreadable) - 1} more)" if len(left_out.unreadable) > 1 else ""
+            raise SpecError(f"{key}: data file {left_out.unreadable[0]}{more}: fix or remove it, or set on_error: "
+                            "skip to leave it out (reported)")
+        skipped += [f"{u} skipped (on_error: skip)" for u in left_out.unreadable]
+        ignored += left_out.ignored
+        files += listed
+        schemas += read if mixed is None else [job_schema(schema, mixed.columns) for schema in read]
+        table_of += [i] * len(listed)
     bound = bind_schema(spec, _majority_schema(schemas))
-    kept, skipped = [], [f"{u} skipped (on_error: skip)" for u in left_out.unreadable]
+    kept, kept_tables = [], []
     stored = stored_columns(bound)
-    for f, schema in zip(files, schemas):
+    for f, schema, t in zip(files, schemas, table_of):
         problem = next((f"column {c!r} is {schema.get(c, 'missing')} in {f.path}, "
-                        f"{bound.schema[c]} in the rest of the table"
+                        f"{bound.schema[c]} in the rest of the {'tables' if spec.tables else 'table'}"
                         for c in stored if schema.get(c) != bound.schema[c]), None)
         if problem is None:
             kept.append(f)
+            kept_tables.append(t)
         elif spec.on_error == "skip":
             skipped.append(f"{f.path} skipped (on_error: skip): {problem}")
         else:
-            raise SpecError(f"table: {problem}")
-    if not kept:
-        raise SpecError(f"table: no readable file left in {spec.table.path!r}: {'; '.join(skipped)[:2000]}")
-    bound.files, bound.skipped, bound.ignored = kept, skipped, left_out.ignored
+            raise SpecError(f"{sources[t][1]}: {problem}")
+    for i, (table, key, _) in enumerate(sources):
+        if i not in kept_tables:
+            raise SpecError(f"{key}: no readable file left in {table.path!r}: {'; '.join(skipped)[:2000]}")
+    bound.files, bound.skipped, bound.ignored = kept, skipped, ignored
+    bound.file_tables = kept_tables if spec.tables else []
     return bound
 
 
 def stored_columns(bound: BoundDataset) -> list[str]:
     """The file columns a job reads (a map column once for all its features), sorted."""
     return sorted({_stored_column(c) for c in bound.read_columns})
+
+
+def job_schema(schema: Mapping[str, str], renames: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """A mixed table's schema under the job's column names (``tables[i].columns``: job name ->
+    the table's name); a job name the table also has as a column of its own is the renamed one."""
+    out = dict(schema)
+    for job, stored in renames:
+        out.pop(job, None)
+    for job, stored in renames:
+        if stored in schema:
+            out[job] = schema[stored]
+    return out
+
+
+def _in_stream(table: TableSpec, files: list[DataFile]) -> list[DataFile]:
+    """The files of a following table up to its ``until`` partition."""
+    if len(files) == 1 and files[0].path == table.path:
+        raise SpecError(f"table.follow: table {table.path!r} is a single file: there is nothing to "
+                        "follow (follow a directory of partitions)")
+    files = [f for f in files if in_stream(f.partition, table.follow["until"])]
+    if not files:
+        raise TableError(f"no file of table {table.path} is in a partition up to table.follow.until "
+                         f"{table.follow['until']!r} yet")
+    return files
 
 
 def _stored_column(name: str) -> str:
@@ -119,7 +153,7 @@ def _majority_schema(schemas: Sequence[Mapping[str, str]]) -> dict[str, str]:
 
 def bind_schema(spec: DatasetSpec, schema: Mapping[str, str]) -> BoundDataset:
     schema = dict(schema)
-    where = f"table {spec.table.path!r}"
+    where = "the tables' columns (after tables[i].columns)" if spec.tables else f"table {spec.table.path!r}"
     for key, column in ([("features.label", spec.label)] if spec.label else []) + [
         (f"features.passthrough[{i}]", c) for i, c in enumerate(spec.passthrough)
     ]:

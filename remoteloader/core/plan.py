@@ -49,6 +49,8 @@ class EpochSplit:
     row_lo: int  # rows [row_lo, row_hi) of the base split, after its per-epoch shuffle
     row_hi: int
     padding: bool = False  # repeats a row of the epoch to even out batch counts (even_batches: pad)
+    table: Optional[tuple[int, int]] = None  # tables mixed by weight: (table, pass) (core/mix.py)
+    lane: Optional[tuple[int, int, int]] = None  # tables mixed by weight: its lane key (core/mix.py)
 
     @property
     def rows(self) -> int:
@@ -78,6 +80,7 @@ class SplitTask:
     cache: Optional[CacheDirective] = None  # what the split does with the block cache; None: nothing
     order: Optional[list[int]] = None  # (cycle group, slot) in the rank's deterministic schedule; None: arrival order
     lane: Optional[list[int]] = None  # mix_splits: (lane, offset, share) in the rank's lanes (core/schedule.py)
+    table: Optional[list[int]] = None  # tables mixed by weight: (table, pass) of the split (core/mix.py)
 
     def to_wire(self) -> SplitTaskRecord:
         """The task as ``get_split`` answers it: its file lists only the split's units (a
@@ -188,11 +191,13 @@ def remaining_rows(base: BaseSplit, done: Intervals) -> list[tuple[int, int]]:
 
 def plan_epoch(base: Sequence[BaseSplit], epoch: int, seed: int, shuffle: bool, world_size: int,
                batch_size: int = 1, drop_last: bool = False, even: str = "off",
-               done: Optional[Intervals] = None, mix_splits: int = 1) -> list[EpochSplit]:
+               done: Optional[Intervals] = None, mix_splits: int = 1, stream: int = 0) -> list[EpochSplit]:
     """Every rank's epoch splits; ``done`` leaves out rows consumed before a resume;
-    ``mix_splits`` > 1 cuts each rank's splits at its lanes' boundaries (``cut_into_lanes``)."""
-    order = epoch_rng(seed, epoch).permutation(len(base)) if shuffle else np.arange(len(base))
-    # Epoch splits name their base split by id: ``base`` may be a window of the job's (following a table).
+    ``mix_splits`` > 1 cuts each rank's splits at its lanes' boundaries (``cut_into_lanes``);
+    ``stream``: the randomness of the split order (a mixed table's pass has its own)."""
+    order = epoch_rng(seed, epoch, stream).permutation(len(base)) if shuffle else np.arange(len(base))
+    # Epoch splits name their base split by id: ``base`` may be a window of the job's (following a
+    # table) or one table's of a mix.
     ranges = [(base[int(i)].id, lo, hi) for i in order for lo, hi in remaining_rows(base[int(i)], done or {})]
     shares = rank_shares(sum(hi - lo for _, lo, hi in ranges), world_size, batch_size, drop_last, even)
     bounds = np.concatenate([[0], np.cumsum(shares.rows)]).tolist()
@@ -241,10 +246,11 @@ def cut_into_lanes(splits: Sequence[EpochSplit], world_size: int, batch_size: in
 
 def make_task(files: Sequence[DataFile], base: BaseSplit, split: EpochSplit, epoch: int, skip: int = 0,
               session: str = "", seq: int = 0, fingerprint: str = "", cache: Optional[CacheDirective] = None,
-              order: Optional[tuple[int, int]] = None, lane: Optional[tuple[int, int, int]] = None) -> SplitTask:
+              order: Optional[tuple[int, int]] = None, lane: Optional[Sequence[int]] = None) -> SplitTask:
     """What a worker needs to produce one epoch split (for the run ``seq`` of client ``session``)."""
     return SplitTask(epoch=epoch, split_id=split.id, rank=split.rank, base=base.id, file=files[base.file],
                      first_unit=base.first_unit, stop_unit=base.stop_unit, raw_rows=base.raw_rows,
                      position=base.position, base_rows=base.rows, row_lo=split.row_lo, row_hi=split.row_hi,
                      skip=skip, session=session, seq=seq, fingerprint=fingerprint, cache=cache,
-                     order=None if order is None else list(order), lane=None if lane is None else list(lane))
+                     order=None if order is None else list(order), lane=None if lane is None else list(lane),
+                     table=None if split.table is None else list(split.table))

@@ -22,6 +22,7 @@ from ..protocol.messages import CacheDirective
 from ..transforms import FeatureOutput, sampling_keep, validate_sampling
 from .binding import BoundDataset
 from .cache.costs import CostMeter
+from .mix import row_stream
 from .plan import SplitTask, epoch_rng, pieces_of
 from .schedule import OrderKey, lane_piece_key, piece_key
 
@@ -196,8 +197,12 @@ class SplitProcessor:
 
     def _read(self, task: SplitTask, names: Sequence[str]) -> dict[str, Column]:
         start = time.perf_counter()
-        columns = read_checked(task.file, task.first_unit, task.stop_unit, names, task.raw_rows, task.describe(),
-                               self.coalesce_gap, self.io)
+        mixed = self.spec.tables[task.table[0]] if task.table is not None and self.spec.tables else None
+        stored = [mixed.stored(n) for n in names] if mixed is not None else list(names)
+        columns = read_checked(task.file, task.first_unit, task.stop_unit, list(dict.fromkeys(stored)), task.raw_rows,
+                               task.describe(), self.coalesce_gap, self.io)
+        if mixed is not None:  # the table's columns under the job's names (tables[i].columns)
+            columns = {name: columns[s] for name, s in zip(names, stored)}
         self.costs.read(columns, time.perf_counter() - start)
         return columns
 
@@ -214,7 +219,7 @@ class SplitProcessor:
         """This epoch split's rows of the base split (after sampling): a contiguous range
         when not shuffled, else the shuffled order's share."""
         if self.spec.shuffle:
-            order = epoch_rng(self.spec.seed, task.epoch, task.base + 1).permutation(task.base_rows)
+            order = epoch_rng(self.spec.seed, task.epoch, row_stream(task.base, task.table)).permutation(task.base_rows)
             return order[task.row_lo : task.row_hi]
         return slice(task.row_lo, task.row_hi)
 

@@ -28,8 +28,11 @@ def sampled_splits(bound: BoundDataset, files: Sequence[DataFile], splits: Seque
         f = files[s.file]
         columns = {}
         if sampling["label_value"] is not None:
-            columns = read_checked(f, s.first_unit, s.stop_unit, [spec.label], s.raw_rows,
-                                   f"split {s.id} ({f.path}, units {s.first_unit}..{s.stop_unit - 1})", coalesce_gap)
+            # A mixed table's label may have another name there (tables[i].columns).
+            stored = spec.tables[bound.file_tables[s.file]].stored(spec.label) if spec.tables else spec.label
+            read = read_checked(f, s.first_unit, s.stop_unit, [stored], s.raw_rows,
+                                f"split {s.id} ({f.path}, units {s.first_unit}..{s.stop_unit - 1})", coalesce_gap)
+            columns = {spec.label: read[stored]}
         kept.append(int(sampling_mask(sampling, spec.label, columns, s.position, s.raw_rows)[0].sum()))
     return with_sampled_rows(splits, kept)
 

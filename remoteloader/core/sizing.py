@@ -81,7 +81,8 @@ def row_bytes(bound: BoundDataset, files: Optional[Sequence[DataFile]] = None,
         (base,) = sampled_splits(bound, files, [raw], coalesce_gap)
         if not base.rows:
             return None
-        task = make_task(files, base, EpochSplit(0, 0, 0, 0, base.rows), epoch=0)
+        table = (bound.file_tables[fi], 0) if bound.file_tables else None  # a mix: read under the job's names
+        task = make_task(files, base, EpochSplit(0, 0, 0, 0, base.rows, table=table), epoch=0)
         split = SplitProcessor(bound, coalesce_gap).transform(task)
         return split_nbytes(split.tensors) / split.rows
     return None

@@ -244,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # Workers it starts check the same tables again (a second line of defence), told through
     # their environment: a table path may hold a credential, and command lines are public.
-    served = [*allowed, *(st.job.spec.table.path for st in service.fleet.jobs.values())]
+    served = [*allowed, *(path for st in service.fleet.jobs.values() for _, path in st.job.spec.table_paths)]
     try:
         engine = make_launcher(args.launcher, server.addr, ray_address=args.ray_address,
                                ray_auth_token_path=args.ray_auth_token_file,

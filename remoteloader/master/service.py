@@ -19,7 +19,9 @@ import msgspec
 
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.cache.store import BlockStore
+from ..core.mix import check_passes
 from ..core.plan import make_task, plan_base_splits
+from ..core.schedule import weighted_shares
 from ..core.schedule import split_order
 from ..core.popularity import record_projection
 from ..core.redact import redact, redact_text
@@ -144,6 +146,12 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
     splits = sampled_splits(bound, files, base)
     if not splits or sum(s.rows for s in splits) == 0:
         raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
+    for i, mixed in enumerate(spec.tables):
+        if not any(s.rows for s in splits if bound.file_tables[s.file] == i):
+            raise SpecError(f"tables[{i}].partitions: the selection of table {mixed.table.path!r} has no rows")
+    if spec.tables:
+        check_passes(spec, [sum(s.rows for s in splits if bound.file_tables[s.file] == i)
+                            for i in range(len(spec.tables))])
     return Planned(bound, splits, per_row)
 
 
@@ -301,7 +309,7 @@ class MasterService:
         fingerprint = spec.fingerprint()
         self._commit(U.ForJob(fingerprint, U.JobSubmitted(
             spec, fingerprint, bound.schema, [U.file_record(f) for f in files], [U.SplitRecord.of(s) for s in splits],
-            bound.skipped)))
+            bound.skipped, bound.file_tables)))
         split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
         self.runtime[fingerprint] = JobRuntime(bound, planned.row_bytes, split_bytes)
         if self.config.popularity_log:
@@ -692,10 +700,12 @@ class MasterService:
         fingerprint = spec.fingerprint()
         pending = self._binding.get(fingerprint)
         if pending is None:
-            if not TableAllowlist(self.config.allowed_tables).allows(spec.table.path):
-                # Says nothing of whether the path exists: that would be an oracle.
-                raise RequestError("table.path: this master does not serve that table (see --allow-table)",
-                                   code=ErrorCode.BAD_SPEC)
+            allowlist = TableAllowlist(self.config.allowed_tables)
+            for key, path in spec.table_paths:  # every table of a mix
+                if not allowlist.allows(path):
+                    # Says nothing of whether the path exists: that would be an oracle.
+                    raise RequestError(f"{key}: this master does not serve that table (see --allow-table)",
+                                       code=ErrorCode.BAD_SPEC)
             self._check_room()
             if len(self._binding) >= self.config.max_jobs:  # a flood of specs is refused, not absorbed
                 raise RequestError(f"the master is binding {len(self._binding)} other specs; retry",
@@ -765,7 +775,8 @@ class MasterService:
         consumed = self._current_acks(st, rank, seq, consumed)
         if consumed:  # a resumed client: what it consumed before is not produced again
             self._commit(U.ForJob(fingerprint, U.SplitsConsumed(rank, seq, consumed)))
-        splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding)
+        splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding,
+                                   None if p.split.lane is None else list(p.split.lane))
                   for p in st.epoch_splits(rank, epoch)]
         return M.Epoch(epoch=epoch, seq=seq, splits=splits)
 
@@ -805,6 +816,9 @@ class MasterService:
         prefixes of the epoch's splits, a few per base split: more ranges than that is not a
         checkpoint. (Their shape was checked at decode; here, whether they fit the job.)"""
         splits = st.job.splits
+        if done and st.job.spec.tables:
+            raise RequestError("done: a mix of tables resumes on the world size it was saved on (its tables' passes "
+                               "are dealt to the ranks; docs/guarantees.md)", code=ErrorCode.RESUME_MISMATCH)
         # A lane boundary cuts a base split as a rank boundary does (mix_splits): so many more.
         most = MAX_DONE_RANGES * st.job.spec.mix_splits
         merged: list[list[int]] = []
@@ -895,6 +909,18 @@ class MasterService:
             return None
         return min(1.0, self.rates.rate("w:" + worker_id, "busy_s"))
 
+    @staticmethod
+    def _mix_status(st: JobState) -> dict:
+        """A mix of tables: each table's weight, rows a batch, and the realised mix, the rows of
+        each the ranks consumed in their current epochs and their share of all of them."""
+        spec = st.job.spec
+        read = st.rows_read_by_table()
+        shares = weighted_shares(spec.batch_size, [t.weight for t in spec.tables])
+        return {"epochs": sorted({r.epoch for r in st.ranks.values()}),
+                "tables": [{"path": redact(t.table.path), "weight": t.weight, "when_done": t.when_done,
+                            "rows_per_batch": share, "rows_read": n, "share_read": round(n / max(1, sum(read)), 4)}
+                           for t, share, n in zip(spec.tables, shares, read)]}
+
     def status(self, history: bool = False) -> dict:
         """What ``remoteloader status --json`` prints; with ``history``, the run over time too.
         ``job`` and ``ranks`` are the oldest job's (a master of one job: its job); ``jobs``
@@ -913,7 +939,8 @@ class MasterService:
             "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec.table.path),
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size,
-                                             "split_bytes": self.runtime[job.fingerprint].split_bytes},
+                                             "split_bytes": self.runtime[job.fingerprint].split_bytes,
+                                             **({"mix": self._mix_status(first)} if job.spec.tables else {})},
             "jobs": self._jobs_status(),
             "max_jobs": self.config.max_jobs,
             # Per worker, from its last heartbeat: held_bytes / ahead_bytes / budget_bytes

@@ -22,6 +22,7 @@ from ..core.plan import (
     plan_epoch,
     rank_shares,
 )
+from ..core.mix import plan_mixed_epoch
 from ..core.schedule import lane_of, lane_piece_key
 from ..formats import DataFile
 from ..spec import DatasetSpec
@@ -103,10 +104,15 @@ class Job:
     listed: Optional[int] = None
     windows: dict[int, tuple[int, int]] = field(default_factory=dict)
     ended: bool = False
+    file_tables: list[int] = field(default_factory=list)  # tables mixed by weight: each file's table
 
     @property
     def follows(self) -> bool:
         return self.listed is not None
+
+    def base_tables(self) -> list[int]:
+        """Each base split's table in the mix (spec ``tables``)."""
+        return [self.file_tables[s.file] for s in self.splits]
 
     @property
     def plan_fingerprint(self) -> str:
@@ -185,7 +191,8 @@ class JobState:
         """Rebuild ``u`` into this fresh state, through the same code as live operation."""
         if u.job is not None:
             job = u.job
-            self._on_JobSubmitted(U.JobSubmitted(job.spec, job.fingerprint, job.schema, job.files, job.splits, []))
+            self._on_JobSubmitted(U.JobSubmitted(job.spec, job.fingerprint, job.schema, job.files, job.splits, [],
+                                                 job.tables))
             self.job.world_size = job.world_size
             if self.job.follows:
                 self.job.listed, self.job.ended = job.listed, job.ended
@@ -238,7 +245,8 @@ class JobState:
             version=U.SNAPSHOT_VERSION,
             job=None if job is None else U.JobRecord(
                 job.spec, job.fingerprint, dict(job.schema), [U.file_record(f) for f in job.files],
-                [U.SplitRecord.of(s) for s in job.splits], job.world_size, job.listed, dict(job.windows), job.ended),
+                [U.SplitRecord.of(s) for s in job.splits], job.world_size, job.listed, dict(job.windows), job.ended,
+                list(job.file_tables)),
             worker_seq=self._worker_seq,
             workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned),
                                     w.key, w.node, w.arena) for w in self.workers.values()],
@@ -266,7 +274,8 @@ class JobState:
         splits = [s.base_split(i) for i, s in enumerate(u.splits)]
         self.cache_plan, self.cache_reverted = {}, set()
         self.job = Job(u.spec, u.fingerprint, u.schema, [U.data_file(f) for f in u.files], splits,
-                       sum(s.rows for s in splits), listed=len(splits) if u.spec.table.follow is not None else None)
+                       sum(s.rows for s in splits), listed=len(splits) if u.spec.table.follow is not None else None,
+                       file_tables=list(u.tables))
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
                            for m in u.skipped)
         self.error_counts["skipped"] += len(u.skipped)
@@ -452,7 +461,11 @@ class JobState:
         splits = {s.id: SplitProgress(s, pieces_of(s.rows, batch_size), position=i) for i, s in enumerate(mine)}
         pending = deque(s.id for s in mine)
         mix = self.job.spec.mix_splits
-        if mix > 1:  # lanes: splits go out in the order the batches first need them, K lanes at once
+        if self.job.spec.tables:  # a mix of tables: its lanes as planned, in the order the batches need them
+            for s in mine:
+                splits[s.id].lane = s.lane
+            pending = deque(s.id for s in sorted(mine, key=lambda s: lane_piece_key(s.lane, 0, batch_size)))
+        elif mix > 1:  # lanes: splits go out in the order the batches first need them, K lanes at once
             lanes = lane_of([s.rows for s in mine], batch_size, mix)
             for s, lane in zip(mine, lanes):
                 splits[s.id].lane = lane
@@ -523,9 +536,15 @@ class JobState:
     def _plan(self, epoch: int) -> EpochPlan:
         if epoch not in self._plans:
             spec = self.job.spec
-            self._plans[epoch] = EpochPlan(plan_epoch(
-                self.job.window(epoch), epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
-                spec.drop_last, spec.even_batches, self.resumed.get(epoch), spec.mix_splits))
+            if spec.tables:  # a mix of tables (never resumed on another world size: core/mix.py)
+                mixed = plan_mixed_epoch(self.job.splits, self.job.base_tables(), [t.weight for t in spec.tables],
+                                         [t.when_done for t in spec.tables], epoch, spec.seed, spec.shuffle,
+                                         self.job.world_size, spec.batch_size, spec.even_batches)
+                self._plans[epoch] = EpochPlan([s for r in sorted(mixed) for s in mixed[r].splits])
+            else:
+                self._plans[epoch] = EpochPlan(plan_epoch(
+                    self.job.window(epoch), epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
+                    spec.drop_last, spec.even_batches, self.resumed.get(epoch), spec.mix_splits))
             oldest = min(r.epoch for r in self.ranks.values()) if self.ranks else epoch
             if self._plan_floor is not None:
                 oldest = min(oldest, self._plan_floor)
@@ -677,8 +696,21 @@ class JobState:
         """Each rank's rows of a whole epoch (a resumed epoch has fewer)."""
         assert self.job is not None and self.job.world_size is not None
         spec = self.job.spec
+        if spec.tables:  # a mix: each rank's rows of its passes, the same every epoch (core/mix.py)
+            rows = [sum(s.rows for s in self._plan(0).by_rank.get(r, ())) for r in range(self.job.world_size)]
+            return RankShares(tuple(rows), (0,) * len(rows), 0)
         return rank_shares(self.job.total_rows, self.job.world_size, spec.batch_size, spec.drop_last,
                            spec.even_batches)
+
+    def rows_read_by_table(self) -> list[int]:
+        """A mix of tables: the rows of each table the ranks consumed in their current epochs
+        (whole pieces acknowledged: what the realised mix is measured on)."""
+        read = [0] * len(self.job.spec.tables)
+        for rank_epoch in self.ranks.values():
+            for p in rank_epoch.splits.values():
+                if p.split.lane is not None and p.failed is None:
+                    read[p.split.lane[0]] += min(p.consumed * self.job.spec.batch_size, p.split.rows)
+        return read
 
     def epoch_started(self, epoch: int) -> bool:
         """Whether any rank (or a prefetch) has started ``epoch`` from its plan."""

@@ -89,6 +89,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     listed: Optional[int] = None
     windows: dict[int, tuple[int, int]] = {}
     ended: bool = False
+    tables: list[int] = []  # tables mixed by weight: each file's table (JobSubmitted.tables)
 
 
 class WorkerRecord(msgspec.Struct, frozen=True):
@@ -163,6 +164,7 @@ class JobSubmitted(Update):
     files: list[FileRecord]
     splits: list[SplitRecord]
     skipped: list[str]  # files left out (on_error: skip), with the reason
+    tables: list[int] = []  # tables mixed by weight (spec tables): each file's table; empty: one table
 
 
 class WorkerRegistered(Update):

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 15  # 15: following a growing table: error code waiting (the next window of a following job has no data yet: retry); 14: batches that mix splits: split tasks carry their lane (spec mix_splits); one master serves several jobs (issue 39): registered says how many, get_split avoids sessions (ranks of jobs share numbers), get_spec names the job whose spec a worker compiles, split_produced, split_failed and splits_released name their job, a worker's heartbeat the job of the split it produces; 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 15  # 15: following a growing table: error code waiting (the next window of a following job has no data yet: retry); tables mixed by weight (spec tables): split tasks carry their (table, pass), start_epoch's splits their lane key (core/mix.py); 14: batches that mix splits: split tasks carry their lane (spec mix_splits); one master serves several jobs (issue 39): registered says how many, get_split avoids sessions (ranks of jobs share numbers), get_spec names the job whose spec a worker compiles, split_produced, split_failed and splits_released name their job, a worker's heartbeat the job of the split it produces; 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -133,6 +133,9 @@ class EpochSplitInfo(Row):
     base_split: Count
     row_lo: Count
     padding: bool  # repeats a row to even out batch counts
+    # Tables mixed by weight: the split's lane key (table, offset, rows a batch), which says the
+    # rows of each table every batch takes (core/mix.py). None: no mix of tables.
+    lane: Optional[Annotated[list[Count], Meta(min_length=3, max_length=3)]] = None
 
 
 class SplitHolder(Row):
@@ -242,6 +245,9 @@ class SplitTaskRecord(Record):
     # share of a batch); the worker sends its pieces by key (row // share, lane, row), row the
     # piece's first in the lane (core/schedule.py). None: the split is in no lane.
     lane: Optional[Annotated[list[Count], Meta(min_length=3, max_length=3)]] = None
+    # Tables mixed by weight (spec tables): the split's (table, pass of the table): the worker
+    # reads the table's columns under their job names and shuffles a later pass's rows anew.
+    table: Optional[Annotated[list[Count], Meta(min_length=2, max_length=2)]] = None
 
 
 class JobInfo(Record):

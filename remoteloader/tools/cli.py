@@ -88,6 +88,9 @@ def _validate(args: argparse.Namespace) -> int:
     }
     if spec.table.follow is not None:
         report["follow"] = _follow_report(spec, files)
+    if spec.tables:
+        report["mix"] = _mix_report(spec, files, bound.file_tables)
+        report["batches_per_epoch"] = report["mix"]["batches_per_epoch"]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -118,6 +121,13 @@ def _validate(args: argparse.Namespace) -> int:
             if f["after_until"]:
                 print(f"  not read     partitions after until: {', '.join(f['after_until'][:5])}"
                       f"{' ...' if len(f['after_until']) > 5 else ''}")
+        for i, t in enumerate(report.get("mix", {}).get("tables", ())):
+            print(f"  tables[{i}]    {t['path']}: {t['files']} files, {t['rows']:,} rows; weight {t['weight']}: "
+                  f"{t['rows_per_batch']} rows a batch, {t['rows_per_epoch']:,} rows ({t['passes']} passes) an "
+                  f"epoch on one rank; when done: {t['when_done']}")
+        for seg in report.get("mix", {}).get("segments", ()):
+            print(f"  batches      {seg['first_batch']}..{seg['first_batch'] + seg['batches'] - 1}: rows of each "
+                  f"table {seg['rows']}")
     return 0
 
 
@@ -133,6 +143,18 @@ def _follow_report(spec, files) -> dict:
     return {"every_s": spec.table.follow["every"], "until": until,
             "watermark": max((f.partition for f in files), key=lambda p: tuple(p.split("/")), default=""),
             "ends_at_once": any(reaches(f.partition, until) for f in files), "after_until": after}
+
+
+def _mix_report(spec, files: list, file_tables: list[int]) -> dict:
+    """A mix's epoch on one rank (core/mix.py), with each table's path and files."""
+    from ..core.mix import mix_report
+
+    rows = [sum(f.num_rows for f, t in zip(files, file_tables) if t == i) for i in range(len(spec.tables))]
+    report = mix_report(spec.batch_size, [t.weight for t in spec.tables], [t.when_done for t in spec.tables], rows)
+    for i, (entry, table) in enumerate(zip(report["tables"], spec.tables)):
+        entry.update(path=redact(table.table.path), files=sum(1 for t in file_tables if t == i),
+                     columns=dict(table.columns))
+    return report
 
 
 def _ask_status(args: argparse.Namespace, history: bool = False, rpc=None) -> dict:
@@ -204,6 +226,10 @@ def _status(args: argparse.Namespace) -> int:
     for c in status["clients"]:
         print(f"client {c['id']} rank {c['rank']}: stall {c.get('stall', 0):.1%}  "
               f"{c.get('batches_per_s', 0):.1f} batches/s  queued {c.get('queued', 0)}")
+    for i, t in enumerate((job or {}).get("mix", {}).get("tables", ())):
+        print(f"tables[{i}] {t['path']}: weight {t['weight']} ({t['rows_per_batch']} rows a batch), "
+              f"{t['rows_read']:,} rows read this epoch ({t['share_read']:.1%} of the mix), "
+              f"when done: {t['when_done']}")
     for rank, r in status["ranks"].items():
         print(f"rank {rank}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
     for j in jobs:

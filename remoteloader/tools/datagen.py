@@ -384,7 +384,8 @@ def generate_table(out: str, rows: int, partitions: int = 1, dense: int = 13, sp
                    format: str = "orc", seed: int = 0, stripe_size: int = 64 << 20,
                    row_group_rows: int = 128 * 1024, files_per_partition: int = 1, scored: int = 0,
                    progress: bool = True, layout: str = "flat",
-                   column_order: Optional[Sequence[str]] = None, stripe_rows: Optional[int] = None) -> list[str]:
+                   column_order: Optional[Sequence[str]] = None, stripe_rows: Optional[int] = None,
+                   first_row_id: int = 0) -> list[str]:
     """Write the table under ``out`` (local path or pyarrow filesystem URI) as
     ``out/ds=2026-01-01/part-00000.orc`` ...; return the files' names in canonical order.
 
@@ -408,7 +409,7 @@ def generate_table(out: str, rows: int, partitions: int = 1, dense: int = 13, sp
                          f"({partitions * files_per_partition}): every file gets rows")
     plan = _plan(seed, dense, sparse, scored)
     schema = plan.layout_schema(layout, column_order)
-    jobs, row_id = [], 0
+    jobs, row_id = [], first_row_id
     for p, partition_rows in enumerate(_rows_per(rows, partitions)):
         day = FIRST_DAY + _dt.timedelta(days=p)
         position = 0

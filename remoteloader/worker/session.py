@@ -194,9 +194,10 @@ class Registrar:
         """The pipeline of the job ``reply`` (get_spec's answer) describes. Raises TableRefused
         for a table outside --allow-table, SpecError for a spec this worker cannot bind."""
         spec = DatasetSpec.from_dict(reply.spec)
-        if not self.allowlist.allows(spec.table.path):
-            raise TableRefused(f"the master's job reads table {spec.table.path!r}, outside this "
-                               "worker's --allow-table prefixes; refusing to serve it")
+        for _, path in spec.table_paths:  # every table of a mix
+            if not self.allowlist.allows(path):
+                raise TableRefused(f"the master's job reads table {path!r}, outside this "
+                                   "worker's --allow-table prefixes; refusing to serve it")
         bound = bind_schema(spec, reply.schema)
         cache = None if self.cache is None else JobCache(*self.cache, bound)
         processor = SplitProcessor(bound, self.coalesce_gap, cache, io=self.io)
