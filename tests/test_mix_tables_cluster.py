@@ -2,9 +2,10 @@
 exactly 48 rows of the first table and 16 of the second (batch 64), each table is read exactly
 once (``when_done: drop``), or the second in whole passes (``restart``); the renamed column
 comes from the table's own column; the sequences are the same with 1, 2 (real processes)
-and 4 workers, through a worker SIGKILLed mid-epoch, through a state_dict() (each rank's
-part, and the job's position as DCP saves it), and from LocalDataset whatever its DataLoader
-workers; validate and status show the mix."""
+and 4 workers, through a worker SIGKILLed mid-epoch, through a master SIGKILLed mid-epoch
+and restarted on its journal, through a state_dict() (each rank's part, and the job's
+position as DCP saves it), and from LocalDataset whatever its DataLoader workers; a DCP
+position of 2 ranks resumes exactly once on 1 and on 3; validate and status show the mix."""
 from __future__ import annotations
 
 import json
@@ -168,10 +169,62 @@ def test_a_state_dict_continues_the_same_sequence(tables, inprocess, reference):
     assert checked(resumed_from(parts)) == reference.sequences  # each rank's own part
     # The job's position (what DCP saves under torch.distributed), on the same world size: in place.
     assert checked(resumed_from(resume.job_position(resume.rank_parts(parts)))) == reference.sequences
-    loader = RemoteDataLoader(spec, master=master.addr, rank=0, world_size=1, timeout=90)
-    with pytest.raises(ValueError, match="resumes on the world size"):
-        loader.load_state_dict(parts)
-    loader.close()
+
+
+def exactly_once_in_shares(per_rank) -> None:
+    """Every row of each table once, and each rank's batches in shares of 48 and 16 rows but
+    its last and at most one other (where a table runs out, what it has left)."""
+    rows = [r for batches in per_rank for b in batches for r in b.passthrough["row_id"].tolist()]
+    assert sorted(rows) == list(range(A_ROWS)) + list(range(B_FIRST, B_FIRST + B_ROWS))
+    for batches in per_rank:
+        other = [(len(b), int((b.passthrough["row_id"] >= B_FIRST).sum())) for b in batches[:-1]]
+        assert sum(1 for shares in other if shares != (BATCH, 16)) <= 1 and all(n == BATCH for n, _ in other)
+
+
+def test_a_dcp_position_of_2_ranks_resumes_exactly_once_on_1_and_on_3(tables, cluster, tmp_path):
+    """Checkpointed mid-epoch on 2 ranks (the job's position, through DCP's files): on 1 rank
+    and on 3, the rest of each table's pass is dealt to the new ranks, every row once."""
+    import torch.distributed.checkpoint as dcp
+
+    master = cluster.master(workers=2)
+    spec = mix_spec(tables)
+    loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
+    its = [iter(x) for x in loaders]
+    first = [[next(it) for _ in range(9 + 4 * r)] for r, it in enumerate(its)]  # ranks stop at other batches
+    position = resume.job_position(resume.rank_parts({k: v for x in loaders for k, v in x.state_dict().items()}))
+    for x in loaders:
+        x.close()
+    dcp.save({"loader": position}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    saved = resume.read_rank_states(tmp_path / "ckpt", "loader")
+    assert saved["done"] == position["done"]
+    for world in (1, 3):
+        again = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=world, timeout=90)
+                 for r in range(world)]
+        for x in again:
+            x.load_state_dict(saved)
+        rest = consume(again)
+        for x in again:
+            x.close()
+        assert len({len(batches) for batches in rest}) == 1  # even_batches: equal counts on the new ranks
+        exactly_once_in_shares([first[0] + first[1], *rest])
+
+
+def test_a_master_sigkilled_mid_epoch_and_restarted_on_its_journal_keeps_the_mix_exact(tables, cluster, tmp_path,
+                                                                                       reference):
+    """The restarted master replays the mixed plan and what was consumed: each table once, the
+    same sequences as without the kill."""
+    args = ("--journal", str(tmp_path / "journal"))
+    master = cluster.master(*args, workers=2)
+    restarted = []
+
+    def kill(rank: int, i: int) -> None:
+        if rank == 1 and i == 10 and not restarted:
+            master.kill()
+            restarted.append(cluster.master(*args, workers=2, bind=master.addr))
+
+    per_rank = run(master.addr, mix_spec(tables), on_batch=kill)
+    assert restarted
+    assert checked(per_rank) == reference.sequences
 
 
 def test_local_dataset_yields_the_same_sequence_whatever_its_dataloader_workers(tables, reference, monkeypatch):

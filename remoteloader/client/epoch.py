@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from ..core.mix import rows_key
 from .session import RunStart, acks_of
 
 if TYPE_CHECKING:
@@ -50,12 +51,12 @@ class EpochPlan:
 
 
 def _split_plan(s: "EpochSplitInfo") -> SplitPlan:
-    """A split of a mix of tables is named in positions by its own id (``base`` = split id,
-    ``row_lo`` 0, never padding): a restarted table reads a base split in several passes of
-    one epoch, so rows of base splits would not say which pass consumed them, while split ids
-    are unique in the epoch's plan (a mix resumes only on its own world size, in place)."""
+    """A split of a mix of tables names its rows by (base split, pass) (``core.mix.rows_key``):
+    a restarted table reads a base split once per pass, in a row order of its own, so the rows
+    a position names say which pass consumed them, whatever the world size."""
     if s.lane is not None:
-        return SplitPlan(s.rows, s.split_id, 0, False, tuple(s.lane))
+        pass_ = s.table[1] if s.table is not None else 0
+        return SplitPlan(s.rows, rows_key(s.base_split, pass_), s.row_lo, bool(s.padding), tuple(s.lane))
     return SplitPlan(s.rows, s.base_split, s.row_lo, bool(s.padding))
 
 

@@ -24,6 +24,7 @@ resume on an incompatible spec is refused naming the key; ``batch_size`` may cha
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import hashlib
 import json
@@ -31,6 +32,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
+from ..core.mix import BatchCounts
 from ..spec import DatasetSpec
 
 if TYPE_CHECKING:
@@ -51,6 +53,8 @@ _SHOWN_CHARS = 40  # a spec value longer than this is kept as a digest
 def spec_keys(spec: DatasetSpec) -> dict[str, str]:
     """The spec's row-deciding keys, each as its JSON text (or a digest when long)."""
     values = spec.to_dict()
+    if spec.tables:  # a mix's tables (weights, columns, when_done) decide its rows as one table's key does
+        values["table"] = values.pop("tables")
     out = {}
     for key in SPEC_KEYS:
         text = json.dumps(values.get(key), sort_keys=True, separators=(",", ":"))
@@ -203,10 +207,6 @@ def _elastic(position: Mapping, spec: DatasetSpec, rank: int, world_size: int) -
     done = [[int(b), int(lo), int(hi)] for b, lo, hi in position["done"]]
     in_place = (spec.splits_in_flight is not None and position.get("world_size") == world_size
                 and position.get("batch_size") == spec.batch_size and mix_of(position) == spec.mix_splits)
-    if spec.tables and not in_place:  # its done ranges name the plan's split ids (client/epoch.py)
-        raise ValueError(f"a mix of tables resumes on the world size and batch_size it was saved on "
-                         f"({position.get('world_size')} ranks, batch_size {position.get('batch_size')}), not "
-                         f"{world_size} ranks, batch_size {spec.batch_size}")
     mine = part(spec, position["plan"], rank, world_size, int(position["epoch"]), done, [], 0)
     # In place, the plan is the epoch's own: its rows consumed are named in this rank's
     # splits when the epoch starts (consumed_in).
@@ -216,7 +216,43 @@ def _elastic(position: Mapping, spec: DatasetSpec, rank: int, world_size: int) -
 def consumed_in(done: list, splits: Mapping[int, "SplitPlan"], batch_size: int) -> dict[int, tuple[int, int]]:
     """This rank's consumed state, ``(pieces, rows of a partly used tail)`` per split, from
     the job's ``done`` row ranges, for ``splits`` (by id) of the plan the position was saved
-    in: each split's consumed rows are a prefix of it."""
+    in: each split's consumed rows are a prefix of it. A mix of tables' repeated rows (a pass's
+    padding, mid-lane) are placed by the batches consumed (``_mixed_padding_consumed``)."""
+    out = _real_consumed_in(done, splits, batch_size)
+    if any(s.lane is not None and s.padding for s in splits.values()):
+        out.update(_mixed_padding_consumed(out, splits, batch_size))
+    return out
+
+
+def _mixed_padding_consumed(real: Mapping[int, tuple[int, int]], splits: Mapping[int, "SplitPlan"],
+                            batch_size: int) -> dict[int, tuple[int, int]]:
+    """A mix of tables: the padding splits the training loop consumed. ``done`` names real rows
+    only (a repeated row is counted where it was read first), and each pass's padding lies
+    inside its table's lane, in the batch its lane key says (``core.mix.BatchCounts``). The rank
+    consumed whole batches: the fewest whose real rows of every table hold those it consumed
+    (exact unless the last of them held repeated rows only: a batch no larger than the number
+    of tables, each table's share its pass's padding row)."""
+    tables = 1 + max(s.lane[0] for s in splits.values())
+    counts = BatchCounts([(s.lane, s.rows) for s in splits.values()], tables)
+    real_rows = [0] * tables
+    for sid, (pieces, tail) in real.items():
+        s = splits[sid]
+        real_rows[s.lane[0]] += s.rows_consumed(pieces, tail, batch_size)
+    padding = {sid: s.lane[1] // s.lane[2] for sid, s in splits.items() if s.padding}  # its batch (one row)
+    by_table = [sorted(b for sid, b in padding.items() if splits[sid].lane[0] == t) for t in range(tables)]
+
+    def covers(batches: int) -> bool:
+        return all(counts.rows_before(batches, t) - bisect.bisect_left(by_table[t], batches) >= real_rows[t]
+                   for t in range(tables))
+
+    lo, hi = 0, counts.batches
+    while lo < hi:  # the fewest batches that cover: covering is monotone in the batches
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if covers(mid) else (mid + 1, hi)
+    return {sid: divmod(splits[sid].rows, batch_size) for sid, b in padding.items() if b < lo}
+
+
+def _real_consumed_in(done: list, splits: Mapping[int, "SplitPlan"], batch_size: int) -> dict[int, tuple[int, int]]:
     by_base: dict[int, list[tuple[int, int]]] = {}
     for base, lo, hi in done:
         by_base.setdefault(int(base), []).append((int(lo), int(hi)))

@@ -33,11 +33,12 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from ..spec import DatasetSpec, SpecError
-from .plan import BaseSplit, EpochSplit, plan_epoch
+from .plan import BaseSplit, EpochSplit, Intervals, plan_epoch
 from .schedule import weighted_shares
 
 PASS_STREAM = 1 << 48  # epoch_rng streams of passes' split orders: above any base split's (base id + 1)
 MAX_PASSES = 1 << 16  # a restarted table whose pass is far smaller than the epoch: refused, not looped
+PASS_KEY = 1 << 32  # positions name rows of pass p of base split b as b + p * PASS_KEY (``rows_key``)
 
 
 @dataclass(frozen=True)
@@ -112,39 +113,73 @@ class MixedPlan:
 
 def plan_mixed_epoch(base: Sequence[BaseSplit], base_table: Sequence[int], weights: Sequence[float],
                      policies: Sequence[str], epoch: int, seed: int, shuffle: bool, world_size: int,
-                     batch_size: int, even: str) -> dict[int, MixedPlan]:
+                     batch_size: int, even: str, done: Optional[Intervals] = None) -> dict[int, MixedPlan]:
     """Every rank's mixed epoch: split ids are unique in the epoch (rank by rank), each split
-    carries its ``table`` (table, pass) and ``lane`` (table, offset, rows per batch)."""
+    carries its ``table`` (table, pass) and ``lane`` (table, offset, rows per batch).
+
+    ``done`` (rows consumed before a resume, keyed by ``rows_key``) leaves out those rows: each
+    pass with rows consumed is dealt again without them (``plan_epoch(done=...)``), and the
+    epoch is composed anew from what the ranks have left, so every pass stays exactly once."""
     by_table: list[list[BaseSplit]] = [[] for _ in weights]
+    table_of = {}
     for b, t in zip(base, base_table):
         by_table[t].append(b)
+        table_of[b.id] = t
+    consumed: dict[tuple[int, int], dict[int, Sequence[tuple[int, int]]]] = {}  # (table, pass) -> its done
+    for key, ranges in (done or {}).items():
+        b, p = base_and_pass(key)
+        consumed.setdefault((table_of[b], p), {})[b] = ranges
+    # The last pass of each table with rows consumed: passes after it are whole.
+    resumed = [max((p for tt, p in consumed if tt == t), default=-1) for t in range(len(weights))]
+    passes_memo: dict[tuple[int, int], list[list[EpochSplit]]] = {}
 
     def table_pass(t: int, p: int) -> list[list[EpochSplit]]:
         """Each rank's splits of pass ``p`` of table ``t``, in plan order (padding last)."""
-        tb = by_table[t]
-        ranks: list[list[EpochSplit]] = [[] for _ in range(world_size)]
-        for s in plan_epoch(tb, epoch, seed, shuffle, world_size, 1, False, even, stream=pass_stream(t, p)):
-            ranks[s.rank].append(replace(s, table=(t, p)))
-        return ranks
+        if (t, p) not in passes_memo:
+            ranks: list[list[EpochSplit]] = [[] for _ in range(world_size)]
+            for s in plan_epoch(by_table[t], epoch, seed, shuffle, world_size, 1, False, even,
+                                done=consumed.get((t, p)), stream=pass_stream(t, p)):
+                ranks[s.rank].append(replace(s, table=(t, p)))
+            passes_memo[t, p] = ranks
+        return passes_memo[t, p]
 
-    first = [table_pass(t, 0) for t in range(len(weights))]
     plans: dict[int, MixedPlan] = {}
     next_id = 0
     for rank in range(world_size):
-        per_pass = [sum(s.rows for s in first[t][rank]) for t in range(len(weights))]
+        # Rows of a pass on this rank: what a table that can run out has left of its one pass,
+        # and a restarted table's whole pass (it only decides whether the table is in the mix).
+        per_pass = [sum(s.rows for s in table_pass(t, 0 if policies[t] != "restart" else resumed[t] + 1)[rank])
+                    for t in range(len(weights))]
         segments = composition(batch_size, weights, policies, per_pass)
         mine: list[EpochSplit] = []
         for t, want in enumerate(table_rows(segments, len(weights))):
-            passes = -(-want // per_pass[t]) if want else 0
-            if passes > MAX_PASSES:
-                raise ValueError(f"tables[{t}]: {passes} passes of {per_pass[t]} rows in one epoch "
-                                 f"(at most {MAX_PASSES})")
-            lane = [s for p in range(passes) for s in (first[t] if p == 0 else table_pass(t, p))[rank]]
+            lane: list[EpochSplit] = []
+            rows, p = 0, 0
+            while rows < want:
+                if p >= MAX_PASSES:
+                    raise ValueError(f"tables[{t}]: more than {MAX_PASSES} passes of {per_pass[t]} rows in one epoch")
+                chunk = table_pass(t, p)[rank]
+                lane += chunk
+                rows += sum(s.rows for s in chunk)
+                p += 1
             for s in _cut_lane(lane, want, t, segments):
                 mine.append(replace(s, id=next_id))
                 next_id += 1
         plans[rank] = MixedPlan(mine, segments)
     return plans
+
+
+def rows_key(base: int, pass_: int) -> int:
+    """How positions name base split ``base``'s rows in a table's pass ``pass_`` (``done``
+    ranges ``[key, lo, hi]``): the base split's id in pass 0, as for one table, and
+    ``base + pass * PASS_KEY`` in a restarted table's later passes (each a row space of its own:
+    a base split is read once per pass, in a row order of its own)."""
+    return base + pass_ * PASS_KEY
+
+
+def base_and_pass(key: int) -> tuple[int, int]:
+    """The (base split, pass) a ``rows_key`` names."""
+    return key % PASS_KEY, key // PASS_KEY
 
 
 def check_passes(spec: DatasetSpec, rows: Sequence[int]) -> None:
@@ -221,6 +256,15 @@ class BatchCounts:
 
     def counts(self, batch: int) -> list[int]:
         return [next((c for a, b, c in runs if a <= batch < b), 0) for runs in self._runs]
+
+    @property
+    def batches(self) -> int:
+        """Batches with rows of any lane."""
+        return max((b for runs in self._runs for _, b, _ in runs), default=0)
+
+    def rows_before(self, batch: int, table: int) -> int:
+        """Rows of lane ``table`` in batches ``[0, batch)``."""
+        return sum(c * max(0, min(b, batch) - a) for a, b, c in self._runs[table])
 
 
 def mix_report(batch_size: int, weights: Sequence[float], policies: Sequence[str], rows: Sequence[int]) -> dict:

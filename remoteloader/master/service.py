@@ -19,7 +19,7 @@ import msgspec
 
 from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.cache.store import BlockStore
-from ..core.mix import check_passes
+from ..core.mix import MAX_PASSES, base_and_pass, check_passes
 from ..core.plan import make_task, plan_base_splits
 from ..core.schedule import weighted_shares
 from ..core.schedule import split_order
@@ -776,7 +776,8 @@ class MasterService:
         if consumed:  # a resumed client: what it consumed before is not produced again
             self._commit(U.ForJob(fingerprint, U.SplitsConsumed(rank, seq, consumed)))
         splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding,
-                                   None if p.split.lane is None else list(p.split.lane))
+                                   None if p.split.lane is None else list(p.split.lane),
+                                   None if p.split.table is None else list(p.split.table))
                   for p in st.epoch_splits(rank, epoch)]
         return M.Epoch(epoch=epoch, seq=seq, splits=splits)
 
@@ -812,30 +813,32 @@ class MasterService:
 
     def _check_done(self, st: JobState, done: list[M.DoneRange]) -> list:
         """Rows consumed before an elastic resume, disjoint and coalesced (adjacent ranges
-        merged), as ``[[base split, lo, hi], ...]``. A checkpoint's consumed rows are
-        prefixes of the epoch's splits, a few per base split: more ranges than that is not a
-        checkpoint. (Their shape was checked at decode; here, whether they fit the job.)"""
+        merged), as ``[[base split, lo, hi], ...]`` (a mix of tables: ``[rows key, lo, hi]``,
+        ``core.mix.rows_key``). A checkpoint's consumed rows are prefixes of the epoch's splits,
+        a few per base split: more ranges than that is not a checkpoint. (Their shape was
+        checked at decode; here, whether they fit the job.)"""
         splits = st.job.splits
-        if done and st.job.spec.tables:
-            raise RequestError("done: a mix of tables resumes on the world size it was saved on (its tables' passes "
-                               "are dealt to the ranks; docs/guarantees.md)", code=ErrorCode.RESUME_MISMATCH)
         # A lane boundary cuts a base split as a rank boundary does (mix_splits): so many more.
         most = MAX_DONE_RANGES * st.job.spec.mix_splits
+        # A mix of tables names a restarted table's later passes' rows by base split and pass.
+        passes = MAX_PASSES if st.job.spec.tables else 1
         merged: list[list[int]] = []
-        per_split: dict[int, int] = {}
-        for base, lo, hi in sorted((d.base_split, d.lo, d.hi) for d in done):
-            if not (base < len(splits) and lo < hi <= splits[base].rows):
-                raise RequestError(f"done: rows [{lo}, {hi}) of base split {base} do not exist in this job")
-            if merged and merged[-1][0] == base and merged[-1][2] > lo:
-                raise RequestError(f"done: overlapping row ranges in base split {base}")
-            if merged and merged[-1][0] == base and merged[-1][2] == lo:
+        per_key: dict[int, int] = {}
+        for key, lo, hi in sorted((d.base_split, d.lo, d.hi) for d in done):
+            base, pass_ = base_and_pass(key)
+            where = f"base split {base}" + (f" in pass {pass_}" if pass_ else "")
+            if not (base < len(splits) and pass_ < passes and lo < hi <= splits[base].rows):
+                raise RequestError(f"done: rows [{lo}, {hi}) of {where} do not exist in this job")
+            if merged and merged[-1][0] == key and merged[-1][2] > lo:
+                raise RequestError(f"done: overlapping row ranges in {where}")
+            if merged and merged[-1][0] == key and merged[-1][2] == lo:
                 merged[-1][2] = hi
                 continue
-            per_split[base] = per_split.get(base, 0) + 1
-            if per_split[base] > most:
-                raise RequestError(f"done: more than {most} row ranges in base split {base}: a "
+            per_key[key] = per_key.get(key, 0) + 1
+            if per_key[key] > most:
+                raise RequestError(f"done: more than {most} row ranges in {where}: a "
                                    "checkpoint's consumed rows are prefixes of the epoch's splits")
-            merged.append([base, lo, hi])
+            merged.append([key, lo, hi])
         return merged
 
     def _on_client_heartbeat(self, m: M.ClientHeartbeat) -> Reply:

@@ -10,7 +10,7 @@ import hashlib
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import msgspec
 
@@ -536,11 +536,8 @@ class JobState:
     def _plan(self, epoch: int) -> EpochPlan:
         if epoch not in self._plans:
             spec = self.job.spec
-            if spec.tables:  # a mix of tables (never resumed on another world size: core/mix.py)
-                mixed = plan_mixed_epoch(self.job.splits, self.job.base_tables(), [t.weight for t in spec.tables],
-                                         [t.when_done for t in spec.tables], epoch, spec.seed, spec.shuffle,
-                                         self.job.world_size, spec.batch_size, spec.even_batches)
-                self._plans[epoch] = EpochPlan([s for r in sorted(mixed) for s in mixed[r].splits])
+            if spec.tables:  # a mix of tables: its passes less the rows consumed before a resume (core/mix.py)
+                self._plans[epoch] = EpochPlan(self._mixed_plan(epoch, self.resumed.get(epoch)))
             else:
                 self._plans[epoch] = EpochPlan(plan_epoch(
                     self.job.window(epoch), epoch, spec.seed, spec.shuffle, self.job.world_size, spec.batch_size,
@@ -554,6 +551,13 @@ class JobState:
                 live = {r.epoch for r in self._rank_epochs()} | {epoch}
                 self._plans = {e: p for e, p in self._plans.items() if e in live}
         return self._plans[epoch]
+
+    def _mixed_plan(self, epoch: int, done: Optional[Mapping[int, list[tuple[int, int]]]]) -> list[EpochSplit]:
+        spec = self.job.spec
+        mixed = plan_mixed_epoch(self.job.splits, self.job.base_tables(), [t.weight for t in spec.tables],
+                                 [t.when_done for t in spec.tables], epoch, spec.seed, spec.shuffle,
+                                 self.job.world_size, spec.batch_size, spec.even_batches, done)
+        return [s for r in sorted(mixed) for s in mixed[r].splits]
 
     def _owner(self, epoch: int, split_id: int) -> tuple[Optional[RankEpoch], Optional[SplitProgress]]:
         plan = self._plans.get(epoch)
@@ -696,8 +700,9 @@ class JobState:
         """Each rank's rows of a whole epoch (a resumed epoch has fewer)."""
         assert self.job is not None and self.job.world_size is not None
         spec = self.job.spec
-        if spec.tables:  # a mix: each rank's rows of its passes, the same every epoch (core/mix.py)
-            rows = [sum(s.rows for s in self._plan(0).by_rank.get(r, ())) for r in range(self.job.world_size)]
+        if spec.tables:  # a mix: each rank's rows of its passes, the same every whole epoch (core/mix.py)
+            whole = EpochPlan(self._mixed_plan(0, None)) if 0 in self.resumed else self._plan(0)
+            rows = [sum(s.rows for s in whole.by_rank.get(r, ())) for r in range(self.job.world_size)]
             return RankShares(tuple(rows), (0,) * len(rows), 0)
         return rank_shares(self.job.total_rows, self.job.world_size, spec.batch_size, spec.drop_last,
                            spec.even_batches)
