@@ -1,5 +1,5 @@
-"""A mix of tables resumed from a job position (what DCP saves): on another world size the
-rest of each table's passes is dealt to the new ranks and every row is read exactly once per
+"""A mix of tables resumed from a job position (what DCP saves): on another world size (and
+batch size) the rest of each table's passes is dealt to the new ranks and every row is read exactly once per
 pass, the batches keeping their shares; on the same world size the position is named back in
 each rank's own splits (padding included), so the sequence continues unchanged."""
 from __future__ import annotations
@@ -53,9 +53,9 @@ def as_intervals(done):
 @settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(5, 90), min_size=1, max_size=5), st.lists(st.integers(3, 60), min_size=1, max_size=4),
        st.sampled_from(POLICIES), st.sampled_from([(3, 1), (1, 1), (1, 4)]), st.integers(1, 4), st.integers(1, 4),
-       st.sampled_from(["off", "pad"]), st.integers(0, 10**6), st.integers(6, 24))
+       st.sampled_from(["off", "pad"]), st.integers(0, 10**6), st.integers(6, 24), st.integers(6, 24))
 def test_a_resume_on_another_world_size_reads_each_pass_exactly_once_in_the_same_shares(
-        sizes_a, sizes_b, policies, weights, old_world, new_world, even, cut, batch):
+        sizes_a, sizes_b, policies, weights, old_world, new_world, even, cut, batch, new_batch):
     base, tables = base_splits((sizes_a, sizes_b))
     old = plan_mixed_epoch(base, tables, weights, policies, 3, 7, True, old_world, batch, even)
     total = {r: len(batches_of(p.segments)) for r, p in old.items()}
@@ -63,12 +63,12 @@ def test_a_resume_on_another_world_size_reads_each_pass_exactly_once_in_the_same
     head, runs, done = checkpoint(old, batch, {r: s for r, s in stops.items()})
     if all(stops[r] is None for r in old):
         return  # every rank read its whole epoch: nothing to resume
-    new = plan_mixed_epoch(base, tables, weights, policies, 3, 7, True, new_world, batch, even,
+    new = plan_mixed_epoch(base, tables, weights, policies, 3, 7, True, new_world, new_batch, even,
                            done=as_intervals(done))
     assume(all(s.table[1] < 10 for p in (*old.values(), *new.values()) for s in p.splits))  # ids hold 10 passes
     tail = []
     for plan in new.values():
-        _, (batches, _) = assemble_rank(plan, batch)
+        _, (batches, _) = assemble_rank(plan, new_batch)
         # Every batch holds what the plan composed: each table's share, but where one runs out and the last.
         assert [[sum(1 for r in b if r // 10**6 == t) for t in (0, 1)] for b in batches] == \
                [list(c) for c in batches_of(plan.segments)]
