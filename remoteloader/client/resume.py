@@ -19,7 +19,9 @@ Two forms, both small plain data (``torch.save``, ``torch.load(weights_only=True
 ``done`` names rows as ``[[base split, lo, hi], ...]`` ranges of a base split after its
 per-epoch shuffle, which depend on neither the world size nor the batch size: any job
 can take over the rows nobody consumed (the master plans the rest of the epoch without
-them). ``spec`` holds each spec key that decides which rows an epoch holds, so that a
+them). A mix of tables names them by (base split, pass) instead (``core.mix.rows_key``: the
+base split's id in a table's first pass), as a restarted table reads a base split once per
+pass. ``spec`` holds each spec key that decides which rows an epoch holds, so that a
 resume on an incompatible spec is refused naming the key; ``batch_size`` may change.
 """
 from __future__ import annotations

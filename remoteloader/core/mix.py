@@ -26,6 +26,11 @@ table, at most two per table that runs out. A pure function of the batch size, w
 policies and the rank's rows per pass, hence of the spec, table, seed, epoch and world size.
 The lanes are cut where segments begin, so each split lies in one segment and its pieces get
 the lanes' closed-form key (``lane_piece_key``) with the segment's rows per batch as the share.
+
+A resume on another world size or batch size gives ``plan_mixed_epoch`` the rows consumed,
+named by (base split, pass) (``rows_key``): each pass with rows consumed is dealt again to the
+new ranks without them, and the epoch composed from what each rank has left, so every row of a
+pass is read once and the batches keep their shares (not the unbroken epoch's sequence).
 """
 from __future__ import annotations
 
