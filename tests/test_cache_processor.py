@@ -180,3 +180,46 @@ def _batch_bytes(batch) -> tuple:
     return (batch.dense_features.numpy().tobytes(), batch.labels.numpy().tobytes(),
             batch.sparse_features.values().numpy().tobytes(), batch.sparse_features.lengths().numpy().tobytes(),
             {k: v.numpy().tobytes() for k, v in batch.passthrough.items()})
+
+
+def test_a_mix_caches_each_tables_blocks_under_its_stored_columns_shared_with_a_job_of_that_table(tables, cache):
+    """A mix whose second table gives the job's float_1 and idlist_1 from its float_2 and
+    idlist_2: its second epoch reads every block (no table byte) and is byte-identical; a job
+    of that table alone reading float_2 and idlist_2 finds the same blocks, and one reading its
+    float_1 and idlist_1 is not served them."""
+    from remoteloader.core.mix import plan_mixed_epoch
+
+    spec = spec_dict(tables["orc"], shuffle=True, seed=3)
+    del spec["table"]
+    spec["tables"] = [{"path": str(tables["orc"]), "weight": 3},
+                      {"path": str(tables["parquet"]), "weight": 1, "columns": {"float_1": "float_2",
+                                                                                "idlist_1": "idlist_2"}}]
+    bound = bind(DatasetSpec.from_dict(spec))
+    base = plan_job_splits(bound)
+
+    def mixed_tasks(epoch: int, directive=None):
+        plans = plan_mixed_epoch(base, [bound.file_tables[b.file] for b in base], (3, 1), ("drop", "drop"), epoch,
+                                 3, True, WORLD, bound.spec.batch_size, bound.spec.even_batches)
+        for rank in sorted(plans):
+            for s in plans[rank].splits:
+                yield make_task(bound.files, base[s.base], s, epoch, cache=directive)
+
+    expected = {e: produce(SplitProcessor(bound), mixed_tasks(e)) for e in (0, 1)}
+    assert produce(cache.processor(bound), mixed_tasks(0, everything(bound))) == expected[0]
+    cache.flush()
+    reading = cache.processor(bound)
+    assert produce(reading, mixed_tasks(1, everything(bound, write=False))) == expected[1]
+    assert reading.io.bytes_requested == 0 and cache.store.counters.hits > 0
+
+    alone = spec_dict(tables["parquet"], shuffle=True, seed=3)
+    alone["features"]["dense"][1]["column"] = "float_2"
+    alone["features"]["sparse"][1]["column"] = "idlist_2"
+    single, single_base = job(tables["parquet"], features=alone["features"])
+    plain = produce(SplitProcessor(single), tasks(single, single_base, 2))
+    shared = cache.processor(single)
+    assert produce(shared, tasks(single, single_base, 2, everything(single, write=False))) == plain
+    assert shared.io.bytes_requested == 0  # the mix's blocks of the table, under its own column names
+    # The table's own float_1 and idlist_1 are other columns: a job reading them is not served the mix's blocks.
+    other, other_base = job(tables["parquet"])
+    assert produce(cache.processor(other), tasks(other, other_base, 2, everything(other, write=False))) == \
+           produce(SplitProcessor(other), tasks(other, other_base, 2))

@@ -59,8 +59,7 @@ class LocalDataset(IterableDataset):
         if self.spec.table.follow is not None:
             raise SpecError("table.follow: a LocalDataset reads a fixed table; following a growing table needs a "
                             "master, which journals what each re-listing adds (RemoteDataLoader)")
-        # A mix of tables leaves the cache alone (master/cache_plan.py says why).
-        self.cache = None if self.spec.cache_mode == "off" or self.spec.tables else (
+        self.cache = None if self.spec.cache_mode == "off" else (
             cache or os.environ.get(ENV_CACHE) or (user_cache_dir() if self.spec.cache is not None else None))
         self.rank, self.world_size = resolve_rank(rank, world_size)
         bound = bind(self.spec)

@@ -158,7 +158,7 @@ class SplitProcessor:
             computed = {f: done[f] for f in directive.write_features if f in done and f not in given}
             stored = set(directive.write_sources) | {c for c in raw_names if c not in directive.sources}
             raw = {c: base[c] for c in stored if c in columns}
-            self.cache.put(blocks.split_key, computed, raw, weights if blocks.weights is None else None)
+            self.cache.put(task, blocks.split_key, computed, raw, weights if blocks.weights is None else None)
         rows = task.row_hi - task.row_lo
         features = pipeline.assemble(done, task.base_rows if in_order else rows)
         if in_order and not _is_all(selection, task.base_rows):

@@ -119,9 +119,9 @@ class CachePlanner:
     def _make_directive(self, state: JobState, bound: BoundDataset) -> Optional[CacheDirective]:
         mode, pipeline = bound.spec.cache_mode, bound.pipeline
         cacheable = [f for f in pipeline.feature_names if pipeline.row_local(f)]
-        # A mix of tables reads columns under the job's names (tables[i].columns), which cache
-        # keys of the table's own names would confuse: a mix leaves the cache alone.
-        if mode == "off" or bound.spec.tables:
+        # A mix of tables is cached as any job: its blocks are keyed by each table's stored
+        # column names (core/cache/job.py), whatever tables[i].columns calls them.
+        if mode == "off":
             return None
         if mode == "write-all":
             return CacheDirective(features=cacheable, sources=[], write_features=cacheable, write_sources=[])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -333,20 +333,22 @@ class FeaturePipeline:
         return (all(getattr(step.op, "row_local", True) for step in node.steps)
                 and all(self.row_local(src) for kind, src in node.sources if kind == "feature"))
 
-    def closure(self, feature: str) -> dict:
+    def closure(self, feature: str, stored: Callable[[str], str] = str) -> dict:
         """Everything ``feature``'s values depend on, in canonical form: its sources (table
         columns with their types, or other features' closures, recursively), scores, null
-        default and each step's op and normalized parameters. The block cache's feature key."""
+        default and each step's op and normalized parameters. The block cache's feature key.
+        ``stored``: a column's name in the table read (a mix's ``tables[i].columns`` renaming),
+        so that the key names the stored column whatever the job calls it."""
         node = self._nodes[feature]
-        sources = [["column", src, self._schema[src]] if kind == "column" else ["feature", self.closure(src)]
-                   for kind, src in node.sources]
+        sources = [["column", stored(src), self._schema[src]] if kind == "column" else
+                   ["feature", self.closure(src, stored)] for kind, src in node.sources]
         return {
             "declared": node.declared,
             "sources": sources,
-            "scores": None if node.scores is None else [node.scores, self._schema[node.scores]],
+            "scores": None if node.scores is None else [stored(node.scores), self._schema[node.scores]],
             "null_value": node.null_value,
             "steps": [{"op": step.op_name, "version": getattr(step.op, "version", 1), "params": step.params,
-                       "extra": [[c, self._schema[c]] for c in step.extra]} for step in node.steps],
+                       "extra": [[stored(c), self._schema[c]] for c in step.extra]} for step in node.steps],
             "out": [node.out.kind, node.out.dtype, node.out.width, node.out.scored],
         }
 

@@ -19,6 +19,7 @@ from .keys import feature_key, raw_key, sampling_weights_key, split_key
 from .segments import MAX_BLOCKS
 
 if TYPE_CHECKING:
+    from ...spec import MixedTable
     from .store import BlockStore
     from .writer import BlockWriter
 
@@ -38,14 +39,13 @@ class JobCache:
     def __init__(self, store: "BlockStore", writer: "Optional[BlockWriter]", bound: BoundDataset) -> None:
         self.store = store
         self.writer = writer
-        pipeline = bound.pipeline
-        self.feature_keys = {f: feature_key(pipeline, f) for f in pipeline.feature_names if pipeline.row_local(f)}
-        self._raw_kinds = dict(bound.schema)
+        self._keys = [_TableKeys(bound, mixed) for mixed in bound.spec.tables or (None,)]
         self._weights_key = sampling_weights_key()
         self._sampling = bound.spec.sampling
 
-    def raw_key(self, column: str) -> str:
-        return raw_key(column, self._raw_kinds[column])
+    def _table(self, task: SplitTask) -> "_TableKeys":
+        """The keys of the task's table (a mix names its tables' columns as each stores them)."""
+        return self._keys[task.table[0] if task.table is not None and len(self._keys) > 1 else 0]
 
     def split_key(self, task: SplitTask) -> str:
         return split_key(task.file, task.first_unit, task.stop_unit, task.position, self._sampling)
@@ -55,8 +55,9 @@ class JobCache:
         """The cached blocks among ``features`` (those that may be cached), ``raw``
         columns and (if ``weights``) the sampling weights; anything missing, corrupt or
         slow is simply not found."""
-        wanted = {self.feature_keys[f]: ("feature", f) for f in features if f in self.feature_keys}
-        wanted.update({self.raw_key(c): ("raw", c) for c in raw})
+        keys = self._table(task)
+        wanted = {keys.features[f]: ("feature", f) for f in features if f in keys.features}
+        wanted.update({keys.raw(c): ("raw", c) for c in raw})
         if weights:
             wanted[self._weights_key] = ("weights", "")
         blocks = CachedBlocks(self.split_key(task))
@@ -71,16 +72,32 @@ class JobCache:
                 (blocks.features if kind == "feature" else blocks.raw)[name] = column
         return blocks
 
-    def put(self, key: str, features: Mapping[str, Column], raw: Mapping[str, Column],
+    def put(self, task: SplitTask, key: str, features: Mapping[str, Column], raw: Mapping[str, Column],
             weights: Optional[Column] = None) -> None:
-        """Queue a new segment of what a split computed (with its sampling ``weights``, if
-        given); never blocks (a full writer drops it)."""
+        """Queue a new segment of what ``task``'s split computed (with its sampling ``weights``,
+        if given) under its split ``key``; never blocks (a full writer drops it)."""
         if self.writer is None:
             return
-        blocks = {self.feature_keys[f]: c for f, c in features.items() if f in self.feature_keys}
-        blocks.update({self.raw_key(c): column for c, column in raw.items()})
+        keys = self._table(task)
+        blocks = {keys.features[f]: c for f, c in features.items() if f in keys.features}
+        blocks.update({keys.raw(c): column for c, column in raw.items()})
         if weights is not None:
             blocks[self._weights_key] = weights
         names = sorted(blocks)
         for i in range(0, len(names), MAX_BLOCKS):  # a segment holds at most MAX_BLOCKS: readers bound footers
             self.writer.submit(key, {k: blocks[k] for k in names[i:i + MAX_BLOCKS]})
+
+
+class _TableKeys:
+    """The block keys of one table's columns and features: row-local features by their
+    closure, raw columns by name and type, each column named as the table stores it
+    (``mixed``: a table of a mix, whose ``columns`` give the job's names other stored ones)."""
+
+    def __init__(self, bound: BoundDataset, mixed: "Optional[MixedTable]") -> None:
+        pipeline = bound.pipeline
+        stored = mixed.stored if mixed is not None else str
+        self.features = {f: feature_key(pipeline, f, stored) for f in pipeline.feature_names if pipeline.row_local(f)}
+        self._stored, self._kinds = stored, dict(bound.schema)
+
+    def raw(self, column: str) -> str:
+        return raw_key(self._stored(column), self._kinds[column])

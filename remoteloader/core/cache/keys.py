@@ -8,7 +8,9 @@ misses), the unit range, and table-level sampling (rate, seed, label filter, and
 canonical position its hashes use). The **block key** names what was computed from those
 rows: for a feature, its whole transform closure (``FeaturePipeline.closure``: sources
 with their types, scores, null default, every step's op, op version and normalized
-parameters, input features recursively); for a raw block, the column and its type.
+parameters, input features recursively); for a raw block, the column and its type. Columns
+are named as the table stores them: a mix of tables' ``columns`` renaming is undone in the
+keys, so a block is the same whichever job (and job name) reads the column.
 
 Three namespaces of block keys never meet, whatever a table's columns are called:
 features (``"feature"``), table columns as read (``"raw"``, the column's name and type)
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -68,8 +70,10 @@ def split_key(file: DataFile, first_unit: int, stop_unit: int, position: int, sa
     return digest(*rows, "sampled", position, sampling)
 
 
-def feature_key(pipeline: FeaturePipeline, feature: str) -> str:
-    return digest("feature", KERNEL_VERSION, FORMAT_VERSION, pipeline.closure(feature))
+def feature_key(pipeline: FeaturePipeline, feature: str, stored: Callable[[str], str] = str) -> str:
+    """``stored``: each column's name in the table read (a mix's renaming): a block names what
+    it was computed from as stored, so a renamed column's blocks are those of its own name."""
+    return digest("feature", KERNEL_VERSION, FORMAT_VERSION, pipeline.closure(feature, stored))
 
 
 def raw_key(column: str, kind: str) -> str:
