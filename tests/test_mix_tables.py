@@ -239,7 +239,10 @@ def test_a_restarted_table_read_too_many_times_an_epoch_is_refused_naming_its_we
         check_passes(spec, [10**9, 1000])
 
 
-def test_the_master_plans_a_mix_and_a_replayed_journal_or_snapshot_rebuilds_it():
+def replayed_mixed_job(world: int, resumed=None):
+    """A master's state of a mix of 3 files (2 of table a at weight 3, 1 of table b, restarted),
+    each of 2 base splits of 50 rows, from a journal: ``world`` ranks joined and started epoch 3
+    (``resumed``: after an elastic resume of it, its ``done`` ranges)."""
     from remoteloader.formats import DataFile, Unit
     from remoteloader.master import updates as U
     from remoteloader.master.state import JobState
@@ -250,11 +253,20 @@ def test_the_master_plans_a_mix_and_a_replayed_journal_or_snapshot_rebuilds_it()
              for i in range(3)]
     records = [U.SplitRecord(f, u, u + 1, 50, 50, 100 * f + 50 * u) for f in range(3) for u in range(2)]
     history = [U.MasterStarted(0.0), U.JobSubmitted(spec, "fp", {"x": "float"}, files, records, [], [0, 0, 1]),
-               U.ClientJoined("c0", 0, 2, 0.0), U.ClientJoined("c1", 1, 2, 0.0),
-               U.EpochStarted(0, 3, "c0", 0), U.EpochStarted(1, 3, "c1", 0)]
+               *(U.ClientJoined(f"c{r}", r, world, 0.0) for r in range(world)),
+               *([U.EpochResumed(3, resumed)] if resumed is not None else []),
+               *(U.EpochStarted(r, 3, f"c{r}", 0) for r in range(world))]
     st = JobState()
     for u in history:
         st.apply(U.decode(U.encode(u)))  # as a journal replays them
+    return st
+
+
+def test_the_master_plans_a_mix_and_a_replayed_journal_or_snapshot_rebuilds_it():
+    from remoteloader.master import updates as U
+    from remoteloader.master.state import JobState
+
+    st = replayed_mixed_job(2)
     expected = plan_mixed_epoch(st.job.splits, [0, 0, 0, 0, 1, 1], (3, 1), ("drop", "restart"), 3, 0, True, 2, 8, "pad")
     for rank in (0, 1):
         progress = st.epoch_splits(rank, 3)

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from remoteloader.client import resume
 from remoteloader.client.epoch import EpochPlan, EpochRun, _split_plan
-from remoteloader.core.mix import PASS_KEY, base_and_pass, plan_mixed_epoch, rows_key
+from remoteloader.core.mix import MAX_PASSES, PASS_KEY, base_and_pass, plan_mixed_epoch, rows_key
+from remoteloader.master import updates as U
+from remoteloader.master.service import MasterConfig, MasterService, RequestError
+from remoteloader.master.state import JobState
 from remoteloader.protocol import messages as M
 from tests.conftest import examples
-from tests.test_mix_tables import assemble_rank, base_splits, batches_of
+from tests.test_mix_tables import assemble_rank, base_splits, batches_of, replayed_mixed_job
 
 POLICIES = [("drop", "drop"), ("drop", "restart"), ("restart", "stop"), ("stop", "drop")]
 
@@ -120,3 +124,27 @@ def rows_consumed(splits, consumed, batch):
 def test_rows_keys_name_a_restarted_tables_later_passes_apart():
     assert rows_key(5, 0) == 5 and rows_key(5, 2) == 5 + 2 * PASS_KEY
     assert base_and_pass(rows_key(123, 7)) == (123, 7)
+
+
+def test_a_replayed_journal_plans_a_resumed_mix_without_its_consumed_rows_and_the_master_checks_them():
+    """The master's plan of a mix resumed on 3 ranks (journaled ``EpochResumed`` with rows of a
+    restarted table's second pass) is ``plan_mixed_epoch`` with those rows left out, rebuilt
+    alike from a snapshot; ``done`` naming a pass past the bound is refused."""
+    done = [[0, 0, 30], [rows_key(4, 1), 0, 10]]  # table a's base split 0; table b's base split 4 in pass 1
+    st = replayed_mixed_job(3, done)
+    expected = plan_mixed_epoch(st.job.splits, [0, 0, 0, 0, 1, 1], (3, 1), ("drop", "restart"), 3, 0, True, 3, 8,
+                                "pad", done=as_intervals(done))
+    for rank in range(3):
+        splits = [p.split for p in st.epoch_splits(rank, 3)]
+        assert splits == expected[rank].splits
+        assert not [s for s in splits if s.base == 0 and s.row_lo < 30 and not s.padding]  # consumed: left out
+        assert not [s for s in splits if (s.base, s.table) == (4, (1, 1)) and s.row_lo < 10 and not s.padding]
+    rebuilt = JobState()
+    rebuilt.apply(U.decode(U.encode(st.snapshot())))
+    assert [p.split for p in rebuilt.epoch_splits(2, 3)] == expected[2].splits
+
+    service = MasterService(MasterConfig(), None, lambda: 0.0)
+    ranges = [M.DoneRange(rows_key(4, 1), 5, 10), M.DoneRange(rows_key(4, 1), 0, 5), M.DoneRange(0, 0, 30)]
+    assert service._check_done(st, ranges) == [[0, 0, 30], [rows_key(4, 1), 0, 10]]
+    with pytest.raises(RequestError, match="base split 4 in pass 65536 do not exist"):
+        service._check_done(st, [M.DoneRange(rows_key(4, MAX_PASSES), 0, 10)])

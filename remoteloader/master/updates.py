@@ -245,8 +245,8 @@ class EpochStarted(Update):
 
 class EpochResumed(Update):
     """The epoch continues a checkpoint of a job with another world size: its plan leaves
-    out the rows consumed before (``(base split, lo, hi)``) and spreads the rest over this
-    job's ranks."""
+    out the rows consumed before (``(base split, lo, hi)``; a mix of tables names a base
+    split's rows in a pass by ``core.mix.rows_key``) and spreads the rest over this job's ranks."""
     epoch: int
     done: list[tuple[int, int, int]]
 
