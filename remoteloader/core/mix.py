@@ -126,7 +126,7 @@ def plan_mixed_epoch(base: Sequence[BaseSplit], base_table: Sequence[int], weigh
     pass with rows consumed is dealt again without them (``plan_epoch(done=...)``), and the
     epoch is composed anew from what the ranks have left, so every pass stays exactly once."""
     by_table: list[list[BaseSplit]] = [[] for _ in weights]
-    table_of = {}
+    table_of: dict[int, int] = {}
     for b, t in zip(base, base_table):
         by_table[t].append(b)
         table_of[b.id] = t
@@ -158,6 +158,9 @@ def plan_mixed_epoch(base: Sequence[BaseSplit], base_table: Sequence[int], weigh
         segments = composition(batch_size, weights, policies, per_pass)
         mine: list[EpochSplit] = []
         for t, want in enumerate(table_rows(segments, len(weights))):
+            if per_pass[t] and want // per_pass[t] > MAX_PASSES:  # refused before planning so many passes
+                raise ValueError(f"tables[{t}]: {want // per_pass[t]} passes of {per_pass[t]} rows in one epoch "
+                                 f"(at most {MAX_PASSES})")
             lane: list[EpochSplit] = []
             rows, p = 0, 0
             while rows < want:
