@@ -96,14 +96,16 @@ class Position:
         done = sum(hi - lo for _, lo, hi in pending.done)
         if pending.in_place:
             return max(0, job.rank_rows - done // self.world_size)
+        consumed = sum(c[5] for c in pending.part.get("consumed", ()))  # a rank's own part: its rows consumed
         if spec.tables:
-            # The rest of each table's passes is dealt anew and the batches composed from what each
-            # rank has left (core/mix.py): the master's plan, known once the epoch has started.
-            raise TypeError("len() of a mix of tables resumed on another world size or batch_size is its resumed "
-                            "epoch's, known once that epoch has started (its first batch taken)")
+            if done:
+                # The rest of each table's passes is dealt anew and the batches composed from what each
+                # rank has left (core/mix.py): the master's plan, known once the epoch has started.
+                raise TypeError("len() of a mix of tables resumed on another world size or batch_size is its "
+                                "resumed epoch's, known once that epoch has started (its first batch taken)")
+            return job.rank_rows - consumed  # its own part: the rank's epoch as planned, less what it consumed
         shares = rank_shares(job.total_rows - done, self.world_size, spec.batch_size, spec.drop_last,
                              spec.even_batches)
-        consumed = sum(c[5] for c in pending.part.get("consumed", ()))  # a rank's own part: its rows consumed
         return shares.rows[self.rank] + shares.padding[self.rank] - consumed
 
     def load(self, state: Any, job_plan: Callable[[], Optional[str]]) -> None:
