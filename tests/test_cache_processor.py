@@ -163,10 +163,13 @@ def _part(task, lo: int, hi: int, directive):
     return replace(task, row_lo=task.row_lo + lo, row_hi=task.row_lo + hi, cache=directive)
 
 
-def test_local_dataset_uses_the_same_cache_path(tables, tmp_path):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_local_dataset_uses_the_same_cache_path(tables, tmp_path, mixed):
     from remoteloader import LocalDataset
 
-    spec = spec_dict(tables["orc"], shuffle=True, seed=3, cache={"mode": "auto", "expected_epochs": 2})
+    cached_spec = {"cache": {"mode": "auto", "expected_epochs": 2}}
+    spec = renaming_mix(tables, **cached_spec) if mixed else spec_dict(tables["orc"], shuffle=True, seed=3,
+                                                                        **cached_spec)
     plain = LocalDataset(dict(spec, cache={"mode": "off"}))
     cached = LocalDataset(spec, cache=str(tmp_path / "local-cache"))
     for epoch in (0, 1):
@@ -182,6 +185,17 @@ def _batch_bytes(batch) -> tuple:
             {k: v.numpy().tobytes() for k, v in batch.passthrough.items()})
 
 
+def renaming_mix(tables, **overrides) -> dict:
+    """The ORC table at weight 3 and the Parquet one at 1, which gives the job's float_1 and
+    idlist_1 from its float_2 and idlist_2."""
+    spec = spec_dict(tables["orc"], shuffle=True, seed=3, **overrides)
+    del spec["table"]
+    spec["tables"] = [{"path": str(tables["orc"]), "weight": 3},
+                      {"path": str(tables["parquet"]), "weight": 1, "columns": {"float_1": "float_2",
+                                                                                "idlist_1": "idlist_2"}}]
+    return spec
+
+
 def test_a_mix_caches_each_tables_blocks_under_its_stored_columns_shared_with_a_job_of_that_table(tables, cache):
     """A mix whose second table gives the job's float_1 and idlist_1 from its float_2 and
     idlist_2: its second epoch reads every block (no table byte) and is byte-identical; a job
@@ -189,12 +203,7 @@ def test_a_mix_caches_each_tables_blocks_under_its_stored_columns_shared_with_a_
     float_1 and idlist_1 is not served them."""
     from remoteloader.core.mix import plan_mixed_epoch
 
-    spec = spec_dict(tables["orc"], shuffle=True, seed=3)
-    del spec["table"]
-    spec["tables"] = [{"path": str(tables["orc"]), "weight": 3},
-                      {"path": str(tables["parquet"]), "weight": 1, "columns": {"float_1": "float_2",
-                                                                                "idlist_1": "idlist_2"}}]
-    bound = bind(DatasetSpec.from_dict(spec))
+    bound = bind(DatasetSpec.from_dict(renaming_mix(tables)))
     base = plan_job_splits(bound)
 
     def mixed_tasks(epoch: int, directive=None):
