@@ -17,8 +17,9 @@ from remoteloader.master import updates as U
 from remoteloader.master.service import MasterConfig, MasterService, RequestError
 from remoteloader.master.state import JobState
 from remoteloader.protocol import messages as M
+from remoteloader.spec import DatasetSpec
 from tests.conftest import examples
-from tests.test_mix_tables import assemble_rank, base_splits, batches_of, replayed_mixed_job
+from tests.test_mix_tables import assemble_rank, base_splits, batches_of, mix_dict, replayed_mixed_job
 
 POLICIES = [("drop", "drop"), ("drop", "restart"), ("restart", "stop"), ("stop", "drop")]
 
@@ -148,3 +149,13 @@ def test_a_replayed_journal_plans_a_resumed_mix_without_its_consumed_rows_and_th
     assert service._check_done(st, ranges) == [[0, 0, 30], [rows_key(4, 1), 0, 10]]
     with pytest.raises(RequestError, match="base split 4 in pass 65536 do not exist"):
         service._check_done(st, [M.DoneRange(rows_key(4, MAX_PASSES), 0, 10)])
+
+
+def test_a_position_of_another_mix_is_refused_naming_the_key(tmp_path):
+    saved = DatasetSpec.from_dict(mix_dict(tmp_path))
+    other = mix_dict(tmp_path)
+    other["tables"][1]["weight"] = 2
+    position = resume.part(saved, "plan", 0, 1, 0, [[0, 0, 10]], [], 0)
+    with pytest.raises(ValueError, match="another dataset spec: 'table'"):
+        resume.resume_of({"rank_0": position}, DatasetSpec.from_dict(other), 0, 1)
+    assert resume.resume_of({"rank_0": position}, saved, 0, 1).done == [[0, 0, 10]]
