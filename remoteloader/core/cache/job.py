@@ -6,6 +6,9 @@ on read, which is only exact when each output row depends on its input row alone
 Raw blocks are table columns as read (label, passthrough, cached sources), after
 table-level sampling; the sampling weights are an internal block beside them, kept apart
 (its own key namespace and its own field here), so that no column name can collide with it.
+
+On a worker of a shared fleet the same keys also name blocks in its ``BlockMemo``
+(``memo.py``): blocks another job it serves computed moments ago, looked up before the store.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from .keys import feature_key, raw_key, sampling_weights_key, split_key
 from .segments import MAX_BLOCKS
 
 if TYPE_CHECKING:
+    from .memo import BlockMemo
     from .store import BlockStore
     from .writer import BlockWriter
 
@@ -32,17 +36,41 @@ class CachedBlocks:
     features: dict[str, Column] = field(default_factory=dict)
     raw: dict[str, Column] = field(default_factory=dict)
     weights: Optional[Column] = None
+    shared: set[str] = field(default_factory=set)  # the block keys found in the memo
+
+
+def job_block_keys(bound: BoundDataset) -> frozenset[str]:
+    """Every block key a job's splits may read: its cacheable features, its label and
+    passthrough columns, and its sampling weights. Two jobs whose sets meet share work."""
+    pipeline, spec = bound.pipeline, bound.spec
+    keys = {feature_key(pipeline, f) for f in pipeline.feature_names if pipeline.row_local(f)}
+    keys.update(raw_key(c, bound.schema[c]) for c in ([spec.label] if spec.label else []) + list(spec.passthrough))
+    if spec.sampling and spec.sampling.get("weight"):
+        keys.add(sampling_weights_key())
+    return frozenset(keys)
 
 
 class JobCache:
-    def __init__(self, store: "BlockStore", writer: "Optional[BlockWriter]", bound: BoundDataset) -> None:
+    def __init__(self, store: "Optional[BlockStore]", writer: "Optional[BlockWriter]", bound: BoundDataset,
+                 memo: "Optional[BlockMemo]" = None) -> None:
+        """``store``: the block cache (None: a worker without ``--cache``, whose splits use
+        ``memo`` alone); ``memo``: the worker's blocks shared between the jobs it serves."""
         self.store = store
         self.writer = writer
+        self.memo = memo
         pipeline = bound.pipeline
         self.feature_keys = {f: feature_key(pipeline, f) for f in pipeline.feature_names if pipeline.row_local(f)}
+        self.block_keys = job_block_keys(bound)
         self._raw_kinds = dict(bound.schema)
         self._weights_key = sampling_weights_key()
         self._sampling = bound.spec.sampling
+
+    def shared_features(self) -> list[str]:
+        """The features another job this worker serves also reads (the memo keeps them)."""
+        if self.memo is None:
+            return []
+        shared = self.memo.shared(self.feature_keys.values())
+        return [f for f, key in self.feature_keys.items() if key in shared]
 
     def raw_key(self, column: str) -> str:
         return raw_key(column, self._raw_kinds[column])
@@ -51,10 +79,11 @@ class JobCache:
         return split_key(task.file, task.first_unit, task.stop_unit, task.position, self._sampling)
 
     def lookup(self, task: SplitTask, features: Iterable[str], raw: Iterable[str],
-               weights: bool = False) -> CachedBlocks:
+               weights: bool = False, store: bool = True) -> CachedBlocks:
         """The cached blocks among ``features`` (those that may be cached), ``raw``
-        columns and (if ``weights``) the sampling weights; anything missing, corrupt or
-        slow is simply not found."""
+        columns and (if ``weights``) the sampling weights: first from the memo, then (with
+        ``store``) the rest from the block cache; anything missing, corrupt or slow is
+        simply not found."""
         wanted = {self.feature_keys[f]: ("feature", f) for f in features if f in self.feature_keys}
         wanted.update({self.raw_key(c): ("raw", c) for c in raw})
         if weights:
@@ -62,7 +91,11 @@ class JobCache:
         blocks = CachedBlocks(self.split_key(task))
         if not wanted:
             return blocks
-        found = self.store.lookup(blocks.split_key, wanted.keys()).found
+        found = {} if self.memo is None else self.memo.take(blocks.split_key, wanted.keys())
+        blocks.shared = set(found)
+        rest = [key for key in wanted if key not in found]
+        if store and self.store is not None and rest:
+            found.update(self.store.lookup(blocks.split_key, rest).found)
         for key, column in found.items():
             kind, name = wanted[key]
             if kind == "weights":
@@ -71,11 +104,23 @@ class JobCache:
                 (blocks.features if kind == "feature" else blocks.raw)[name] = column
         return blocks
 
+    def remember(self, key: str, features: Mapping[str, Column], raw: Mapping[str, Column],
+                 weights: Optional[Column] = None) -> None:
+        """Keep in the memo, for the other jobs this worker serves, what a split computed or
+        read that they read too."""
+        if self.memo is None:
+            return
+        blocks = {self.feature_keys[f]: c for f, c in features.items() if f in self.feature_keys}
+        blocks.update({self.raw_key(c): column for c, column in raw.items()})
+        if weights is not None:
+            blocks[self._weights_key] = weights
+        self.memo.put(key, blocks)
+
     def put(self, key: str, features: Mapping[str, Column], raw: Mapping[str, Column],
             weights: Optional[Column] = None) -> None:
         """Queue a new segment of what a split computed (with its sampling ``weights``, if
         given); never blocks (a full writer drops it)."""
-        if self.writer is None:
+        if self.writer is None or self.store is None:
             return
         blocks = {self.feature_keys[f]: c for f, c in features.items() if f in self.feature_keys}
         blocks.update({self.raw_key(c): column for c, column in raw.items()})
