@@ -14,6 +14,9 @@ Run: ``.venv/bin/python -m benchmarks.shared_fleet``.
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,12 +27,16 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
+import pyarrow.compute as pc
+from pyarrow import orc
 
 from remoteloader import RemoteDataLoader
 from remoteloader.tools.datagen import generate_table
+from remoteloader.worker.__main__ import ENV_SHARED_BLOCK_BYTES
 
 FEATURES = 10
 SHARED = 8  # features both jobs read: 80%
+SPARE = 4  # more columns, for job B's own two
 
 
 def spec(table: Path, features: list[int], **extra) -> dict:
@@ -44,10 +51,14 @@ def spec(table: Path, features: list[int], **extra) -> dict:
 
 
 class Master:
-    def __init__(self, table: Path, workers: int) -> None:
+    def __init__(self, table: Path, workers: int, shared_block_bytes: Optional[int] = None) -> None:
+        """``shared_block_bytes``: its workers' memo of blocks shared between jobs (None: their default)."""
+        env = dict(os.environ)
+        if shared_block_bytes is not None:
+            env[ENV_SHARED_BLOCK_BYTES] = str(shared_block_bytes)
         self.proc = subprocess.Popen([sys.executable, "-m", "remoteloader.master", "--bind", "tcp://127.0.0.1:0",
                                       "--allow-table", str(table), "--workers", str(workers)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         self.addr = self.proc.stdout.readline().rsplit(" ", 1)[1].strip()
         self.workers = workers
 
@@ -61,6 +72,10 @@ class Master:
             except psutil.NoSuchProcess:
                 pass
         return total
+
+    def status(self) -> dict:
+        return json.loads(subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "status", "--master", self.addr,
+                                          "--json"], capture_output=True, text=True, check=True).stdout)
 
     def wait_for_workers(self) -> None:
         while len(psutil.Process(self.proc.pid).children(recursive=True)) < self.workers + 1:
@@ -100,6 +115,28 @@ class Reader(threading.Thread):
         return sum(r for at, r in zip(self.times, self.rows) if at <= t)
 
 
+class CpuSampler(threading.Thread):
+    """The masters' workers' CPU seconds, sampled every ``interval`` s while the readers read."""
+
+    def __init__(self, masters: list[Master], interval: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.masters, self.interval = masters, interval
+        self.samples: list[tuple[float, float]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.samples.append((time.perf_counter(), sum(m.worker_cpu_s() for m in self.masters)))
+            self.done.wait(self.interval)
+
+    def at(self, t: float) -> float:
+        """CPU seconds at time ``t``, interpolated between the samples around it."""
+        times = [s[0] for s in self.samples]
+        i = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
+        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+        return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
+
+
 def read_all(readers: list[Reader]) -> None:
     for r in readers:
         r.start()
@@ -109,19 +146,36 @@ def read_all(readers: list[Reader]) -> None:
             raise r.error
 
 
-def shared_vs_separate(table: Path, specs: list[dict], epochs: int) -> dict:
+LAYOUTS = {"shared": "1 master, 2 workers", "separate": "2 masters, 1 worker each",
+           "unshared": "1 master, 2 workers, no shared work"}
+
+
+def shared_vs_separate(table: Path, specs: list[dict], epochs: int, layouts: tuple[str, ...]) -> dict:
     out = {}
-    for layout in ("shared", "separate"):
-        masters = [Master(table, 2)] if layout == "shared" else [Master(table, 1), Master(table, 1)]
+    for layout in layouts:
+        if layout == "separate":
+            masters = [Master(table, 1), Master(table, 1)]
+        else:
+            masters = [Master(table, 2, shared_block_bytes=0 if layout == "unshared" else None)]
         try:
             for m in masters:
                 m.wait_for_workers()
-            before = sum(m.worker_cpu_s() for m in masters)
+            sampler = CpuSampler(masters)
+            sampler.start()
             readers = [Reader(masters[i % len(masters)].addr, s, epochs) for i, s in enumerate(specs)]
-            read_all(readers)
-            cpu = sum(m.worker_cpu_s() for m in masters) - before
-            rows = sum(sum(r.rows) for r in readers)
+            try:
+                read_all(readers)
+            finally:
+                sampler.done.set()
+                sampler.join()
+            # CPU per row while both trainers read their timed epoch (not the pipelines' compiling
+            # at the first split, nor one job finishing alone): the workers' CPU over both jobs' rows.
+            start, end = max(r.times[0] for r in readers), min(r.times[-1] for r in readers)
+            rows = sum(r.rows_until(end) - r.rows_until(start) for r in readers)
+            cpu = sampler.at(end) - sampler.at(start)
             out[layout] = {"rates": [r.rate() for r in readers], "cpu_per_row_us": cpu / rows * 1e6}
+            if layout == "shared":
+                out["shared_work"] = masters[0].status()["shared_work"]
         finally:
             for m in masters:
                 m.stop()
@@ -142,35 +196,80 @@ def weighted(table: Path, heavy: dict, light: dict) -> tuple[int, int]:
         master.stop()
 
 
+def ids_per_row(table: Path, columns: int) -> list[float]:
+    """Mean ids per row of ``idlist_0 .. idlist_{columns - 1}``: what a feature costs to read and hash."""
+    files = sorted(table.rglob("*.orc"))
+    lengths = [0.0] * columns
+    rows = 0
+    for f in files:
+        t = orc.ORCFile(str(f)).read(columns=[f"idlist_{i}" for i in range(columns)])
+        rows += t.num_rows
+        for i in range(columns):
+            lengths[i] += pc.sum(pc.list_value_length(t.column(i))).as_py() or 0
+    return [n / rows for n in lengths]
+
+
+def choose_features(sizes: list[float], private: str) -> tuple[list[int], list[int]]:
+    """Job A reads the first ``FEATURES`` columns; job B the first ``SHARED`` of them and two
+    of the spare ones: with ``matched``, the two closest in ids per row to A's own two, so
+    that the jobs share 80% of their work as well as of their features; with ``last``, the
+    last two (the previous runs' choice, whatever their size)."""
+    a = list(range(FEATURES))
+    spare = list(range(FEATURES, len(sizes)))
+    if private == "last":
+        return a, list(range(SHARED)) + spare[-2:]
+    own = []
+    for i in a[SHARED:]:
+        best = min((j for j in spare if j not in own), key=lambda j: abs(sizes[j] - sizes[i]))
+        own.append(best)
+    return a, list(range(SHARED)) + own
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--rounds", type=int, default=3, help="shared and separate alternate; medians are reported")
     p.add_argument("--epochs", type=int, default=1, help="epochs each trainer reads; the last one is timed")
+    p.add_argument("--private", choices=("matched", "last"), default="matched",
+                   help="job B's two features of its own: of a size like job A's own two, or the last two columns")
+    p.add_argument("--unshared", action="store_true",
+                   help="also run the shared fleet without shared work (workers' --shared-block-bytes 0)")
     args = p.parse_args()
     table = Path(tempfile.mkdtemp(prefix="rl-fleet-")) / "t"
-    generate_table(str(table), rows=args.rows, partitions=2, dense=2, sparse=FEATURES + 2, format="orc", seed=3,
+    generate_table(str(table), rows=args.rows, partitions=2, dense=2, sparse=FEATURES + SPARE, format="orc", seed=3,
                    stripe_size=256 << 10, progress=False)
-    a = list(range(FEATURES))
-    b = list(range(SHARED)) + [FEATURES, FEATURES + 1]  # 8 of 10 features shared
-    rounds = [shared_vs_separate(table, [spec(table, a), spec(table, b)], args.epochs) for _ in range(args.rounds)]
+    sizes = ids_per_row(table, FEATURES + SPARE)
+    a, b = choose_features(sizes, args.private)
+    shared_ids = sum(sizes[i] for i in range(SHARED))
+    print(f"job A reads idlist {a}, job B {b}; ids per row shared {shared_ids:.1f}, A's own "
+          f"{sum(sizes[i] for i in a[SHARED:]):.1f}, B's own {sum(sizes[i] for i in b[SHARED:]):.1f} "
+          f"(B's work shared: {shared_ids / sum(sizes[i] for i in b):.0%}, A's: {shared_ids / sum(sizes[i] for i in a):.0%})")
+    layouts = ("shared", "separate") + (("unshared",) if args.unshared else ())
+    rounds = [shared_vs_separate(table, [spec(table, a), spec(table, b)], args.epochs, layouts)
+              for _ in range(args.rounds)]
     side = {layout: {"rates": [statistics.median(r[layout]["rates"][j] for r in rounds) for j in range(2)],
                      "cpu_per_row_us": statistics.median(r[layout]["cpu_per_row_us"] for r in rounds)}
-            for layout in ("shared", "separate")}
+            for layout in layouts}
     print(f"{args.rows:,} rows, two jobs sharing {SHARED} of {FEATURES} sparse features, one trainer each, flat out; "
           f"medians of {args.rounds} rounds, epoch {args.epochs - 1} timed")
     print("| fleet | job A rows/s | job B rows/s | worker CPU µs/row |")
     print("|---|---:|---:|---:|")
     for layout, r in side.items():
-        print(f"| {layout} ({'1 master, 2 workers' if layout == 'shared' else '2 masters, 1 worker each'}) | "
-              f"{r['rates'][0]:,.0f} | {r['rates'][1]:,.0f} | {r['cpu_per_row_us']:.1f} |")
-    s, d = side["shared"], side["separate"]
-    print(f"| shared / separate | {s['rates'][0] / d['rates'][0]:.2f}x | {s['rates'][1] / d['rates'][1]:.2f}x | "
-          f"{s['cpu_per_row_us'] / d['cpu_per_row_us']:.2f}x |")
+        print(f"| {layout} ({LAYOUTS[layout]}) | {r['rates'][0]:,.0f} | {r['rates'][1]:,.0f} | "
+              f"{r['cpu_per_row_us']:.1f} |")
+    d = side["separate"]
+    for layout in ("shared", "unshared")[:len(layouts) - 1]:
+        s = side[layout]
+        print(f"| {layout} / separate | {s['rates'][0] / d['rates'][0]:.2f}x | {s['rates'][1] / d['rates'][1]:.2f}x | "
+              f"{s['cpu_per_row_us'] / d['cpu_per_row_us']:.2f}x |")
     for i, r in enumerate(rounds):
+        w = r["shared_work"]
         print(f"round {i}: shared / separate rows/s " + ", ".join(
             f"{r['shared']['rates'][j] / r['separate']['rates'][j]:.2f}x" for j in range(2)) +
-              f"; CPU/row {r['shared']['cpu_per_row_us'] / r['separate']['cpu_per_row_us']:.2f}x")
+              f"; CPU/row {r['shared']['cpu_per_row_us'] / r['separate']['cpu_per_row_us']:.2f}x; "
+              f"shared blocks {w.get('hits', 0):,.0f} ({w.get('hit_bytes', 0) / 2**20:,.0f} MiB), kept "
+              f"{w.get('puts', 0):,.0f}, expired {w.get('expired', 0):,.0f}; splits deferred {w['deferred']}, "
+              f"waits {w['waited']}")
     heavy, light = weighted(table, spec(table, a, share={"weight": 3}), spec(table, a, seed=1))
     print(f"\nweights 3:1 on 1 worker, both starved: rows while both read {heavy:,} : {light:,} = "
           f"{heavy / max(light, 1):.2f} : 1 (share of the heavy job {heavy / max(heavy + light, 1):.1%}, target 75%)")

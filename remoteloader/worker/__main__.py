@@ -58,12 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest data message: a run of consecutive pieces goes to a client as one message "
                         "of at most this many bytes (a single larger piece goes alone); same suffixes as "
                         "--buffer-bytes, at most 1G (docs/operations.md says why 16M)")
-    p.add_argument("--arena-bytes", type=_size, default=os.environ.get(ENV_ARENA_BYTES, "256M"), metavar="BYTES",
+    p.add_argument("--arena-bytes", type=_size_or_zero, default=os.environ.get(ENV_ARENA_BYTES, "256M"), metavar="BYTES",
                    help="with an ipc data socket (one host, no keys): each client's shared-memory arena, into "
                         "which its batches are written instead of sent (0: none, every batch goes over the "
                         f"socket); pages are taken as they are first written (also ${ENV_ARENA_BYTES}, which "
                         "reaches the workers of an embedded loader)")
-    p.add_argument("--shared-block-bytes", type=_size, default=os.environ.get(ENV_SHARED_BLOCK_BYTES, "256M"),
+    p.add_argument("--shared-block-bytes", type=_size_or_zero, default=os.environ.get(ENV_SHARED_BLOCK_BYTES, "256M"),
                    metavar="BYTES",
                    help="a shared fleet: what the blocks computed for one job and kept for another job reading the "
                         "same features may take (for at most 30 s; 0: none, each job computes its own; also "
@@ -133,6 +133,11 @@ def _size(value: str, most: Optional[int] = None) -> int:
         return parse_size(value, most)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size_or_zero(value: str) -> int:
+    """A size, or 0 for none (``--arena-bytes``, ``--shared-block-bytes``)."""
+    return 0 if value.strip() == "0" else _size(value)
 
 
 def _message_size(value: str) -> int:
