@@ -6,8 +6,16 @@ Side by side in one run, on one table:
   10), each read flat out by one trainer, on one master (no ``--spec``) with 2 workers,
   against the same two jobs on two masters of 1 worker each (the same total size). Reported:
   each job's rows/s, and the workers' CPU seconds per row (both jobs' rows), shared / separate.
+  The specs share 80% of each job's ids too (job B's own features are chosen of a size like
+  job A's own; ``--private last`` takes the last two columns, which hold 3x the ids). The
+  workers share work (issue 39 item 4: a block computed for one job is taken by the other's
+  split of the same base split); ``--unshared`` adds the shared fleet without it. CPU per
+  row is sampled while both trainers read their timed epoch.
 * **weights 3:1 when starved**: two jobs of ``share.weight`` 3 and 1, read flat out on one
   master with 1 worker (both starved), and each job's share of the rows consumed while both run.
+* **priority**: a high-priority trainer that wants part of the fleet (``--step-ms`` per
+  batch), alone and beside a low-priority job read flat out: the high job's stall both
+  times, and the low job's rows/s meanwhile (it must progress).
 
 Run: ``.venv/bin/python -m benchmarks.shared_fleet``.
 """
@@ -74,8 +82,8 @@ class Master:
         return total
 
     def status(self) -> dict:
-        return json.loads(subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "status", "--master", self.addr,
-                                          "--json"], capture_output=True, text=True, check=True).stdout)
+        return json.loads(subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "status", "--master",
+                                          self.addr, "--json"], capture_output=True, text=True, check=True).stdout)
 
     def wait_for_workers(self) -> None:
         while len(psutil.Process(self.proc.pid).children(recursive=True)) < self.workers + 1:
@@ -87,13 +95,18 @@ class Master:
 
 
 class Reader(threading.Thread):
-    """One trainer reading ``epochs`` epochs flat out; the time and rows of each batch of the last."""
+    """One trainer reading ``epochs`` epochs flat out, or (``step_s``) taking that long per
+    batch: the time and rows of each batch of the last, and the time it waited for batches
+    in it after the first (its stall). ``stop`` ends it early."""
 
-    def __init__(self, addr: str, spec: dict, epochs: int = 1) -> None:
+    def __init__(self, addr: str, spec: dict, epochs: int = 1, step_s: float = 0.0) -> None:
         super().__init__(daemon=True)
-        self.addr, self.spec, self.epochs = addr, spec, epochs
+        self.addr, self.spec, self.epochs, self.step_s = addr, spec, epochs, step_s
         self.times: list[float] = []
         self.rows: list[int] = []
+        self.every: list[tuple[float, int]] = []  # (time, rows) of every batch of every epoch
+        self.wait_s = 0.0
+        self.stop = threading.Event()
         self.error: Optional[BaseException] = None
 
     def run(self) -> None:
@@ -101,15 +114,28 @@ class Reader(threading.Thread):
             with RemoteDataLoader(self.spec, master=self.addr, timeout=180) as loader:
                 for epoch in range(self.epochs):
                     loader.set_epoch(epoch)
-                    self.times, self.rows = [], []
+                    self.times, self.rows, self.wait_s = [], [], 0.0
+                    mark = time.perf_counter()
                     for batch in loader:
-                        self.times.append(time.perf_counter())
+                        now = time.perf_counter()
+                        if self.times:
+                            self.wait_s += now - mark
+                        self.times.append(now)
                         self.rows.append(len(batch.labels))
+                        self.every.append((now, len(batch.labels)))
+                        if self.stop.is_set():
+                            return
+                        if self.step_s:
+                            time.sleep(self.step_s)
+                        mark = time.perf_counter()
         except BaseException as e:  # reported by the main thread
             self.error = e
 
     def rate(self) -> float:
         return sum(self.rows) / (self.times[-1] - self.times[0])
+
+    def stall(self) -> float:
+        return self.wait_s / (self.times[-1] - self.times[0])
 
     def rows_until(self, t: float) -> int:
         return sum(r for at, r in zip(self.times, self.rows) if at <= t)
@@ -196,6 +222,38 @@ def weighted(table: Path, heavy: dict, light: dict) -> tuple[int, int]:
         master.stop()
 
 
+def priority(table: Path, high: dict, low: dict, step_s: float) -> dict:
+    """A high-priority trainer taking ``step_s`` per batch (wanting part of the fleet) on one
+    master with 2 workers, alone and then beside a low-priority job read flat out: its stall
+    (the share of its timed epoch spent waiting for batches) both times, and the low job's
+    rows/s meanwhile."""
+    out = {}
+    for beside in (False, True):
+        master = Master(table, 2)
+        try:
+            master.wait_for_workers()
+            paced = Reader(master.addr, high, epochs=2, step_s=step_s)
+            readers = [paced] + ([Reader(master.addr, low, epochs=1000)] if beside else [])
+            for r in readers:
+                r.start()
+            paced.join()
+            for r in readers[1:]:
+                r.stop.set()
+                r.join()
+            for r in readers:
+                if r.error is not None:
+                    raise r.error
+            out["with_low" if beside else "alone"] = paced.stall()
+            out["high_rows_s" if beside else "high_rows_s_alone"] = paced.rate()
+            if beside:
+                flat = readers[1]
+                start, end = paced.times[0], paced.times[-1]
+                out["low_rows_s"] = sum(n for at, n in flat.every if start < at <= end) / (end - start)
+        finally:
+            master.stop()
+    return out
+
+
 def ids_per_row(table: Path, columns: int) -> list[float]:
     """Mean ids per row of ``idlist_0 .. idlist_{columns - 1}``: what a feature costs to read and hash."""
     files = sorted(table.rglob("*.orc"))
@@ -229,9 +287,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--rounds", type=int, default=3, help="shared and separate alternate; medians are reported")
-    p.add_argument("--epochs", type=int, default=1, help="epochs each trainer reads; the last one is timed")
+    p.add_argument("--epochs", type=int, default=2,
+                   help="epochs each trainer reads; the last one is timed (the first compiles the pipelines)")
     p.add_argument("--private", choices=("matched", "last"), default="matched",
                    help="job B's two features of its own: of a size like job A's own two, or the last two columns")
+    p.add_argument("--step-ms", type=float, default=15.0,
+                   help="the high-priority trainer's time per batch in the priority measurement")
     p.add_argument("--unshared", action="store_true",
                    help="also run the shared fleet without shared work (workers' --shared-block-bytes 0)")
     args = p.parse_args()
@@ -243,7 +304,8 @@ def main() -> None:
     shared_ids = sum(sizes[i] for i in range(SHARED))
     print(f"job A reads idlist {a}, job B {b}; ids per row shared {shared_ids:.1f}, A's own "
           f"{sum(sizes[i] for i in a[SHARED:]):.1f}, B's own {sum(sizes[i] for i in b[SHARED:]):.1f} "
-          f"(B's work shared: {shared_ids / sum(sizes[i] for i in b):.0%}, A's: {shared_ids / sum(sizes[i] for i in a):.0%})")
+          f"(B's work shared: {shared_ids / sum(sizes[i] for i in b):.0%}, "
+          f"A's: {shared_ids / sum(sizes[i] for i in a):.0%})")
     layouts = ("shared", "separate") + (("unshared",) if args.unshared else ())
     rounds = [shared_vs_separate(table, [spec(table, a), spec(table, b)], args.epochs, layouts)
               for _ in range(args.rounds)]
@@ -271,6 +333,15 @@ def main() -> None:
               f"{w.get('puts', 0):,.0f}, expired {w.get('expired', 0):,.0f}; splits deferred {w['deferred']}, "
               f"waits {w['waited']}")
     heavy, light = weighted(table, spec(table, a, share={"weight": 3}), spec(table, a, seed=1))
+    high, low = spec(table, a, share={"priority": "high"}), spec(table, b, seed=1, share={"priority": "low"})
+    stalls = [priority(table, high, low, args.step_ms / 1000) for _ in range(args.rounds)]
+    print(f"\npriority: a high-priority trainer taking {args.step_ms:g} ms per batch of 512 on 1 master with 2 "
+          f"workers, alone and beside a low-priority job read flat out (its epoch 1 timed; {args.rounds} rounds)")
+    print("| round | high's stall alone | high's stall beside low | high rows/s alone, beside | low rows/s meanwhile |")
+    print("|---|---:|---:|---:|---:|")
+    for i, r in enumerate(stalls):
+        print(f"| {i} | {r['alone']:.1%} | {r['with_low']:.1%} | {r['high_rows_s_alone']:,.0f}, "
+              f"{r['high_rows_s']:,.0f} | {r['low_rows_s']:,.0f} |")
     print(f"\nweights 3:1 on 1 worker, both starved: rows while both read {heavy:,} : {light:,} = "
           f"{heavy / max(light, 1):.2f} : 1 (share of the heavy job {heavy / max(heavy + light, 1):.1%}, target 75%)")
 
