@@ -36,7 +36,6 @@ class CachedBlocks:
     features: dict[str, Column] = field(default_factory=dict)
     raw: dict[str, Column] = field(default_factory=dict)
     weights: Optional[Column] = None
-    shared: set[str] = field(default_factory=set)  # the block keys found in the memo
 
 
 def job_block_keys(bound: BoundDataset) -> frozenset[str]:
@@ -92,7 +91,6 @@ class JobCache:
         if not wanted:
             return blocks
         found = {} if self.memo is None else self.memo.take(blocks.split_key, wanted.keys())
-        blocks.shared = set(found)
         rest = [key for key in wanted if key not in found]
         if store and self.store is not None and rest:
             found.update(self.store.lookup(blocks.split_key, rest).found)
