@@ -6,8 +6,9 @@ Side by side in one run, on one table:
   10), each read flat out by one trainer, on one master (no ``--spec``) with 2 workers,
   against the same two jobs on two masters of 1 worker each (the same total size). Reported:
   each job's rows/s, and the workers' CPU seconds per row (both jobs' rows), shared / separate.
-  The specs share 80% of each job's ids too (job B's own features are chosen of a size like
-  job A's own; ``--private last`` takes the last two columns, which hold 3x the ids). The
+  The specs share about 80% of each job's ids too (job B's own features are chosen of a size
+  like job A's own; ``--spare 2 --private last`` is the earlier workload, where B's own two
+  held more ids than its eight shared ones). The
   workers share work (issue 39 item 4: a block computed for one job is taken by the other's
   split of the same base split); ``--unshared`` adds the shared fleet without it. CPU per
   row is sampled while both trainers read their timed epoch.
@@ -271,7 +272,7 @@ def choose_features(sizes: list[float], private: str) -> tuple[list[int], list[i
     """Job A reads the first ``FEATURES`` columns; job B the first ``SHARED`` of them and two
     of the spare ones: with ``matched``, the two closest in ids per row to A's own two, so
     that the jobs share 80% of their work as well as of their features; with ``last``, the
-    last two (the previous runs' choice, whatever their size)."""
+    last two, whatever their size."""
     a = list(range(FEATURES))
     spare = list(range(FEATURES, len(sizes)))
     if private == "last":
@@ -290,16 +291,18 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2,
                    help="epochs each trainer reads; the last one is timed (the first compiles the pipelines)")
     p.add_argument("--private", choices=("matched", "last"), default="matched",
-                   help="job B's two features of its own: of a size like job A's own two, or the last two columns")
+                   help="job B's two features of its own: of a size like job A's own two, or the last two columns "
+                        "(with --spare 2: the workload of the runs before shared work, whose two held 3x the ids)")
+    p.add_argument("--spare", type=int, default=SPARE, help="sparse columns beyond job A's, for job B's own two")
     p.add_argument("--step-ms", type=float, default=15.0,
                    help="the high-priority trainer's time per batch in the priority measurement")
     p.add_argument("--unshared", action="store_true",
                    help="also run the shared fleet without shared work (workers' --shared-block-bytes 0)")
     args = p.parse_args()
     table = Path(tempfile.mkdtemp(prefix="rl-fleet-")) / "t"
-    generate_table(str(table), rows=args.rows, partitions=2, dense=2, sparse=FEATURES + SPARE, format="orc", seed=3,
-                   stripe_size=256 << 10, progress=False)
-    sizes = ids_per_row(table, FEATURES + SPARE)
+    generate_table(str(table), rows=args.rows, partitions=2, dense=2, sparse=FEATURES + args.spare, format="orc",
+                   seed=3, stripe_size=256 << 10, progress=False)
+    sizes = ids_per_row(table, FEATURES + args.spare)
     a, b = choose_features(sizes, args.private)
     shared_ids = sum(sizes[i] for i in range(SHARED))
     print(f"job A reads idlist {a}, job B {b}; ids per row shared {shared_ids:.1f}, A's own "

@@ -13,8 +13,9 @@ from remoteloader.columns import DenseColumn
 from remoteloader.core.binding import bind
 from remoteloader.core.cache.job import JobCache, job_block_keys
 from remoteloader.core.cache.memo import BlockMemo
-from remoteloader.core.plan import make_task, plan_base_splits, plan_epoch
+from remoteloader.core.plan import make_task, plan_epoch
 from remoteloader.core.processor import SplitProcessor
+from remoteloader.core.sampling import plan_job_splits
 from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.master.share import JobShares
 from remoteloader.master.shared_work import Candidate, SharedWork
@@ -87,16 +88,20 @@ def test_a_memo_of_no_bytes_shares_nothing():
 
 
 # -- a job's pieces from another job's blocks -------------------------------------------
-@pytest.fixture
-def two_jobs(tables) -> tuple[DatasetSpec, DatasetSpec]:
+def jobs_sharing(table, **extra) -> tuple[DatasetSpec, DatasetSpec]:
     """Jobs sharing the dense features and sparse feature ``s1`` (the same closure under
     another name in B), each with a feature of its own, other batch sizes."""
-    a = spec_dict(tables["orc"], batch_size=100)
-    b = spec_dict(tables["orc"], batch_size=64)
+    a = spec_dict(table, batch_size=100, **extra)
+    b = spec_dict(table, batch_size=64, **extra)
     b["features"]["sparse"] = [{"name": "hashed", "column": "idlist_1",
                                 "transforms": [{"op": "sigrid_hash", "salt": 5, "max_value": 1000}]},
                                {"name": "own", "column": "idlist_2", "transforms": [{"op": "firstx", "x": 2}]}]
     return DatasetSpec.from_dict(a), DatasetSpec.from_dict(b)
+
+
+@pytest.fixture
+def two_jobs(tables) -> tuple[DatasetSpec, DatasetSpec]:
+    return jobs_sharing(tables["orc"])
 
 
 def processors(specs, memo):
@@ -115,17 +120,19 @@ def pieces(processor: SplitProcessor, task) -> list[dict]:
 
 def tasks(spec: DatasetSpec, world_size: int, epoch: int = 1) -> list:
     bound = bind(spec)
-    base = plan_base_splits(bound.files, spec.split_rows)
+    base = plan_job_splits(bound)
     return [make_task(bound.files, base[s.base], s, epoch)
             for s in plan_epoch(base, epoch, spec.seed, spec.shuffle, world_size, spec.batch_size, spec.drop_last,
                                 spec.even_batches)]
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_a_job_reading_another_jobs_blocks_makes_the_pieces_it_makes_alone(two_jobs, world_size):
+@pytest.mark.parametrize("world_size, sampling", [(1, None), (2, None), (1, {"rate": 0.5, "seed": 1, "weight": True})])
+def test_a_job_reading_another_jobs_blocks_makes_the_pieces_it_makes_alone(tables, world_size, sampling):
     """Job B's splits after job A's, on one worker: B takes the shared blocks (its label,
-    row ids, dense features and the hashed feature) from the memo, and its pieces are byte
-    for byte those B makes alone, whole splits and (2 ranks) parts of splits alike."""
+    row ids, dense features and the hashed feature; with weighted sampling, the weights)
+    from the memo, and its pieces are byte for byte those B makes alone, whole splits and
+    (2 ranks) parts of splits alike."""
+    two_jobs = jobs_sharing(tables["orc"], **({"sampling": sampling} if sampling else {}))
     memo = BlockMemo()
     pa, pb = processors(two_jobs, memo)
     _, alone = processors(two_jobs, None)
