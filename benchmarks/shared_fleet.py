@@ -143,17 +143,17 @@ class Reader(threading.Thread):
 
 
 class CpuSampler(threading.Thread):
-    """The masters' workers' CPU seconds, sampled every ``interval`` s while the readers read."""
+    """A master's workers' CPU seconds, sampled every ``interval`` s while the readers read."""
 
-    def __init__(self, masters: list[Master], interval: float = 0.1) -> None:
+    def __init__(self, master: Master, interval: float = 0.1) -> None:
         super().__init__(daemon=True)
-        self.masters, self.interval = masters, interval
+        self.master, self.interval = master, interval
         self.samples: list[tuple[float, float]] = []
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.is_set():
-            self.samples.append((time.perf_counter(), sum(m.worker_cpu_s() for m in self.masters)))
+            self.samples.append((time.perf_counter(), self.master.worker_cpu_s()))
             self.done.wait(self.interval)
 
     def at(self, t: float) -> float:
@@ -187,19 +187,27 @@ def shared_vs_separate(table: Path, specs: list[dict], epochs: int, layouts: tup
         try:
             for m in masters:
                 m.wait_for_workers()
-            sampler = CpuSampler(masters)
-            sampler.start()
+            samplers = [CpuSampler(m) for m in masters]
+            for sampler in samplers:
+                sampler.start()
             readers = [Reader(masters[i % len(masters)].addr, s, epochs) for i, s in enumerate(specs)]
             try:
                 read_all(readers)
             finally:
-                sampler.done.set()
-                sampler.join()
-            # CPU per row while both trainers read their timed epoch (not the pipelines' compiling
-            # at the first split, nor one job finishing alone): the workers' CPU over both jobs' rows.
-            start, end = max(r.times[0] for r in readers), min(r.times[-1] for r in readers)
-            rows = sum(r.rows_until(end) - r.rows_until(start) for r in readers)
-            cpu = sampler.at(end) - sampler.at(start)
+                for sampler in samplers:
+                    sampler.done.set()
+                    sampler.join()
+            # CPU per row over the timed epochs, not the pipelines' compiling at the first split:
+            # a fleet's workers' CPU over the rows of its jobs while they all read their timed
+            # epoch (the shared fleet: while both do, not one job finishing alone).
+            cpu = rows = 0.0
+            for i, sampler in enumerate(samplers):
+                own = readers[i::len(samplers)]
+                start, end = max(r.times[0] for r in own), min(r.times[-1] for r in own)
+                if end <= start:
+                    raise RuntimeError(f"{layout}: the jobs' timed epochs did not overlap; use more --rows")
+                rows += sum(r.rows_until(end) - r.rows_until(start) for r in own)
+                cpu += sampler.at(end) - sampler.at(start)
             out[layout] = {"rates": [r.rate() for r in readers], "cpu_per_row_us": cpu / rows * 1e6}
             if layout == "shared":
                 out["shared_work"] = masters[0].status()["shared_work"]
