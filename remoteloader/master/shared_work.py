@@ -3,7 +3,7 @@
 Two jobs that read the same table with some of the same features (the same block keys,
 ``core/cache/job.py``) compute the same blocks of each base split. A worker keeps the
 blocks it computed for one job that another job it serves reads (``core/cache/memo.py``,
-for ``TTL_S``), so the second job's split of that base split costs only what it does not
+for up to 30 s), so the second job's split of that base split costs only what it does not
 share, if it reaches the same worker soon. This module makes it do so when a worker asks
 for work, choosing among the jobs' next splits (each job's own next split, as its plan
 orders them: nothing here reorders a job's splits, so each job keeps its order,
@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Collection, Optional, Sequence
 
-from ..core.cache.memo import TTL_S
 from ..core.plan import BaseSplit
 from ..formats import DataFile
 
@@ -84,16 +83,13 @@ class SharedWorkCounters:
         return dict(self.__dict__)
 
 
-@dataclass
 class SharedWork:
-    ttl_s: float = TTL_S
-    wait_s: float = WAIT_S
-    defer_s: float = DEFER_S
-    max_recent: int = MAX_RECENT
-    counters: SharedWorkCounters = field(default_factory=SharedWorkCounters)
-    _keys: dict = field(default_factory=dict)  # job -> its block keys
-    _recent: OrderedDict = field(default_factory=OrderedDict)  # identity -> [_Handed], oldest first
-    _by_split: dict = field(default_factory=dict)  # (job, epoch, split id) -> (identity, _Handed)
+    def __init__(self, wait_s: float = WAIT_S, defer_s: float = DEFER_S, max_recent: int = MAX_RECENT) -> None:
+        self.wait_s, self.defer_s, self.max_recent = wait_s, defer_s, max_recent
+        self.counters = SharedWorkCounters()
+        self._keys: dict[str, frozenset[str]] = {}  # job -> its block keys
+        self._recent: OrderedDict[SplitIdentity, list[_Handed]] = OrderedDict()  # oldest first
+        self._by_split: dict[tuple[str, int, int], _Handed] = {}  # (job, epoch, split id) -> its record
 
     @property
     def jobs(self) -> Collection[str]:
@@ -112,8 +108,7 @@ class SharedWork:
              live: Callable[[str], bool]) -> Optional[int]:
         """Which of ``candidates`` (at least one: the jobs' next splits for ``worker``, in
         fair-share order) to hand out: its index, or None for the worker to wait a moment."""
-        elsewhere = [[h for h in self._holders(c, now, live) if h.worker != worker and now - h.at <= self.defer_s]
-                     for c in candidates]
+        elsewhere = [self._elsewhere(worker, c, now, live) for c in candidates]
         free = [i for i, held in enumerate(elsewhere) if not held]
         if free:
             self.counters.deferred += free[0]
@@ -123,26 +118,25 @@ class SharedWork:
             return None
         return 0
 
-    def _holders(self, c: Candidate, now: float, live: Callable[[str], bool]) -> list[_Handed]:
-        """Who was given this base split lately for another job sharing blocks with ``c.job``,
-        on a live worker that could produce ``c``'s split too."""
-        return [h for h in self._recent.get(c.identity, ()) if now - h.at <= self.ttl_s
+    def _elsewhere(self, worker: str, c: Candidate, now: float, live: Callable[[str], bool]) -> list[_Handed]:
+        """Who else was given this base split within ``defer_s`` for another job sharing
+        blocks with ``c.job``, on a live worker that could produce ``c``'s split too."""
+        return [h for h in self._recent.get(c.identity, ()) if h.worker != worker and now - h.at <= self.defer_s
                 and h.worker in c.takers and self.sharing(c.job, h.job) and live(h.worker)]
 
     def handed(self, job: str, identity: SplitIdentity, worker: str, epoch: int, split_id: int, now: float) -> None:
         """A split of ``job`` was given to ``worker``."""
         handed = _Handed(job, worker, now)
         entries = self._recent.pop(identity, [])
-        entries = [h for h in entries if h.job != job and now - h.at <= self.ttl_s] + [handed]
-        self._recent[identity] = entries  # now the newest
-        self._by_split[(job, epoch, split_id)] = (identity, handed)
+        self._recent[identity] = [h for h in entries if h.job != job and now - h.at <= self.defer_s] + [handed]
+        self._by_split[(job, epoch, split_id)] = handed
         while len(self._recent) > self.max_recent:
             self._recent.popitem(last=False)
-        if len(self._by_split) > 4 * self.max_recent:
-            live = {id(h) for hs in self._recent.values() for h in hs}
-            self._by_split = {k: v for k, v in self._by_split.items() if id(v[1]) in live}
+        if len(self._by_split) > 4 * self.max_recent:  # records of splits never reported produced
+            kept = {id(h) for hs in self._recent.values() for h in hs}
+            self._by_split = {k: h for k, h in self._by_split.items() if id(h) in kept}
 
     def produced(self, job: str, epoch: int, split_id: int) -> None:
-        entry = self._by_split.pop((job, epoch, split_id), None)
-        if entry is not None:
-            entry[1].produced = True
+        handed = self._by_split.pop((job, epoch, split_id), None)
+        if handed is not None:
+            handed.produced = True
