@@ -61,6 +61,7 @@ def test_three_concurrent_jobs_share_one_fleet_each_exactly_once(tables, cluster
     text = subprocess.run([str(BIN / "remoteloader"), "status", "--master", master.addr], capture_output=True,
                           text=True, check=True, timeout=30).stdout
     assert "jobs: 3 of at most 8" in text and text.count("\n  job ") == 3, text
+    assert "shared work: " in text and "shared work: 0 blocks" not in text, text
 
 
 def test_a_worker_sigkilled_and_the_master_restarted_mid_epoch_under_three_jobs(tables, cluster, tmp_path):
