@@ -2,8 +2,9 @@
 started with --allow-table (a shared fleet) and 2 launched workers serve three loaders of
 different specs on the same table at once, one of 2 ranks, one in deterministic order;
 each job reads every row exactly once, the deterministic one in its LocalDataset order,
-while they share work (a split taking blocks another job's split computed), also through a worker SIGKILLed and the master restarted on its journal mid-epoch; a job
-whose table cannot be read fails alone."""
+while they share work (a split taking blocks another job's split computed), also through
+a worker SIGKILLed and the master restarted on its journal mid-epoch; a job whose table
+cannot be read fails alone."""
 from __future__ import annotations
 
 import subprocess
