@@ -5,6 +5,7 @@ master's choice of which job's next split a worker gets (master/shared_work.py).
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -33,6 +34,11 @@ class Tick:
         return self.now
 
 
+def held(**keys: set) -> dict:
+    """Jobs as the memo is told them: each with its block keys."""
+    return {job: SimpleNamespace(block_keys=frozenset(k)) for job, k in keys.items()}
+
+
 def block(n: int) -> DenseColumn:
     return DenseColumn(np.zeros(n, np.float64))  # 8n bytes
 
@@ -40,7 +46,7 @@ def block(n: int) -> DenseColumn:
 # -- the memo ---------------------------------------------------------------------------
 def test_the_memo_keeps_only_blocks_another_held_job_reads():
     memo = BlockMemo(1 << 20)
-    memo.set_jobs({"a": frozenset({"k1", "k2"}), "b": frozenset({"k1", "k3"})})
+    memo.set_jobs(held(a={"k1", "k2"}, b={"k1", "k3"}))
     assert memo.shared(["k1", "k2", "k3"]) == {"k1"}
     memo.put("split", {"k1": block(10), "k2": block(10)})
     assert len(memo) == 1 and memo.counters.puts == 1
@@ -52,7 +58,7 @@ def test_the_memo_keeps_only_blocks_another_held_job_reads():
 
 def test_a_block_shared_by_three_jobs_stays_until_both_others_read_it():
     memo = BlockMemo(1 << 20)
-    memo.set_jobs({j: frozenset({"k"}) for j in "abc"})
+    memo.set_jobs(held(a={"k"}, b={"k"}, c={"k"}))
     memo.put("split", {"k": block(4)})
     assert memo.take("split", ["k"]) and len(memo) == 1
     assert memo.take("split", ["k"]) and len(memo) == 0
@@ -60,7 +66,7 @@ def test_a_block_shared_by_three_jobs_stays_until_both_others_read_it():
 
 def test_the_memo_holds_at_most_its_bytes_dropping_the_oldest_first():
     memo = BlockMemo(max_bytes=250)
-    memo.set_jobs({"a": frozenset({"k"}), "b": frozenset({"k"})})
+    memo.set_jobs(held(a={"k"}, b={"k"}))
     for split in ("s1", "s2", "s3"):
         memo.put(split, {"k": block(10)})  # 80 bytes each
     memo.put("s4", {"k": block(10)})
@@ -73,7 +79,7 @@ def test_the_memo_holds_at_most_its_bytes_dropping_the_oldest_first():
 def test_a_block_is_shared_only_within_its_time_to_live():
     clock = Tick()
     memo = BlockMemo(1 << 20, ttl_s=30.0, clock=clock)
-    memo.set_jobs({"a": frozenset({"k"}), "b": frozenset({"k"})})
+    memo.set_jobs(held(a={"k"}, b={"k"}))
     memo.put("old", {"k": block(1)})
     clock.now = 31.0
     memo.put("new", {"k": block(1)})
@@ -83,7 +89,7 @@ def test_a_block_is_shared_only_within_its_time_to_live():
 
 def test_a_memo_of_no_bytes_shares_nothing():
     memo = BlockMemo(0)
-    memo.set_jobs({"a": frozenset({"k"}), "b": frozenset({"k"})})
+    memo.set_jobs(held(a={"k"}, b={"k"}))
     assert memo.shared(["k"]) == set()
 
 
@@ -110,7 +116,7 @@ def processors(specs, memo):
         bound = bind(spec)
         out.append(SplitProcessor(bound, cache=None if memo is None else JobCache(None, None, bound, memo)))
     if memo is not None:
-        memo.set_jobs({str(i): p.cache.block_keys for i, p in enumerate(out)})
+        memo.set_jobs({str(i): p.cache for i, p in enumerate(out)})
     return out
 
 
@@ -130,7 +136,8 @@ def tasks(spec: DatasetSpec, world_size: int, epoch: int = 1) -> list:
 def test_a_job_reading_another_jobs_blocks_makes_the_pieces_it_makes_alone(tables, world_size, sampling):
     """Job B's splits after job A's, on one worker: B takes the shared blocks (its label,
     row ids, dense features and the hashed feature; with weighted sampling, the weights)
-    from the memo, and its pieces are byte for byte those B makes alone, whole splits and
+    from the memo, and the column of its own feature that A's split read along, so it reads
+    no table at all; its pieces are byte for byte those B makes alone, whole splits and
     (2 ranks) parts of splits alike."""
     two_jobs = jobs_sharing(tables["orc"], **({"sampling": sampling} if sampling else {}))
     memo = BlockMemo()
@@ -143,6 +150,8 @@ def test_a_job_reading_another_jobs_blocks_makes_the_pieces_it_makes_alone(table
         for g, w in zip(got, want):
             assert g.keys() == w.keys() and all(np.array_equal(g[k], w[k]) and g[k].dtype == w[k].dtype for k in g)
     assert memo.counters.hits > 0
+    assert pb.io.splits == 0 and pb.io.requests == 0 and alone.io.requests > 0
+    assert pa.cache.read_along() == {"idlist_2": 1} and pb.cache.read_along() == {"idlist_0": 1}
     assert pa.cache.block_keys & pb.cache.block_keys == job_block_keys(bind(two_jobs[0])) & pb.cache.block_keys
     # B's own feature is no block of A's, A's own (firstx on idlist_0) none of B's.
     assert len(pa.cache.block_keys - pb.cache.block_keys) == 1 and len(pb.cache.block_keys - pa.cache.block_keys) == 1

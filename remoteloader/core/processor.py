@@ -135,7 +135,9 @@ class SplitProcessor:
         computed with the cached blocks filled in. A whole split is computed in stored row
         order (what blocks hold, so what it computes can be put) and the epoch's shuffle is
         one gather at the end; a part of a split is gathered first and puts nothing.
-        ``shared``: features another job on this worker reads, kept in its memo for it."""
+        ``shared``: features another job on this worker reads, kept in its memo for it (with
+        the columns it would read of this split, read along); such a split looks in the memo
+        for the columns it needs too."""
         assert self.cache is not None
         spec, pipeline = self.spec, self.bound.pipeline
         weighted = self.sampling is not None and self.sampling["weight"]
@@ -148,10 +150,21 @@ class SplitProcessor:
         need = pipeline.columns_for(missing, blocks.features)
         need.update(c for c in raw_names if c not in directive.sources)
         need -= blocks.raw.keys()
+        if shared and need:  # columns another job's split of this base split read along for this job
+            blocks.raw.update(self.cache.take_columns(blocks.split_key, need))
+            need -= blocks.raw.keys()
+        # The whole split is computed in stored order (what blocks hold) when it is the
+        # task, or when the task is its first part and blocks are to be written, so that a
+        # split cut between ranks is cached too; another part gathers its rows first.
+        writing = bool(directive.write_features or directive.write_sources)
+        in_order = (task.row_lo, task.row_hi) == (0, task.base_rows) or ((writing or bool(shared)) and task.row_lo == 0)
+        # A split that reads the table anyway reads along what the other jobs sharing its
+        # blocks would read of it (opening a stripe costs most of reading it), and keeps it.
+        along = set(self.cache.read_along()) - need - set(raw_names) if shared and need and in_order else set()
         sample = self.sampling is not None and bool(need or (weighted and weights is None))
         if sample and self.sampling["label_value"] is not None:
             need.add(spec.label)  # the sampling mask compares the stored labels
-        columns = self._read(task, sorted(need)) if need else {}
+        columns = self._read(task, sorted(need | along)) if need else {}
         if sample:
             keep, row_weights = self._keep(columns, task.position, task.raw_rows)
             kept = self._kept(task, keep)
@@ -159,12 +172,6 @@ class SplitProcessor:
             if weighted and weights is None:
                 weights = DenseColumn(row_weights[kept])
         base = {**blocks.raw, **columns}  # the base split's rows (after sampling), stored order
-
-        # The whole split is computed in stored order (what blocks hold) when it is the
-        # task, or when the task is its first part and blocks are to be written, so that a
-        # split cut between ranks is cached too; another part gathers its rows first.
-        writing = bool(directive.write_features or directive.write_sources)
-        in_order = (task.row_lo, task.row_hi) == (0, task.base_rows) or ((writing or bool(shared)) and task.row_lo == 0)
         selection = self._row_selection(task)
         given = blocks.features
         if not in_order:
@@ -180,7 +187,7 @@ class SplitProcessor:
         if in_order and shared:
             self.cache.remember(blocks.split_key, {f: done[f] for f in shared if f not in given},
                                 {c: base[c] for c in raw_names if c in columns},
-                                weights if blocks.weights is None else None)
+                                weights if blocks.weights is None else None, {c: columns[c] for c in along})
         rows = task.row_hi - task.row_lo
         features = pipeline.assemble(done, task.base_rows if in_order else rows)
         if in_order and not _is_all(selection, task.base_rows):

@@ -41,7 +41,7 @@ class Pipelines:
         while len(self._by_job) > self.capacity:
             self._by_job.popitem(last=False)
         if self.memo is not None:
-            self.memo.set_jobs({fp: p.cache.block_keys for fp, p in self._by_job.items() if p.cache is not None})
+            self.memo.set_jobs({fp: p.cache for fp, p in self._by_job.items() if p.cache is not None})
 
     def items(self) -> Iterator[tuple[str, SplitProcessor]]:
         return iter(list(self._by_job.items()))

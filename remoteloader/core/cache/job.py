@@ -60,9 +60,13 @@ class JobCache:
         pipeline = bound.pipeline
         self.feature_keys = {f: feature_key(pipeline, f) for f in pipeline.feature_names if pipeline.row_local(f)}
         self.block_keys = job_block_keys(bound)
+        self._pipeline = pipeline
+        self._table = bound.spec.table.path
+        self._raw = ([bound.spec.label] if bound.spec.label else []) + list(bound.spec.passthrough)
         self._raw_kinds = dict(bound.schema)
         self._weights_key = sampling_weights_key()
         self._sampling = bound.spec.sampling
+        self._along: tuple[int, dict[str, int]] = (-1, {})  # (memo generation, read_along's answer)
 
     def shared_features(self) -> list[str]:
         """The features another job this worker serves also reads (the memo keeps them)."""
@@ -70,6 +74,35 @@ class JobCache:
             return []
         shared = self.memo.shared(self.feature_keys.values())
         return [f for f, key in self.feature_keys.items() if key in shared]
+
+    def read_along(self) -> dict[str, int]:
+        """The table columns other jobs this worker serves would read from this job's table
+        for what they do not share with it (their other features, their label and
+        passthrough columns), with how many of them would: a split of this job reads them
+        along with its own and keeps them, so the others' splits of it read no table."""
+        if self.memo is None:
+            return {}
+        if self._along[0] != self.memo.generation:
+            mine = set(self.feature_keys.values())
+            counts: dict[str, int] = {}
+            for other in self.memo.jobs():
+                if other is self or other._table != self._table or not mine & set(other.feature_keys.values()):
+                    continue
+                own = [f for f in other._pipeline.feature_names if other.feature_keys.get(f) not in mine]
+                wanted = other._pipeline.columns_for(own) | set(other._raw)
+                for c in wanted - set(self._raw):  # this job's label and passthrough are kept anyway
+                    if self._raw_kinds.get(c) == other._raw_kinds.get(c) is not None:
+                        counts[c] = counts.get(c, 0) + 1
+            self._along = (self.memo.generation, counts)
+        return self._along[1]
+
+    def take_columns(self, split_key: str, columns: Iterable[str]) -> dict[str, Column]:
+        """Those of ``columns`` (table columns, after sampling) another job's split of this
+        base split read along for this job (``read_along``)."""
+        if self.memo is None:
+            return {}
+        keys = {self.raw_key(c): c for c in columns}
+        return {keys[k]: column for k, column in self.memo.take(split_key, keys).items()}
 
     def raw_key(self, column: str) -> str:
         return raw_key(column, self._raw_kinds[column])
@@ -103,16 +136,19 @@ class JobCache:
         return blocks
 
     def remember(self, key: str, features: Mapping[str, Column], raw: Mapping[str, Column],
-                 weights: Optional[Column] = None) -> None:
+                 weights: Optional[Column] = None, along: Mapping[str, Column] = {}) -> None:
         """Keep in the memo, for the other jobs this worker serves, what a split computed or
-        read that they read too."""
+        read that they read too, and the columns it read along for them (``read_along``)."""
         if self.memo is None:
             return
         blocks = {self.feature_keys[f]: c for f, c in features.items() if f in self.feature_keys}
         blocks.update({self.raw_key(c): column for c, column in raw.items()})
         if weights is not None:
             blocks[self._weights_key] = weights
+        readers = self.read_along()
         self.memo.put(key, blocks)
+        self.memo.put(key, {self.raw_key(c): column for c, column in along.items()},
+                      readers={self.raw_key(c): readers[c] for c in along if c in readers})
 
     def put(self, key: str, features: Mapping[str, Column], raw: Mapping[str, Column],
             weights: Optional[Column] = None) -> None:

@@ -11,7 +11,12 @@ worker close in time (``master/shared_work.py``), so the memo need only hold a f
 
 It is bounded three ways: by bytes (the oldest blocks go first), by age (``TTL_S``: a block
 is a hit only within it, the window the master co-schedules in), and by readers (a block
-is dropped once every other job that shares its key has read it). Keys name the file's
+is dropped once every other job that shares its key has read it). Besides the blocks two
+jobs share, a split reads along, from its own table read, the columns another job would
+otherwise read from the table for what it does not share (its other features, its label
+and passthrough columns: ``JobCache.read_along``): a table's stripe costs about as much to
+open and decode for 2 columns as for 10, so the other job's split then opens no file at all.
+Keys name the file's
 version and the feature's closure, so no block of another file version or another
 computation is ever served; the memo is only ever a shortcut to the same values. Columns
 are never mutated in place (``columns.py``), so one block can feed several jobs' splits.
@@ -22,10 +27,13 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional
 
 from ...columns import Column
 from .writer import column_nbytes
+
+if TYPE_CHECKING:
+    from .job import JobCache
 
 TTL_S = 30.0  # a block is shared within this long of being computed (master/shared_work.py co-schedules within it)
 DEFAULT_MEMO_BYTES = 256 << 20
@@ -64,15 +72,20 @@ class BlockMemo:
         self.clock = clock
         self.counters = SharedBlockCounters()
         self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # oldest first
-        self._jobs: dict[str, frozenset[str]] = {}  # job -> the block keys its pipeline reads
+        self._jobs: dict[str, "JobCache"] = {}  # the jobs whose pipelines this worker holds
         self._readers: Counter[str] = Counter()  # block key -> jobs reading it
+        self.generation = 0  # changes with the jobs held
 
     # -- which blocks are shared --------------------------------------------------------
-    def set_jobs(self, jobs: Mapping[str, frozenset[str]]) -> None:
+    def set_jobs(self, jobs: Mapping[str, "JobCache"]) -> None:
         """The jobs whose pipelines this worker holds, each with its block keys: a block is
         kept only if another of them reads it too."""
         self._jobs = dict(jobs)
-        self._readers = Counter(key for keys in self._jobs.values() for key in keys)
+        self._readers = Counter(key for job in self._jobs.values() for key in job.block_keys)
+        self.generation += 1
+
+    def jobs(self) -> list["JobCache"]:
+        return list(self._jobs.values())
 
     def shared(self, keys: Iterable[str]) -> set[str]:
         """Those of ``keys`` that two or more held jobs read."""
@@ -96,17 +109,19 @@ class BlockMemo:
                 self._drop((split_key, key), expired=False)
         return found
 
-    def put(self, split_key: str, blocks: Mapping[str, Column]) -> None:
-        """Keep the blocks of ``blocks`` that another held job reads (the rest are ignored)."""
+    def put(self, split_key: str, blocks: Mapping[str, Column], readers: Optional[Mapping[str, int]] = None) -> None:
+        """Keep the blocks of ``blocks`` that another held job reads (the rest are ignored);
+        ``readers``: how many other jobs will read each (else: the other held jobs whose
+        block keys name it)."""
         now = self.clock()
         for key, column in blocks.items():
-            readers = self._readers[key] - 1
-            if readers <= 0 or (split_key, key) in self._entries:
+            others = self._readers[key] - 1 if readers is None else readers.get(key, 0)
+            if others <= 0 or (split_key, key) in self._entries:
                 continue
             nbytes = column_nbytes(column)
             if nbytes > self.max_bytes:
                 continue
-            self._entries[(split_key, key)] = _Entry(column, nbytes, now, readers)
+            self._entries[(split_key, key)] = _Entry(column, nbytes, now, others)
             self.counters.puts += 1
             self.counters.put_bytes += nbytes
             self.counters.held_bytes += nbytes
