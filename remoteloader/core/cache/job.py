@@ -62,6 +62,7 @@ class JobCache:
         self.block_keys = job_block_keys(bound)
         self._pipeline = pipeline
         self._table = bound.spec.table.path
+        self._split_rows = bound.spec.split_rows
         self._raw = ([bound.spec.label] if bound.spec.label else []) + list(bound.spec.passthrough)
         self._raw_kinds = dict(bound.schema)
         self._weights_key = sampling_weights_key()
@@ -79,15 +80,17 @@ class JobCache:
         """The table columns other jobs this worker serves would read from this job's table
         for what they do not share with it (their other features, their label and
         passthrough columns), with how many of them would: a split of this job reads them
-        along with its own and keeps them, so the others' splits of it read no table."""
+        along with its own and keeps them, so the others' splits of it read no table. Only
+        jobs cut into the same splits (table, ``split_rows``, sampling) that share a feature."""
         if self.memo is None:
             return {}
         if self._along[0] != self.memo.generation:
             mine = set(self.feature_keys.values())
             counts: dict[str, int] = {}
             for other in self.memo.jobs():
-                if other is self or other._table != self._table or not mine & set(other.feature_keys.values()):
-                    continue
+                if (other is self or (other._table, other._split_rows, other._sampling) !=
+                        (self._table, self._split_rows, self._sampling) or not mine & set(other.feature_keys.values())):
+                    continue  # splits of other rows, or nothing shared: the master never sends them together
                 own = [f for f in other._pipeline.feature_names if other.feature_keys.get(f) not in mine]
                 wanted = other._pipeline.columns_for(own) | set(other._raw)
                 for c in wanted - set(self._raw):  # this job's label and passthrough are kept anyway
