@@ -18,7 +18,8 @@ Side by side in one run, on one table:
   batch), alone and beside a low-priority job read flat out: the high job's stall both
   times, and the low job's rows/s meanwhile (it must progress).
 
-Run: ``.venv/bin/python -m benchmarks.shared_fleet``.
+Run: ``.venv/bin/python -m benchmarks.shared_fleet`` (its table and processes live in a scratch
+directory removed at the end, ``auth_cost.run_directory``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,6 +39,7 @@ import psutil
 import pyarrow.compute as pc
 from pyarrow import orc
 
+from benchmarks.auth_cost import run_directory
 from remoteloader import RemoteDataLoader
 from remoteloader.tools.datagen import generate_table
 from remoteloader.worker.__main__ import ENV_SHARED_BLOCK_BYTES
@@ -307,7 +308,11 @@ def main() -> None:
     p.add_argument("--unshared", action="store_true",
                    help="also run the shared fleet without shared work (workers' --shared-block-bytes 0)")
     args = p.parse_args()
-    table = Path(tempfile.mkdtemp(prefix="rl-fleet-")) / "t"
+    with run_directory("rl-fleet-") as tmp:
+        run(args, tmp / "t")
+
+
+def run(args: argparse.Namespace, table: Path) -> None:
     generate_table(str(table), rows=args.rows, partitions=2, dense=2, sparse=FEATURES + args.spare, format="orc",
                    seed=3, stripe_size=256 << 10, progress=False)
     sizes = ids_per_row(table, FEATURES + args.spare)
