@@ -2,12 +2,14 @@
 started with --allow-table (a shared fleet) and 2 launched workers serve three loaders of
 different specs on the same table at once, one of 2 ranks, one in deterministic order;
 each job reads every row exactly once, the deterministic one in its LocalDataset order,
-also through a worker SIGKILLed and the master restarted on its journal mid-epoch; a job
-whose table cannot be read fails alone."""
+while they share work (a split taking blocks another job's split computed), also through
+a worker SIGKILLed and the master restarted on its journal mid-epoch; a job whose table
+cannot be read fails alone."""
 from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -49,12 +51,18 @@ def test_three_concurrent_jobs_share_one_fleet_each_exactly_once(tables, cluster
     assert [len(b) for b in got["two ranks"]] == [len(b) for b in reversed(got["two ranks"])]  # equal steps
     assert [digest(b) for b in got["deterministic"][0]] == \
         [digest(b) for b in LocalDataset(order_spec(tables), rank=0, world_size=1)]
-    status = master_status(master.addr)
+    # The jobs share blocks (label, row ids, float_0, s0, s1): a job's split took blocks another
+    # job computed on the same worker, as heartbeats report (within a few heartbeats of the end).
+    deadline = time.monotonic() + 30
+    while (status := master_status(master.addr))["shared_work"].get("hits", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert status["shared_work"]["hits"] > 0 and status["shared_work"]["hit_bytes"] > 0, status["shared_work"]
     assert sorted((j["world_size"], j["clients"]) for j in status["jobs"]) == [(None, 0)] * 3  # all ended their runs
     assert len(status["workers"]) == 2 and status["max_jobs"] == 8
     text = subprocess.run([str(BIN / "remoteloader"), "status", "--master", master.addr], capture_output=True,
                           text=True, check=True, timeout=30).stdout
     assert "jobs: 3 of at most 8" in text and text.count("\n  job ") == 3, text
+    assert "shared work: " in text and "shared work: 0 blocks" not in text, text
 
 
 def test_a_worker_sigkilled_and_the_master_restarted_mid_epoch_under_three_jobs(tables, cluster, tmp_path):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
+import msgspec
 import numpy as np
 
 from .. import jagged
@@ -88,12 +89,27 @@ class SplitProcessor:
 
     def transform(self, task: SplitTask) -> TransformedSplit:
         start = time.perf_counter()
-        if self.cache is not None and task.cache is not None:
-            split = self._transform_cached(task, task.cache)
+        directive, shared = self._directive(task)
+        if directive is not None:
+            split = self._transform_cached(task, directive, shared)
         else:
             split = self._transform(task)
         self.costs.split(split.rows, time.perf_counter() - start)
         return split
+
+    def _directive(self, task: SplitTask) -> tuple[Optional[CacheDirective], list[str]]:
+        """What the split does with blocks: the master's directive for the block cache
+        (honoured only with a store), widened by the features another job this worker
+        serves also reads (looked up in, and kept for it in, the worker's memo); and those."""
+        if self.cache is None:
+            return None, []
+        stored = task.cache if self.cache.store is not None else None
+        shared = self.cache.shared_features()
+        if not shared:
+            return stored, []
+        if stored is None:
+            return CacheDirective(features=shared, sources=[], write_features=[], write_sources=[]), shared
+        return msgspec.structs.replace(stored, features=list(dict.fromkeys(stored.features + shared))), shared
 
     def _transform(self, task: SplitTask) -> TransformedSplit:
         """The split without the cache: read, select the epoch's rows, transform them."""
@@ -113,27 +129,43 @@ class SplitProcessor:
         done = self._run(task, columns, {})
         return self._build(self.bound.pipeline.assemble(done, n), columns, weights, n)
 
-    def _transform_cached(self, task: SplitTask, directive: CacheDirective) -> TransformedSplit:
+    def _transform_cached(self, task: SplitTask, directive: CacheDirective,
+                          shared: Sequence[str] = ()) -> TransformedSplit:
         """The split through the block cache: cached features and raw columns are looked
         up, only the columns that uncached features still need are read, the rest is
         computed with the cached blocks filled in. A whole split is computed in stored row
         order (what blocks hold, so what it computes can be put) and the epoch's shuffle is
-        one gather at the end; a part of a split is gathered first and puts nothing."""
+        one gather at the end; a part of a split is gathered first and puts nothing.
+        ``shared``: features another job on this worker reads, kept in its memo for it (with
+        the columns it would read of this split, read along); such a split looks in the memo
+        for the columns it needs too."""
         assert self.cache is not None
         spec, pipeline = self.spec, self.bound.pipeline
         weighted = self.sampling is not None and self.sampling["weight"]
         raw_names = list(dict.fromkeys(([spec.label] if spec.label else []) + list(spec.passthrough)
                                        + list(directive.sources)))
-        blocks = self.cache.lookup(task, directive.features, raw_names, weights=weighted)
+        store = self.cache.store is not None and task.cache is not None
+        blocks = self.cache.lookup(task, directive.features, raw_names, weights=weighted, store=store)
         weights = blocks.weights
         missing = [f for f in pipeline.feature_names if f not in blocks.features]
         need = pipeline.columns_for(missing, blocks.features)
         need.update(c for c in raw_names if c not in directive.sources)
         need -= blocks.raw.keys()
+        if shared and need:  # columns another job's split of this base split read along for this job
+            blocks.raw.update(self.cache.take_columns(blocks.split_key, need))
+            need -= blocks.raw.keys()
+        # The whole split is computed in stored order (what blocks hold) when it is the
+        # task, or when the task is its first part and blocks are to be written, so that a
+        # split cut between ranks is cached too; another part gathers its rows first.
+        writing = bool(directive.write_features or directive.write_sources)
+        in_order = (task.row_lo, task.row_hi) == (0, task.base_rows) or ((writing or bool(shared)) and task.row_lo == 0)
+        # A split that reads the table anyway reads along what the other jobs sharing its
+        # blocks would read of it (opening a stripe costs most of reading it), and keeps it.
+        along = set(self.cache.read_along()) - need - set(raw_names) if shared and need and in_order else set()
         sample = self.sampling is not None and bool(need or (weighted and weights is None))
         if sample and self.sampling["label_value"] is not None:
             need.add(spec.label)  # the sampling mask compares the stored labels
-        columns = self._read(task, sorted(need)) if need else {}
+        columns = self._read(task, sorted(need | along)) if need else {}
         if sample:
             keep, row_weights = self._keep(columns, task.position, task.raw_rows)
             kept = self._kept(task, keep)
@@ -141,12 +173,6 @@ class SplitProcessor:
             if weighted and weights is None:
                 weights = DenseColumn(row_weights[kept])
         base = {**blocks.raw, **columns}  # the base split's rows (after sampling), stored order
-
-        # The whole split is computed in stored order (what blocks hold) when it is the
-        # task, or when the task is its first part and blocks are to be written, so that a
-        # split cut between ranks is cached too; another part gathers its rows first.
-        writing = bool(directive.write_features or directive.write_sources)
-        in_order = (task.row_lo, task.row_hi) == (0, task.base_rows) or (writing and task.row_lo == 0)
         selection = self._row_selection(task)
         given = blocks.features
         if not in_order:
@@ -159,6 +185,10 @@ class SplitProcessor:
             stored = set(directive.write_sources) | {c for c in raw_names if c not in directive.sources}
             raw = {c: base[c] for c in stored if c in columns}
             self.cache.put(task, blocks.split_key, computed, raw, weights if blocks.weights is None else None)
+        if in_order and shared:
+            self.cache.remember(blocks.split_key, {f: done[f] for f in shared if f not in given},
+                                {c: base[c] for c in raw_names if c in columns},
+                                weights if blocks.weights is None else None, {c: columns[c] for c in along})
         rows = task.row_hi - task.row_lo
         features = pipeline.assemble(done, task.base_rows if in_order else rows)
         if in_order and not _is_all(selection, task.base_rows):

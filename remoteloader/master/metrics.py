@@ -39,14 +39,24 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from ..protocol.messages import DISCARD_REASONS, CacheStats, MASTER_REQUESTS, Error, MasterReply, Message, tag
+from ..protocol.messages import (
+    DISCARD_REASONS,
+    MASTER_REQUESTS,
+    CacheStats,
+    Error,
+    MasterReply,
+    Message,
+    SharedBlockStats,
+    tag,
+)
 
 # Cumulative counters in worker and client heartbeat stats (nested dicts are flattened
 # with dots: ``io.requests``). ``wait_buckets.N``: per-bucket counts of per-batch waits,
 # if a client reports them (with the bucket bounds in ``wait_le``).
 CUMULATIVE = frozenset({"rows", "batches", "splits", "busy_s", "wait_s", "starved_s", "epoch_start_s",
                         "io.requests", "io.bytes_requested", "io.bytes_needed", "io.splits",
-                        *(f"cache.{name}" for name in CacheStats.__struct_fields__)})
+                        *(f"cache.{name}" for name in CacheStats.__struct_fields__),
+                        *(f"shared.{name}" for name in SharedBlockStats.__struct_fields__ if name != "held_bytes")})
 # ``discarded.<reason>``: pieces a worker threw away, by reason (the wire admits only
 # ``DISCARD_REASONS``), exported at zero from the start so that ``rate()`` sees the first one.
 _DISCARDED = frozenset(f"discarded.{reason}" for reason in DISCARD_REASONS)
@@ -300,6 +310,15 @@ def families(reading: dict) -> list[Metric]:
          "write_seconds"),
     ]:
         counter(name, doc, samples=[(wt.get("cache." + field, 0.0),)])
+    for name, doc, field in [
+        ("remoteloader_shared_blocks", "Blocks a job took from a worker's memo that another job computed "
+         "(shared work of a shared fleet).", "hits"),
+        ("remoteloader_shared_bytes", "Bytes of those blocks.", "hit_bytes"),
+        ("remoteloader_shared_blocks_kept", "Blocks workers kept in their memo for another job.", "puts"),
+        ("remoteloader_shared_blocks_expired", "Blocks workers kept for another job and dropped unread.",
+         "expired"),
+    ]:
+        counter(name, doc, samples=[(wt.get("shared." + field, 0.0),)])
     counter("remoteloader_worker_pieces_discarded", "Batch pieces workers threw away instead of delivering "
             "(their splits are handed back and produced again if still needed), by reason.", ["reason"],
             [(reason, wt.get(f"discarded.{reason}", 0.0)) for reason in DISCARD_REASONS])

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Union
 import msgspec
 
 from ..core.binding import BoundDataset, bind, bind_schema
+from ..core.cache.job import job_block_keys
 from ..core.cache.store import BlockStore
 from ..core.mix import MAX_PASSES, base_and_pass, check_passes
 from ..core.plan import make_task, plan_base_splits
@@ -41,6 +42,7 @@ from .fleet import FleetState
 from .follow import Follower
 from .metrics import RateWindow
 from .share import JobShares, effective_weight
+from .shared_work import Candidate, SharedWork, split_identity
 from .state import JobState
 
 log = logging.getLogger(__name__)
@@ -214,6 +216,7 @@ class MasterService:
         self.fleet = FleetState()
         self.runtime: dict[str, JobRuntime] = {}  # spec fingerprint -> what is not journaled of that job
         self.shares = JobShares()  # which job's split a worker gets next
+        self.shared_work = SharedWork()  # which of the jobs' next splits, so that jobs share blocks
         self.rates = RateWindow(config.rate_window_s)
         self.cache = CachePlanner(cache, config.cache_max_bytes, config.popularity_log)
         self.history = History()  # a bounded picture of the run over time (status with history: true)
@@ -558,11 +561,14 @@ class MasterService:
         avoid = {fp: frozenset(m.avoid_ranks) | {st.clients[s] for s in m.avoid_sessions if s in st.clients}
                  for fp, st in jobs.items()}
         order = self.shares.order({fp: _weight(st) for fp, st in jobs.items()})
-        choice = None
-        for fingerprint in order:
-            choice = jobs[fingerprint].choose_split(m.worker_id, avoid[fingerprint], ahead=False)
-            if choice is not None:
-                break
+        choices = [(fp, choice) for fp in order
+                   if (choice := jobs[fp].choose_split(m.worker_id, avoid[fp], ahead=False)) is not None]
+        picked = self._share_work(m.worker_id, choices) if choices and len(jobs) > 1 else 0
+        if picked is None:
+            return M.NoSplit(retry_ms=self.config.no_split_retry_ms,
+                             reason="waiting for a split another job is producing with the same blocks")
+        fingerprint, choice = choices[picked] if choices else ("", None)
+        passed_over = [fp for fp, _ in choices[:picked]]  # their splits were left to the workers holding their blocks
         # A worker with no current work reads ahead into the next epoch, one split at a
         # time and only when it says it has room for one (`read_ahead`: within its byte
         # budget, leaving a split's room for current work): those pieces wait in its
@@ -582,8 +588,11 @@ class MasterService:
         s = progress.split
         st = jobs[fingerprint]
         self._commit(U.ForJob(fingerprint, U.SplitAssigned(run.epoch, s.id, m.worker_id, self.clock())))
-        self.shares.served(fingerprint, s.rows)
+        self.shares.served(fingerprint, s.rows, behind=passed_over)
         job = st.job
+        if len(jobs) > 1:
+            self.shared_work.handed(fingerprint, split_identity(job.files, job.splits[s.base], job.spec.sampling),
+                                    m.worker_id, run.epoch, s.id, self.clock())
         cycle = job.spec.cycle
         task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
                          seq=run.seq, fingerprint=job.fingerprint,
@@ -592,10 +601,27 @@ class MasterService:
                          lane=progress.lane)
         return M.Split(split=task.to_wire())
 
+    def _share_work(self, worker_id: str, choices: list) -> Optional[int]:
+        """Which of the jobs' next splits (``choices``, in fair-share order) this worker
+        produces, so that two jobs' splits of one base split meet on one worker
+        (master/shared_work.py); None: it waits a moment for one in flight elsewhere."""
+        candidates = []
+        for fingerprint, (_, progress) in choices:
+            st, s = self.fleet.jobs[fingerprint], progress.split
+            if fingerprint not in self.shared_work.jobs:
+                self.shared_work.add_job(fingerprint, job_block_keys(self.runtime[fingerprint].bound))
+            candidates.append(Candidate(fingerprint, split_identity(st.job.files, st.job.splits[s.base],
+                                                                    st.job.spec.sampling),
+                                        st.partitions.get(s.rank, ())))
+        workers = self.fleet.workers
+        return self.shared_work.pick(worker_id, candidates, self.clock(),
+                                     lambda w: w in workers and not workers[w].draining)
+
     def _on_split_produced(self, m: M.SplitProduced) -> Reply:
         fingerprint = self._holder_job(m)
         if fingerprint is not None:
             self._commit(U.ForJob(fingerprint, U.SplitProduced(m.epoch, m.split_id, m.worker_id)))
+            self.shared_work.produced(fingerprint, m.epoch, m.split_id)
         return M.Ok()
 
     def _on_split_failed(self, m: M.SplitFailed) -> Reply:
@@ -744,6 +770,7 @@ class MasterService:
                 self.runtime[idle[0]].follower.stop()
             del self.runtime[idle[0]]
             self.shares.forget(idle[0])
+            self.shared_work.forget(idle[0])
 
     def _on_start_epoch(self, m: M.StartEpoch) -> Reply:
         session = m.session
@@ -969,6 +996,11 @@ class MasterService:
             # reasons (the policy runs for a master of one job).
             "cache": self.cache.status(first, None if job is None else self.runtime[job.fingerprint].bound,
                                        self.rates.group_totals().get("w", {})) if len(jobs) <= 1 else None,
+            # Work shared between jobs (a shared fleet): the master's co-scheduling choices, and
+            # the blocks workers computed for one job and another took from their memo.
+            "shared_work": dict(self.shared_work.counters.to_dict(), **{
+                k[7:]: v for k, v in sorted(self.rates.group_totals().get("w", {}).items())
+                if k.startswith("shared.")}) if len(jobs) > 1 or self.shared_work.jobs else None,
             "ranks": ranks,
             # They name files: redacted.
             "errors": [dict(e, message=redact_text(e["message"]), **({"job": fp} if len(jobs) > 1 else {}))

@@ -15,6 +15,8 @@ journaled, and a restarted master starts every job even.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 PRIORITY_FACTOR = 8.0
 PRIORITY_CLASSES = {"low": -1, "normal": 0, "high": 1}
 
@@ -42,10 +44,13 @@ class JobShares:
             self._pass[job] = max(self._pass.get(job, 0.0), self._virtual)
         return sorted(weights, key=self._pass.__getitem__)
 
-    def served(self, job: str, rows: int) -> None:
-        """A split of ``rows`` rows was handed out to ``job``."""
-        self._virtual = self._pass.get(job, self._virtual)
-        self._pass[job] = self._virtual + rows / self._weight.get(job, 1.0)
+    def served(self, job: str, rows: int, behind: Sequence[str] = ()) -> None:
+        """A split of ``rows`` rows was handed out to ``job``, ahead of the jobs ``behind``,
+        which had work but were passed over for a moment (their next split left to another
+        worker, master/shared_work.py): they keep their turns."""
+        start = self._pass.get(job, self._virtual)
+        self._virtual = min([start] + [self._pass[j] for j in behind if j in self._pass])
+        self._pass[job] = start + rows / self._weight.get(job, 1.0)
 
     def forget(self, job: str) -> None:
         self._pass.pop(job, None)

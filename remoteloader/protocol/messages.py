@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 15  # 15: following a growing table: error code waiting (the next window of a following job has no data yet: retry); tables mixed by weight (spec tables): split tasks carry their (table, pass), start_epoch's splits their lane key and (table, pass) (core/mix.py); 14: batches that mix splits: split tasks carry their lane (spec mix_splits); one master serves several jobs (issue 39): registered says how many, get_split avoids sessions (ranks of jobs share numbers), get_spec names the job whose spec a worker compiles, split_produced, split_failed and splits_released name their job, a worker's heartbeat the job of the split it produces; 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 15  # 15: following a growing table: error code waiting (the next window of a following job has no data yet: retry); tables mixed by weight (spec tables): split tasks carry their (table, pass), start_epoch's splits their lane key and (table, pass) (core/mix.py); a worker's heartbeat counts the blocks it shared between jobs (stats.shared); 14: batches that mix splits: split tasks carry their lane (spec mix_splits); one master serves several jobs (issue 39): registered says how many, get_split avoids sessions (ranks of jobs share numbers), get_spec names the job whose spec a worker compiles, split_produced, split_failed and splits_released name their job, a worker's heartbeat the job of the split it produces; 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -317,6 +317,18 @@ class CacheStats(Record, omit_defaults=True):
     write_seconds: Optional[Amount] = None
 
 
+class SharedBlockStats(Record, omit_defaults=True):
+    """A worker's memo of blocks shared between the jobs it serves (a shared fleet): blocks
+    one job computed that another took, those kept for another job, and those dropped unread."""
+
+    hits: Optional[Count] = None
+    hit_bytes: Optional[Count] = None
+    puts: Optional[Count] = None
+    put_bytes: Optional[Count] = None
+    expired: Optional[Count] = None
+    held_bytes: Optional[Count] = None  # what it holds now
+
+
 class Cost(Row):
     """What computing one column or feature cost a worker so far: rows, seconds, bytes."""
 
@@ -359,6 +371,7 @@ class WorkerStats(Record, omit_defaults=True):
     discarded: Optional[Discarded] = None
     refused: Optional[Count] = None  # sealed credit refused (replayed, reordered, altered, out of bounds)
     cache: Optional[CacheStats] = None
+    shared: Optional[SharedBlockStats] = None  # its memo of blocks shared between jobs
     costs: Optional[Annotated[list[JobCosts], Meta(max_length=16)]] = None  # the jobs it produced for lately
 
 
@@ -669,8 +682,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 AnyMessage = Union[MESSAGE_TYPES]  # type: ignore[valid-type]
 RECORD_TYPES: tuple[type[Record], ...] = (
     Ack, DoneRange, SplitRef, EpochSplitInfo, SplitHolder, WorkerAddr, SplitError, JobInfo, SplitTaskRecord, FileRecord,
-    UnitRecord, TensorDesc, CacheDirective, CacheStats, Cost, JobCosts, WorkerStats, ProducingSplit, IOCounters,
-    Discarded, ClientStats, ArenaSlice)
+    UnitRecord, TensorDesc, CacheDirective, CacheStats, SharedBlockStats, Cost, JobCosts, WorkerStats, ProducingSplit,
+    IOCounters, Discarded, ClientStats, ArenaSlice)
 MASTER_REQUESTS = frozenset(c.__struct_config__.tag for c in MESSAGE_TYPES
                             if issubclass(c, (WorkerRequest, ClientRequest)))
 

@@ -219,6 +219,11 @@ def _status(args: argparse.Namespace) -> int:
         print(f"jobs: {len(jobs)} of at most {status.get('max_jobs', '?')}")
         for j in jobs:
             print(job_line(j))
+    shared = status.get("shared_work")
+    if shared:  # blocks one job took that another computed, and the master's choices that made them meet
+        print(f"shared work: {shared.get('hits', 0):,.0f} blocks ({_mib(shared.get('hit_bytes', 0))} MiB) taken from "
+              f"another job's, {shared.get('puts', 0):,.0f} kept, {shared.get('expired', 0):,.0f} expired unread; "
+              f"splits left to their blocks' worker {shared.get('deferred', 0):,}, waits {shared.get('waited', 0):,}")
     pending = status.get("pending_workers", 0)
     print(f"workers: {len(status['workers'])}" + (f" (+{pending} pending: launched, not started yet)" if pending else ""))
     for w in status["workers"]:

@@ -32,6 +32,7 @@ from .server import Worker
 
 
 ENV_ARENA_BYTES = "REMOTELOADER_ARENA_BYTES"
+ENV_SHARED_BLOCK_BYTES = "REMOTELOADER_SHARED_BLOCK_BYTES"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -57,11 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest data message: a run of consecutive pieces goes to a client as one message "
                         "of at most this many bytes (a single larger piece goes alone); same suffixes as "
                         "--buffer-bytes, at most 1G (docs/operations.md says why 16M)")
-    p.add_argument("--arena-bytes", type=_size, default=os.environ.get(ENV_ARENA_BYTES, "256M"), metavar="BYTES",
+    p.add_argument("--arena-bytes", type=_size_or_zero, default=os.environ.get(ENV_ARENA_BYTES, "256M"), metavar="BYTES",
                    help="with an ipc data socket (one host, no keys): each client's shared-memory arena, into "
                         "which its batches are written instead of sent (0: none, every batch goes over the "
                         f"socket); pages are taken as they are first written (also ${ENV_ARENA_BYTES}, which "
                         "reaches the workers of an embedded loader)")
+    p.add_argument("--shared-block-bytes", type=_size_or_zero, default=os.environ.get(ENV_SHARED_BLOCK_BYTES, "256M"),
+                   metavar="BYTES",
+                   help="a shared fleet: what the blocks computed for one job and kept for another job reading the "
+                        "same features may take (for at most 30 s; 0: none, each job computes its own; also "
+                        f"${ENV_SHARED_BLOCK_BYTES})")
     p.add_argument("--coalesce-gap", type=int, default=DEFAULT_COALESCE_GAP,
                    help="merge reads of selected column streams whose gap is at most this many bytes "
                         "(0: one request per stream)")
@@ -129,6 +135,11 @@ def _size(value: str, most: Optional[int] = None) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _size_or_zero(value: str) -> int:
+    """A size, or 0 for none (``--arena-bytes``, ``--shared-block-bytes``)."""
+    return 0 if value.strip() == "0" else _size(value)
+
+
 def _message_size(value: str) -> int:
     """``--max-message-bytes``: a size of at most ``MAX_FRAME_BYTES``, the largest frame a client takes."""
     return _size(value, MAX_FRAME_BYTES)
@@ -179,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         client_timeout_s=args.client_timeout, buffer_bytes=args.buffer_bytes,
                         allowed_tables=allowed, bind=args.bind, cache=cache,
                         max_message_bytes=args.max_message_bytes, arena_bytes=args.arena_bytes,
-                        node=args.node)
+                        node=args.node, shared_block_bytes=args.shared_block_bytes)
     except (zmq.ZMQError, OSError) as e:
         flag = f"--bind {args.bind}" if args.bind else f"--bind-host {args.bind_host}"
         print(f"remoteloader-worker: {flag}: {e}", file=sys.stderr)

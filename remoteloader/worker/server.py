@@ -23,6 +23,7 @@ from typing import Optional
 import zmq
 
 from ..core.allowlist import TableAllowlist
+from ..core.cache.memo import DEFAULT_MEMO_BYTES, BlockMemo
 from ..core.cache.store import BlockStore
 from ..core.cache.writer import BlockWriter
 from ..core.sizing import DEFAULT_ARENA_BYTES, DEFAULT_BUFFER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
@@ -39,6 +40,7 @@ from .control import Control
 from .credit import CreditBook
 from .faults import Faults
 from .lifecycle import Lifecycle
+from .pipelines import Pipelines
 from .producer import Producer
 from .pusher import Pusher, WorkerSeals
 from .session import CurrentSession, Registrar
@@ -53,14 +55,17 @@ class Worker:
                  client_timeout_s: float = 30.0, allowed_tables: Optional[tuple[str, ...]] = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, bind: Optional[str] = None,
                  cache: Optional[BlockStore] = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 arena_bytes: int = DEFAULT_ARENA_BYTES, node: str = "") -> None:
+                 arena_bytes: int = DEFAULT_ARENA_BYTES, node: str = "",
+                 shared_block_bytes: int = DEFAULT_MEMO_BYTES) -> None:
         """``bind``: the data endpoint (an ``ipc://`` path in the cluster's private directory);
         without it, an any-port tcp endpoint on ``bind_host``. ``cache``: the block cache
         (``--cache``), which splits use as the master's cache plan says. ``max_message_bytes``:
         the largest data message (``--max-message-bytes``; a larger piece goes alone).
         ``arena_bytes``: the shared-memory arena (``--arena-bytes``; 0: none) of each
         client on this host (``protocol/arena.py``). ``node``: the node it runs
-        on, registered so that the ranks of that node get it first."""
+        on, registered so that the ranks of that node get it first. ``shared_block_bytes``:
+        the memo of blocks shared between the jobs of a shared fleet (``--shared-block-bytes``;
+        0: none, each job computes its own)."""
         self.master = master
         # Cluster keys: the master calls are CURVE clients; the data socket is a plain socket
         # whose messages are sealed (protocol/seal.py) with keys of this process's key pair.
@@ -111,9 +116,10 @@ class Worker:
                              self.seals, self.current, self.faults, max_message_bytes=max_message_bytes,
                              arenas=self.arenas)
         self.cache = None if cache is None else (cache, BlockWriter(cache))
+        self.memo = BlockMemo(shared_block_bytes) if shared_block_bytes > 0 else None
         registrar = Registrar(self.addr, allowlist, coalesce_gap, self.lifecycle, key=self.pair.public_hex,
                               arena=self.arenas.path if self.arenas is not None else "",
-                              cache=self.cache, node=node)
+                              cache=self.cache, node=node, pipelines=Pipelines(memo=self.memo))
         self.producer = Producer(self.lifecycle, self.current, self.buffer, self.ctx, self._connect, allowlist,
                                  self.faults, compile=registrar.compile)
         self.control = Control(self.lifecycle, self.current, registrar, self.buffer, _StatsWithSeals(self),
@@ -175,6 +181,7 @@ class _StatsWithSeals:
 
     def __init__(self, worker: Worker) -> None:
         self._stats, self._seals, self._cache = worker.producer.stats, worker.seals, worker.cache
+        self._memo = worker.memo
 
     def to_dict(self) -> dict:
         out = self._stats.to_dict()
@@ -182,6 +189,8 @@ class _StatsWithSeals:
             out["refused"] = self._seals.refused
         if self._cache is not None:
             out["cache"] = self._cache[0].counters.to_dict()
+        if self._memo is not None:
+            out["shared"] = self._memo.counters.to_dict()
         return out
 
     def __getattr__(self, name: str):

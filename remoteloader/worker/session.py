@@ -199,7 +199,9 @@ class Registrar:
                 raise TableRefused(f"the master's job reads table {path!r}, outside this "
                                    "worker's --allow-table prefixes; refusing to serve it")
         bound = bind_schema(spec, reply.schema)
-        cache = None if self.cache is None else JobCache(*self.cache, bound)
+        memo = self.pipelines.memo
+        store, writer = self.cache if self.cache is not None else (None, None)
+        cache = None if store is None and memo is None else JobCache(store, writer, bound, memo)
         processor = SplitProcessor(bound, self.coalesce_gap, cache, io=self.io)
         processor.warm_up()
         return processor
