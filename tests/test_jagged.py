@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remoteloader import jagged
+from remoteloader.columns import SparseColumn
 from tests.conftest import examples
 
 Rows = list[list[list[int]]]  # [key][row] -> the row's ids
@@ -52,6 +53,38 @@ def test_a_run_cuts_back_into_its_pieces_and_any_range_of_them(sizes, keys, weig
     for name, a in taken.items():
         want = [p[name] for p in pieces[lo:hi]]
         assert np.array_equal(a, np.concatenate(want) if want else run[name][:0])
+
+
+@settings(max_examples=examples(80), deadline=None)
+@given(n=st.integers(0, 20), piece_rows=st.integers(1, 8), keys=st.integers(0, 4), weighted=st.integers(0, 2),
+       seed=st.integers(0, 2**31))
+def test_features_as_a_run_of_pieces_are_each_piece_key_major(n, piece_rows, keys, weighted, seed):
+    """``piece_major`` (the worker's layout of a split's features) equals its pieces built
+    naively, one after the other; columns whose offsets start past 0 (views of a larger
+    buffer), weights on some columns only (``weighted``: 0 none, 1 the first, 2 all)."""
+    rng = np.random.default_rng(seed)
+    rows = _rows(rng, keys, n)
+    columns = []
+    for k, key in enumerate(rows):
+        pad = int(rng.integers(0, 3))  # values before the column's first row: its offsets start there
+        values = np.array([7] * pad + [v for row in key for v in row], np.int64)
+        offsets = pad + np.concatenate([[0], np.cumsum([len(row) for row in key])]).astype(np.int64)
+        has_weights = weighted == 2 or (weighted == 1 and k == 0)
+        columns.append(SparseColumn(values, offsets, -values.astype(np.float32) if has_weights else None))
+    run, value_starts = jagged.piece_major(columns, n, piece_rows)
+    pieces = [_piece([key[lo:lo + piece_rows] for key in rows], min(piece_rows, n - lo), weighted=True)
+              for lo in range(0, n, piece_rows)]
+    assert (run.keys, run.rows) == (keys, n)
+    assert run.lengths.dtype == np.int32 and run.values.dtype == np.int64
+    assert run.lengths.tolist() == [x for p in pieces for x in p.lengths.tolist()]
+    assert run.values.tolist() == [x for p in pieces for x in p.values.tolist()]
+    assert value_starts.tolist() == np.cumsum([0] + [p.values.shape[0] for p in pieces]).tolist()
+    assert (run.weights is None) == (weighted == 0 or keys == 0)
+    if run.weights is not None:  # 1.0 where a column has none
+        ones = [np.ones(sum(len(r) for r in key[lo:lo + piece_rows]), np.float32) if columns[k].weights is None
+                else -np.array([v for r in key[lo:lo + piece_rows] for v in r], np.float32)
+                for lo in range(0, n, piece_rows) for k, key in enumerate(rows)]
+        assert np.array_equal(run.weights, np.concatenate(ones) if ones else np.zeros(0, np.float32))
 
 
 @settings(max_examples=examples(80), deadline=None)

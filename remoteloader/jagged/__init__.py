@@ -99,15 +99,16 @@ def piece_major(sparse: Sequence[SparseColumn], rows: int, piece_rows: int) -> t
     bounds = np.append(np.arange(0, rows, piece_rows), rows)
     if keys == 0:
         return Jagged(0, rows, np.zeros(0, np.int32), np.zeros(0, np.int64)), np.zeros(bounds.shape[0], np.int64)
-    full = rows // piece_rows * piece_rows
-    per_key = np.stack([np.diff(c.offsets) for c in sparse])  # [keys, rows]
-    head = per_key[:, :full].reshape(keys, -1, piece_rows).transpose(1, 0, 2).ravel()
-    lengths = np.concatenate([head, per_key[:, full:].ravel()]).astype(np.int32)
-
     starts = np.stack([c.offsets[bounds] for c in sparse])  # [keys, pieces + 1], into each column's values
     sizes = np.diff(starts, axis=1)  # [keys, pieces]
-    values = np.empty(int(sizes.sum()), np.int64)
-    value_starts = _interleave([c.values for c in sparse], starts[:, :-1], sizes, values)
+    kernels = _kernels()
+    at, value_starts = kernels.places(sizes)
+    # One compiled pass per key writes its lengths (straight from its offsets) and copies its
+    # values: per row and key, the lengths are written once, with no intermediate arrays.
+    lengths = np.empty(keys * rows, np.int32)
+    values = np.empty(int(value_starts[-1]), np.int64)
+    for k, c in enumerate(sparse):
+        kernels.piece_major_key(c.offsets, c.values, k, keys, piece_rows, at[k], lengths, values)
     weights = None
     if any(c.weights is not None for c in sparse):
         weights = np.empty(values.shape[0], np.float32)

@@ -47,3 +47,19 @@ def copy_blocks(src, src_starts, dest_starts, sizes, out):  # pragma: no cover (
     for i in range(src_starts.shape[0]):
         n, s, d = sizes[i], src_starts[i], dest_starts[i]
         out[d:d + n] = src[s:s + n]
+
+
+@njit(cache=True, nogil=True)
+def piece_major_key(offsets, values, key, keys, piece_rows, value_at, lengths_out, values_out):  # pragma: no cover
+    """Feature ``key`` of ``keys`` into a run of pieces of ``piece_rows`` rows (the last may be
+    short): each piece's lengths of the key (from the column's offsets: no array of lengths
+    made first) at ``keys * first_row + key * piece's rows``, and its values at ``value_at[piece]``."""
+    rows = offsets.shape[0] - 1
+    for p in range(value_at.shape[0]):
+        r0 = p * piece_rows
+        n = min(piece_rows, rows - r0)
+        base = keys * r0 + key * n
+        for i in range(n):
+            lengths_out[base + i] = offsets[r0 + i + 1] - offsets[r0 + i]
+        s, e, d = offsets[r0], offsets[r0 + n], value_at[p]
+        values_out[d:d + e - s] = values[s:e]
