@@ -255,13 +255,20 @@ def test_status_and_metrics_show_a_line_per_job(specs):
     from prometheus_client.parser import text_string_to_metric_families
 
     from remoteloader.master.metrics import MasterMetrics
-    from remoteloader.tools.cli import job_line
+    from remoteloader.tools.cli import job_header, job_line
     from tests.test_metrics import _exposition
 
     service = MasterService(MasterConfig(max_jobs=2), None, Clock())
     register(service, 1)
     start(service, specs[0], "a", 1)
+    assert "oldest_of" not in service.status()["job"] and "oldest" not in job_header(service.status()["job"])
     start(service, specs[1], "b", 2)
+    # The top level shows one job of two: it says so, and which (the oldest), as the ranks it lists are its.
+    top = service.status()
+    assert top["job"]["fingerprint"] == specs[0].fingerprint() and top["job"]["oldest_of"] == 2
+    assert list(top["ranks"]) == ["0"]
+    assert job_header(top["job"]).endswith("the oldest of the 2 jobs this master serves (its ranks below; "
+                                           "every job's line follows)")
     lines = [job_line(j) for j in service.status()["jobs"]]
     assert [line.split()[1] for line in lines] == [specs[0].fingerprint(), specs[1].fingerprint()]
     assert "world size 2, 2 clients, epoch 0 0% done" in lines[1] and "weight 1 normal" in lines[1]

@@ -953,8 +953,9 @@ class MasterService:
 
     def status(self, history: bool = False) -> dict:
         """What ``remoteloader status --json`` prints; with ``history``, the run over time too.
-        ``job`` and ``ranks`` are the oldest job's (a master of one job: its job); ``jobs``
-        lists every job, ``clients`` and ``errors`` hold every job's, each naming its job."""
+        ``job`` and ``ranks`` are the oldest job's (a master of one job: its job), and with
+        several jobs ``job.oldest_of`` says how many there are; ``jobs`` lists every job,
+        ``clients`` and ``errors`` hold every job's, each naming its job."""
         jobs, now = self.fleet.jobs, self.clock()
         first = next(iter(jobs.values()), self.fleet.registry)
         job = first.job
@@ -970,7 +971,10 @@ class MasterService:
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size,
                                              "split_bytes": self.runtime[job.fingerprint].split_bytes,
-                                             **({"mix": self._mix_status(first)} if job.spec.tables else {})},
+                                             **({"mix": self._mix_status(first)} if job.spec.tables else {}),
+                                             # A shared fleet: this is one of several (an operator reading
+                                             # the top level must not take it for the whole fleet's work).
+                                             **({"oldest_of": len(jobs)} if len(jobs) > 1 else {})},
             "jobs": self._jobs_status(),
             "max_jobs": self.config.max_jobs,
             # Per worker, from its last heartbeat: held_bytes / ahead_bytes / budget_bytes

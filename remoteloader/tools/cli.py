@@ -213,7 +213,7 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     job = status["job"]
-    print(f"job: {job['fingerprint']} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)" if job else "job: none yet")
+    print(job_header(job))
     jobs = status.get("jobs", [])
     if len(jobs) > 1:  # a shared fleet: a line per job
         print(f"jobs: {len(jobs)} of at most {status.get('max_jobs', '?')}")
@@ -235,8 +235,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"tables[{i}] {t['path']}: weight {t['weight']} ({t['rows_per_batch']} rows a batch), "
               f"{t['rows_read']:,} rows read this epoch ({t['share_read']:.1%} of the mix), "
               f"when done: {t['when_done']}")
+    of_job = f" (job {job['fingerprint']})" if job and job.get("oldest_of") else ""
     for rank, r in status["ranks"].items():
-        print(f"rank {rank}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
+        print(f"rank {rank}{of_job}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
     for j in jobs:
         if j.get("follow"):
             print(follow_line(j))
@@ -253,6 +254,17 @@ def _status(args: argparse.Namespace) -> int:
     for e in status["errors"]:
         print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
     return 0
+
+
+def job_header(job: Optional[dict]) -> str:
+    """``status``'s first line: the job its ``job`` and ``ranks`` entries describe, which on a
+    shared fleet is only the oldest of its jobs (every job has its line under ``jobs``)."""
+    if not job:
+        return "job: none yet"
+    line = f"job: {job['fingerprint']} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)"
+    if job.get("oldest_of"):
+        line += f"; the oldest of the {job['oldest_of']} jobs this master serves (its ranks below; every job's line follows)"
+    return line
 
 
 def job_line(j: dict) -> str:

@@ -65,6 +65,7 @@ def render(status: Optional[dict], master: str, trends: Optional[Trends] = None,
         return Group(*parts)
     job = status.get("job")
     parts.append(Text(f"job {job['fingerprint']}  {job['table']}  {job['rows']:,} rows, {job['splits']} splits"
+                      + (f"  (the oldest of {job['oldest_of']} jobs)" if job.get("oldest_of") else "")
                       if job else "job: none yet (the master waits for the first client's spec)"))
 
     workers = status.get("workers", [])
