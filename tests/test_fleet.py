@@ -255,7 +255,10 @@ def test_status_and_metrics_show_a_line_per_job(specs):
     from prometheus_client.parser import text_string_to_metric_families
 
     from remoteloader.master.metrics import MasterMetrics
+    from rich.console import Console
+
     from remoteloader.tools.cli import job_header, job_line
+    from remoteloader.tools.watch import Trends, render
     from tests.test_metrics import _exposition
 
     service = MasterService(MasterConfig(max_jobs=2), None, Clock())
@@ -269,6 +272,10 @@ def test_status_and_metrics_show_a_line_per_job(specs):
     assert list(top["ranks"]) == ["0"]
     assert job_header(top["job"]).endswith("the oldest of the 2 jobs this master serves (its ranks below; "
                                            "every job's line follows)")
+    console = Console(record=True, width=200, color_system=None)
+    console.print(render(top, "tcp://127.0.0.1:5555", Trends(), now=0))
+    text = console.export_text()
+    assert f"job {specs[0].fingerprint()}" in text and "(the oldest of 2 jobs)" in text
     lines = [job_line(j) for j in service.status()["jobs"]]
     assert [line.split()[1] for line in lines] == [specs[0].fingerprint(), specs[1].fingerprint()]
     assert "world size 2, 2 clients, epoch 0 0% done" in lines[1] and "weight 1 normal" in lines[1]
