@@ -55,7 +55,7 @@ def test_a_run_cuts_back_into_its_pieces_and_any_range_of_them(sizes, keys, weig
         assert np.array_equal(a, np.concatenate(want) if want else run[name][:0])
 
 
-@settings(max_examples=examples(80), deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(0, 20), piece_rows=st.integers(1, 8), keys=st.integers(0, 4), weighted=st.integers(0, 2),
        seed=st.integers(0, 2**31))
 def test_features_as_a_run_of_pieces_are_each_piece_key_major(n, piece_rows, keys, weighted, seed):
