@@ -260,3 +260,44 @@ def test_a_relisting_that_fails_is_reported_and_the_next_one_goes_on(tmp_path):
     land_partition(table, "ds=2", 300, 200)
     grow(service)
     assert follower.stats.error is None and len(service.state.job.files) == 2
+
+
+def test_a_following_job_on_a_shared_fleet_keeps_its_stream_and_its_follower_stops_with_it(tmp_path):
+    """A shared master (several jobs, a journal): a growth reaches the following job alone, a
+    compacted journal restarts it with its follower, and the follower stops when the job
+    ends to make room for another, and when the master closes."""
+    from tests.test_fleet import joined
+
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 600)
+    following = DatasetSpec.from_dict(follow_spec(table, every=HOUR))
+    fixed = DatasetSpec.from_dict({**follow_spec(table), "table": {"path": str(table)}})
+    other = DatasetSpec.from_dict({**follow_spec(table), "table": {"path": str(table)}, "batch_size": 64})
+    config = MasterConfig(max_jobs=2)
+    live = MasterService(config, Journal(tmp_path / "journal"), Clock())
+    for spec, name in ((following, "f"), (fixed, "x")):
+        assert joined(live, spec, f"{name}0")[0] == "welcome"
+        assert call(live, "start_epoch", session=session(live, f"{name}0"), epoch=0)[0] == "epoch"
+    fp = following.fingerprint()
+    assert live.runtime[fixed.fingerprint()].follower is None
+    land_partition(table, "ds=2", 600, 300)
+    live.runtime[fp].follower.relist_once()
+    live.tick()
+    live.sync()
+    assert len(live.fleet.jobs[fp].job.files) == 2 and len(live.fleet.jobs[fixed.fingerprint()].job.files) == 1
+    live.journal.compact(live.fleet.snapshot())
+    live.close()
+    assert not live.runtime[fp].follower.running
+    live.journal.close()
+
+    restarted = MasterService(config, Journal(tmp_path / "journal"), Clock())
+    job = restarted.fleet.jobs[fp].job
+    assert len(job.files) == 2 and job.windows == live.fleet.jobs[fp].job.windows
+    follower = restarted.runtime[fp].follower
+    assert follower.running and restarted.runtime[fixed.fingerprint()].follower is None
+    call(restarted, "goodbye", session=session(live, "f0"))
+    assert joined(restarted, other, "o0")[0] == "welcome"  # the idle following job gives its place
+    assert fp not in restarted.fleet.jobs
+    follower.join(5)  # ending the job stopped it (a listing under way finishes first)
+    assert not follower.running
+    restarted.close()

@@ -330,6 +330,17 @@ class MasterService:
         runtime.follower = Follower(runtime.bound, job.files, job.splits, min(job.spec.split_rows, cap or 1 << 62),
                                     reported)
 
+    def close(self, wait_s: float = 2.0) -> None:
+        """Stop every follower's re-listing (the master is shutting down); waits at most
+        ``wait_s`` in all for listings under way (the threads are daemons: a hung listing
+        cannot keep the process alive)."""
+        followers = [r.follower for r in self.runtime.values() if r.follower is not None]
+        for follower in followers:
+            follower.stop()
+        deadline = time.monotonic() + wait_s
+        for follower in followers:
+            follower.join(max(0.0, deadline - time.monotonic()))
+
     def _take_growths(self) -> None:
         """Commit what the followers listed since the last tick, one journaled update each."""
         for fingerprint, runtime in list(self.runtime.items()):
