@@ -76,7 +76,7 @@ def test_relisting_finds_new_files_and_reports_changed_and_removed_ones(tmp_path
     found = relist(str(table), "parquet", None, known, keep=lambda partition: in_stream(partition, "ds=2"))
     assert [f.partition for f in found.new] == ["ds=2"] and found.new[0].num_rows == 200
     assert found.removed == [f"{second}: removed after it was listed"]
-    assert len(found.changed) == 1 and found.changed[0].startswith(f"{third}: changed after it was listed (size")
+    assert len(found.changed) == 1 and found.changed[0].startswith(f"{third}: changed after it was listed (listed with size")
 
 
 def test_a_window_plans_its_own_base_splits_by_id(tmp_path):
@@ -301,3 +301,23 @@ def test_a_following_job_on_a_shared_fleet_keeps_its_stream_and_its_follower_sto
     follower.join(5)  # ending the job stopped it (a listing under way finishes first)
     assert not follower.running
     restarted.close()
+
+
+def test_a_file_rewritten_again_and_again_is_reported_once(tmp_path):
+    """Each re-listing sees another size of a file a writer keeps appending to: it is one
+    problem, journaled and kept once, not one a listing (the job's errors, its journal and
+    its snapshot would grow for as long as the writer writes)."""
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 300)
+    service = MasterService(MasterConfig(), Journal(tmp_path / "journal"), Clock())
+    service.submit(DatasetSpec.from_dict(follow_spec(table, every=HOUR)))
+    (path,) = [f.path for f in service.state.job.files]
+    for _ in range(3):
+        with open(path, "ab") as f:
+            f.write(b"more")
+        grow(service)
+    problems = [e["message"] for e in service.state.errors if path in e["message"]]
+    assert len(problems) == 1 and "changed after it was listed" in problems[0]
+    grew = [u for u in Journal(tmp_path / "journal").replay() if isinstance(u, U.ForJob)
+            and isinstance(u.update, U.TableGrew)]
+    assert len(grew) == 1
