@@ -321,3 +321,27 @@ def test_a_file_rewritten_again_and_again_is_reported_once(tmp_path):
     grew = [u for u in Journal(tmp_path / "journal").replay() if isinstance(u, U.ForJob)
             and isinstance(u.update, U.TableGrew)]
     assert len(grew) == 1
+
+
+@pytest.mark.parametrize("compacted", [False, True])
+def test_a_restarted_master_plans_growths_with_the_split_size_the_job_was_planned_with(tmp_path, compacted):
+    """Splits cut smaller to fit the workers' buffer (the master's row size estimate, which a
+    restart does not redo) stay that small in what lands after a restart: a growth's splits
+    are planned as the job's were, whichever master lists them."""
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 600)
+    config = MasterConfig(buffer_bytes=8000)  # about 33 B a row: splits of 100 rows, not split_rows 300
+    live = MasterService(config, Journal(tmp_path / "journal"), Clock())
+    live.submit(DatasetSpec.from_dict(follow_spec(table, every=HOUR)))
+    planned = {s.raw_rows for s in live.state.job.splits}
+    assert max(planned) < 300
+    if compacted:
+        live.journal.compact(live.fleet.snapshot())
+    live.close()
+    live.journal.close()
+    restarted = MasterService(config, Journal(tmp_path / "journal"), Clock())
+    land_partition(table, "ds=2", 600, 600)
+    grow(restarted)
+    job = restarted.state.job
+    assert len(job.files) == 2 and {s.raw_rows for s in job.splits[len(live.state.job.splits):]} == planned
+    restarted.close()

@@ -117,6 +117,7 @@ class Planned:
     bound: BoundDataset
     splits: list
     row_bytes: Optional[float]  # transformed bytes per row of a sample (None: not estimated)
+    split_rows: int  # the rows a base split was planned at: split_rows, or the cap that fits a worker
 
 
 def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) -> Planned:
@@ -132,8 +133,13 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
                     redact_text(str(e))[:500], spec.split_rows)
         per_row = None
     base = plan_base_splits(files, spec.split_rows)
-    cap = _split_cap(spec, budget_bytes, per_row)
+    split_rows = spec.split_rows
+    # A deterministic order reads `cycle` splits of a rank at once: they must fit a worker together.
+    # Mixed batches read `mix_splits` splits of a rank at once, one per lane: the same.
+    share = budget_bytes if spec.splits_in_flight is None else budget_bytes * 2 // (spec.splits_in_flight + 1)
+    cap = split_rows_within(share, per_row) if per_row is not None else None
     if cap is not None and base and max(s.raw_rows for s in base) > cap:
+        split_rows = cap
         planned = max(s.raw_rows for s in base)
         base = plan_base_splits(files, cap)
         largest = max(s.raw_rows for s in base)
@@ -152,15 +158,7 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
     if spec.tables:
         check_passes(spec, [sum(s.rows for s in splits if bound.file_tables[s.file] == i)
                             for i in range(len(spec.tables))])
-    return Planned(bound, splits, per_row)
-
-
-def _split_cap(spec: DatasetSpec, budget_bytes: int, per_row: Optional[float]) -> Optional[int]:
-    """Rows of a split that keep it within its share of a worker's budget (None: unknown).
-    A deterministic order reads `cycle` splits of a rank at once: they must fit a worker
-    together. Mixed batches read `mix_splits` splits of a rank at once, one per lane: the same."""
-    share = budget_bytes if spec.splits_in_flight is None else budget_bytes * 2 // (spec.splits_in_flight + 1)
-    return split_rows_within(share, per_row) if per_row is not None else None
+    return Planned(bound, splits, per_row, split_rows)
 
 
 class PendingBind:
@@ -309,7 +307,7 @@ class MasterService:
         fingerprint = spec.fingerprint()
         self._commit(U.ForJob(fingerprint, U.JobSubmitted(
             spec, fingerprint, bound.schema, [U.file_record(f) for f in files], [U.SplitRecord.of(s) for s in splits],
-            bound.skipped, bound.file_tables)))
+            bound.skipped, bound.file_tables, planned.split_rows)))
         split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
         self.runtime[fingerprint] = JobRuntime(bound, planned.row_bytes, split_bytes)
         if self.config.popularity_log:
@@ -325,9 +323,10 @@ class MasterService:
         job, runtime = self.fleet.jobs[fingerprint].job, self.runtime[fingerprint]
         if not job.follows or job.ended:
             return
-        cap = _split_cap(job.spec, self.config.buffer_bytes, runtime.row_bytes)
+        # Growths are cut as the job's splits were (journaled: a restarted master has no row size
+        # estimate); a journal written before split_rows was: split_rows.
         reported = {e["message"] for e in self.fleet.jobs[fingerprint].errors if e["epoch"] < 0}
-        runtime.follower = Follower(runtime.bound, job.files, job.splits, min(job.spec.split_rows, cap or 1 << 62),
+        runtime.follower = Follower(runtime.bound, job.files, job.splits, job.split_rows or job.spec.split_rows,
                                     reported)
 
     def close(self, wait_s: float = 2.0) -> None:
