@@ -206,6 +206,7 @@ def test_a_spec_of_one_table_keeps_its_form_and_a_mix_round_trips(tmp_path):
     (lambda s: s.update(tables=[]), r"^tables: 0 tables"),
     (lambda s: s.update(mix_splits=2), r"^mix_splits"),
     (lambda s: s.update(order={"deterministic": True, "cycle": 2}), r"^order\.cycle"),
+    (lambda s: s["tables"][1].update(follow={"every": 60}), r"tables\[1\]\.follow: a mix's tables are fixed"),
 ])
 def test_the_spec_validates_a_mix_naming_the_key(tmp_path, change, key):
     spec = mix_dict(tmp_path)
