@@ -345,3 +345,21 @@ def test_a_restarted_master_plans_growths_with_the_split_size_the_job_was_planne
     job = restarted.state.job
     assert len(job.files) == 2 and {s.raw_rows for s in job.splits[len(live.state.job.splits):]} == planned
     restarted.close()
+
+
+def test_a_stream_whose_until_is_listed_at_bind_has_ended_at_once(tmp_path):
+    """The first listing already holds ``until``: its files are the last read (spec.md), so
+    the job starts ended: no follower lists the table again (adding what lands meanwhile),
+    and the next window is empty at once instead of waiting for a re-listing."""
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 300)
+    land_partition(table, "ds=2", 300, 200)
+    spec = DatasetSpec.from_dict(follow_spec(table, every=HOUR, until="ds=2"))
+    service = MasterService(MasterConfig(), None, Clock())
+    service.submit(spec)
+    job = service.state.job
+    assert job.ended and service.runtime[job.fingerprint].follower is None
+    hello(service, spec)
+    assert rows(start(service, 0)[1]) == 500
+    t, epoch1 = start(service, 1)
+    assert t == "epoch" and rows(epoch1) == 0

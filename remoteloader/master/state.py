@@ -24,7 +24,7 @@ from ..core.plan import (
 )
 from ..core.mix import plan_mixed_epoch
 from ..core.schedule import lane_of, lane_piece_key
-from ..formats import DataFile
+from ..formats import DataFile, reaches
 from ..spec import DatasetSpec
 from . import updates as U
 
@@ -277,6 +277,8 @@ class JobState:
         self.job = Job(u.spec, u.fingerprint, u.schema, [U.data_file(f) for f in u.files], splits,
                        sum(s.rows for s in splits), listed=len(splits) if u.spec.table.follow is not None else None,
                        file_tables=list(u.tables), split_rows=u.split_rows)
+        if self.job.follows:  # a first listing that holds ``until`` is the stream's last (spec.md)
+            self.job.ended = any(reaches(f.partition, u.spec.table.follow["until"]) for f in self.job.files)
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}
                            for m in u.skipped)
         self.error_counts["skipped"] += len(u.skipped)
