@@ -14,8 +14,8 @@ import pytest
 from remoteloader.client.assembly import EpochAssembler
 from remoteloader.core.mix import check_passes, composition, plan_mixed_epoch, table_rows
 from remoteloader.core.plan import BaseSplit, pieces_of
-from remoteloader.core.schedule import lane_piece_key, weighted_shares
-from remoteloader.spec import DatasetSpec, SpecError
+from remoteloader.core.schedule import lane_piece_key
+from remoteloader.spec import DatasetSpec, SpecError, weighted_shares
 from tests.assembly_helpers import drain
 from tests.conftest import spec_dict
 from tests.test_assembly import make_batch

@@ -21,7 +21,6 @@ from ..core.binding import BoundDataset, bind, bind_schema
 from ..core.cache.store import BlockStore
 from ..core.mix import MAX_PASSES, base_and_pass, check_passes
 from ..core.plan import make_task, plan_base_splits
-from ..core.schedule import weighted_shares
 from ..core.schedule import split_order
 from ..core.popularity import record_projection
 from ..core.redact import redact, redact_text
@@ -31,7 +30,7 @@ from ..protocol.address import AddressError, validate_address
 from ..protocol.capability import MasterKeys
 from ..protocol import messages as M
 from ..protocol.messages import MASTER_REQUESTS, ErrorCode
-from ..spec import DatasetSpec, SpecError, spec_differences
+from ..spec import DatasetSpec, SpecError, spec_differences, weighted_shares
 from . import updates as U
 from ..core.allowlist import TableAllowlist
 from .cache_plan import CachePlanner
