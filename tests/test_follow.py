@@ -276,7 +276,8 @@ def test_a_following_job_on_a_shared_fleet_keeps_its_stream_and_its_follower_sto
     config = MasterConfig(max_jobs=2)
     live = MasterService(config, Journal(tmp_path / "journal"), Clock())
     for spec, name in ((following, "f"), (fixed, "x")):
-        assert joined(live, spec, f"{name}0")[0] == "welcome"
+        live.submit(spec)
+        assert hello(live, spec, client=f"{name}0")[0] == "welcome"
         assert call(live, "start_epoch", session=session(live, f"{name}0"), epoch=0)[0] == "epoch"
     fp = following.fingerprint()
     assert live.runtime[fixed.fingerprint()].follower is None
