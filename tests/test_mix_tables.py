@@ -313,3 +313,20 @@ def test_a_restarted_tables_later_passes_shuffle_rows_anew():
 
     assert row_stream(5, None) == row_stream(5, [1, 0]) == 6  # one table, and a mix's first pass: as before
     assert len({row_stream(5, [1, p]) for p in range(4)} | {row_stream(6, [1, p]) for p in range(4)}) == 8
+
+
+def test_a_mix_whose_tables_select_no_row_names_the_first_such_table(tmp_path):
+    """Not ``table.partitions``, a key a mix's spec does not have."""
+    import pyarrow.parquet as pq
+
+    from remoteloader.master.service import _bind_and_plan
+    from tests.follow_tables import follow_spec, partition_table
+
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        pq.write_table(partition_table(0, 0), tmp_path / name / "part-0.parquet")
+    spec = follow_spec(tmp_path / "a")
+    del spec["table"]
+    spec["tables"] = [{"path": str(tmp_path / "a")}, {"path": str(tmp_path / "b")}]
+    with pytest.raises(SpecError, match=r"^tables\[0\]\.partitions: the selection of table .* has no rows"):
+        _bind_and_plan(DatasetSpec.from_dict(spec))

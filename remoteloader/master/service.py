@@ -149,11 +149,11 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
                     "" if not uncut else f" ({uncut} splits are single stripes or row groups of up to {largest} rows, "
                                          f"{format_size(largest * per_row)}, which cannot be cut smaller)")
     splits = sampled_splits(bound, files, base)
-    if not splits or sum(s.rows for s in splits) == 0:
-        raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
-    for i, mixed in enumerate(spec.tables):
+    for i, mixed in enumerate(spec.tables):  # each table of a mix, named by its key
         if not any(s.rows for s in splits if bound.file_tables[s.file] == i):
             raise SpecError(f"tables[{i}].partitions: the selection of table {mixed.table.path!r} has no rows")
+    if not splits or sum(s.rows for s in splits) == 0:
+        raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
     if spec.tables:
         check_passes(spec, [sum(s.rows for s in splits if bound.file_tables[s.file] == i)
                             for i in range(len(spec.tables))])
