@@ -364,3 +364,22 @@ def test_a_stream_whose_until_is_listed_at_bind_has_ended_at_once(tmp_path):
     assert rows(start(service, 0)[1]) == 500
     t, epoch1 = start(service, 1)
     assert t == "epoch" and rows(epoch1) == 0
+
+
+def test_a_rank_waiting_for_the_next_window_is_not_forgotten(tmp_path):
+    """A stream waits for data as long as it takes: each ``waiting`` answer is a sign of life,
+    so a rank waiting longer than --client-timeout keeps its session (it was forgotten, its
+    one rejoin forgotten again, and the loader failed after twice the timeout)."""
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 300)
+    spec = DatasetSpec.from_dict(follow_spec(table, every=HOUR))
+    clock = Clock()
+    service = MasterService(MasterConfig(client_timeout=10.0), None, clock)
+    service.submit(spec)
+    hello(service, spec)
+    start(service, 0)
+    for _ in range(6):  # 36 s of waiting, a retry every 6 s
+        clock.now += 6.0
+        assert start(service, 1)[1]["code"] == "waiting"
+        service.tick()
+    assert session(service) in service.state.clients

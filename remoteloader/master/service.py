@@ -762,7 +762,13 @@ class MasterService:
             raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code=ErrorCode.BAD_EPOCH)
         consumed = _acks(m.consumed)
         if st.job.follows and epoch not in st.job.windows:
-            self._open_window(fingerprint, st, epoch)
+            try:
+                self._open_window(fingerprint, st, epoch)
+            except RequestError as e:
+                if e.code == ErrorCode.WAITING:  # a rank waiting for data is alive: not forgotten meanwhile
+                    stats = {k: v for k, v in st.client_stats.get(session, {}).items() if k != "time"}
+                    self._commit(U.ForJob(fingerprint, U.ClientHeartbeat(session, self.clock(), stats)))
+                raise
         done = self._check_done(st, m.done)
         current = st.ranks.get(rank)
         if done and current is not None and epoch > current.epoch + 1:
