@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from benchmarks.auth_cost import job_spec, run_directory
 from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table
@@ -79,26 +80,34 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def mixing_epoch(loader: RemoteDataLoader, partition_of: list[str]) -> tuple[list[int], list[int], int]:
-    """One epoch, recording each full batch's base splits (through the assembler's record of
-    which pieces a batch took rows of) and their partitions."""
-    splits: list[int] = []
-    partitions: list[int] = []
+def recorded_epoch(loader: RemoteDataLoader, record: Callable[[dict, assembly.Ready], None]) -> int:
+    """One epoch (its rows), calling ``record(the run's plan splits, batch)`` on each full batch
+    as the assembler builds it (its record of which pieces the batch took rows of)."""
     consume = assembly.EpochAssembler.consume
 
     def recording(self: assembly.EpochAssembler, ready: assembly.Ready) -> None:
         if len(ready) == BATCH:
-            plan = loader.position.run.plan.splits
-            bases = {plan[part.split_id].base for part in ready.parts}
-            splits.append(len(bases))
-            partitions.append(len({partition_of[b] for b in bases}))
+            record(loader.position.run.plan.splits, ready)
         consume(self, ready)
 
     assembly.EpochAssembler.consume = recording
     try:
-        rows = consume_epoch(loader)
+        return consume_epoch(loader)
     finally:
         assembly.EpochAssembler.consume = consume
+
+
+def mixing_epoch(loader: RemoteDataLoader, partition_of: list[str]) -> tuple[list[int], list[int], int]:
+    """One epoch, recording each full batch's base splits and their partitions."""
+    splits: list[int] = []
+    partitions: list[int] = []
+
+    def record(plan: dict, ready: assembly.Ready) -> None:
+        bases = {plan[part.split_id].base for part in ready.parts}
+        splits.append(len(bases))
+        partitions.append(len({partition_of[b] for b in bases}))
+
+    rows = recorded_epoch(loader, record)
     return splits, partitions, rows
 
 

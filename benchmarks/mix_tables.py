@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.auth_cost import job_spec, run_directory
-from benchmarks.mix_splits import cpu_s
+from benchmarks.mix_splits import cpu_s, recorded_epoch
 from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table
 from remoteloader import RemoteDataLoader
 from remoteloader.client import assembly
@@ -78,21 +78,12 @@ class Result:
 def shares_epoch(loader: RemoteDataLoader) -> tuple[list[int], int]:
     """One epoch, counting each full batch's rows of table 0 (from each piece's lane)."""
     shares: list[int] = []
-    consume = assembly.EpochAssembler.consume
 
-    def recording(self: assembly.EpochAssembler, ready: assembly.Ready) -> None:
-        if len(ready) == BATCH:
-            plan = loader.position.run.plan.splits
-            shares.append(sum(stop - start for (_, start, stop), part in zip(ready.pieces, ready.parts)
-                              if plan[part.split_id].lane[0] == 0))
-        consume(self, ready)
+    def record(plan: dict, ready: assembly.Ready) -> None:
+        shares.append(sum(stop - start for (_, start, stop), part in zip(ready.pieces, ready.parts)
+                          if plan[part.split_id].lane[0] == 0))
 
-    assembly.EpochAssembler.consume = recording
-    try:
-        rows = consume_epoch(loader)
-    finally:
-        assembly.EpochAssembler.consume = consume
-    return shares, rows
+    return shares, recorded_epoch(loader, record)
 
 
 def run_once(spec: dict, root: Path, workers: int, epochs: int, mixed: bool) -> Result:

@@ -458,6 +458,9 @@ def _parse_tables(value: Any, base_dir: Path) -> tuple[MixedTable, ...]:
     for i, item in enumerate(items):
         key = f"tables[{i}]"
         t = _mapping(item, key)
+        if "follow" in t:
+            raise SpecError(f"{key}.follow: a mix's tables are fixed tables (following a growing table is "
+                            "table.follow, for a job of one table)")
         _no_unknown(t, _MIXED_TABLE_KEYS, key)
         table = _parse_table({k: v for k, v in t.items() if k in _TABLE_KEYS}, base_dir, key)
         weight = _typed(t.get("weight", 1), (int, float), f"{key}.weight", "a positive number")

@@ -66,6 +66,7 @@ class InProcessCluster:
         finally:
             self.server.stop_event.set()
             self._master.join(10)
+            self.service.close()  # a following job's re-listing thread
         assert not self._master.is_alive(), "the master's loop did not stop"
         failed = [w.error for w in self.workers if w.error is not None]
         assert not failed, f"a worker failed: {failed[0]!r}"

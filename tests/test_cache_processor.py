@@ -232,3 +232,19 @@ def test_a_mix_caches_each_tables_blocks_under_its_stored_columns_shared_with_a_
     other, other_base = job(tables["parquet"])
     assert produce(cache.processor(other), tasks(other, other_base, 2, everything(other, write=False))) == \
            produce(SplitProcessor(other), tasks(other, other_base, 2))
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_task_naming_a_table_the_mix_does_not_have_is_refused_naming_the_split(tables, cache, cached):
+    """A split task of a mix names its table by index: one past the mix's tables fails the
+    split with an error naming it (not an IndexError out of the reader or the cache)."""
+    from remoteloader.core.plan import EpochSplit
+    from remoteloader.formats import TableError
+
+    bound = bind(DatasetSpec.from_dict(renaming_mix(tables)))
+    base = plan_job_splits(bound)
+    task = make_task(bound.files, base[0], EpochSplit(0, 0, 0, 0, base[0].rows, table=(2, 0)), 0,
+                     cache=everything(bound) if cached else None)
+    processor = cache.processor(bound) if cached else SplitProcessor(bound)
+    with pytest.raises(TableError, match=r"split 0 .*: table 2 of a mix of 2 tables"):
+        list(processor.pieces(task))

@@ -76,7 +76,7 @@ def test_relisting_finds_new_files_and_reports_changed_and_removed_ones(tmp_path
     found = relist(str(table), "parquet", None, known, keep=lambda partition: in_stream(partition, "ds=2"))
     assert [f.partition for f in found.new] == ["ds=2"] and found.new[0].num_rows == 200
     assert found.removed == [f"{second}: removed after it was listed"]
-    assert len(found.changed) == 1 and found.changed[0].startswith(f"{third}: changed after it was listed (size")
+    assert len(found.changed) == 1 and found.changed[0].startswith(f"{third}: changed after it was listed (listed with size")
 
 
 def test_a_window_plans_its_own_base_splits_by_id(tmp_path):
@@ -260,3 +260,126 @@ def test_a_relisting_that_fails_is_reported_and_the_next_one_goes_on(tmp_path):
     land_partition(table, "ds=2", 300, 200)
     grow(service)
     assert follower.stats.error is None and len(service.state.job.files) == 2
+
+
+def test_a_following_job_on_a_shared_fleet_keeps_its_stream_and_its_follower_stops_with_it(tmp_path):
+    """A shared master (several jobs, a journal): a growth reaches the following job alone, a
+    compacted journal restarts it with its follower, and the follower stops when the job
+    ends to make room for another, and when the master closes."""
+    from tests.test_fleet import joined
+
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 600)
+    following = DatasetSpec.from_dict(follow_spec(table, every=HOUR))
+    fixed = DatasetSpec.from_dict({**follow_spec(table), "table": {"path": str(table)}})
+    other = DatasetSpec.from_dict({**follow_spec(table), "table": {"path": str(table)}, "batch_size": 64})
+    config = MasterConfig(max_jobs=2)
+    live = MasterService(config, Journal(tmp_path / "journal"), Clock())
+    for spec, name in ((following, "f"), (fixed, "x")):
+        live.submit(spec)
+        assert hello(live, spec, client=f"{name}0")[0] == "welcome"
+        assert call(live, "start_epoch", session=session(live, f"{name}0"), epoch=0)[0] == "epoch"
+    fp = following.fingerprint()
+    assert live.runtime[fixed.fingerprint()].follower is None
+    land_partition(table, "ds=2", 600, 300)
+    live.runtime[fp].follower.relist_once()
+    live.tick()
+    live.sync()
+    assert len(live.fleet.jobs[fp].job.files) == 2 and len(live.fleet.jobs[fixed.fingerprint()].job.files) == 1
+    live.journal.compact(live.fleet.snapshot())
+    live.close()
+    assert not live.runtime[fp].follower.running
+    live.journal.close()
+
+    restarted = MasterService(config, Journal(tmp_path / "journal"), Clock())
+    job = restarted.fleet.jobs[fp].job
+    assert len(job.files) == 2 and job.windows == live.fleet.jobs[fp].job.windows
+    follower = restarted.runtime[fp].follower
+    assert follower.running and restarted.runtime[fixed.fingerprint()].follower is None
+    call(restarted, "goodbye", session=session(live, "f0"))
+    assert joined(restarted, other, "o0")[0] == "welcome"  # the idle following job gives its place
+    assert fp not in restarted.fleet.jobs
+    follower.join(5)  # ending the job stopped it (a listing under way finishes first)
+    assert not follower.running
+    restarted.close()
+
+
+def test_a_file_rewritten_again_and_again_is_reported_once(tmp_path):
+    """Each re-listing sees another size of a file a writer keeps appending to: it is one
+    problem, journaled and kept once, not one a listing (the job's errors, its journal and
+    its snapshot would grow for as long as the writer writes)."""
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 300)
+    service = MasterService(MasterConfig(), Journal(tmp_path / "journal"), Clock())
+    service.submit(DatasetSpec.from_dict(follow_spec(table, every=HOUR)))
+    (path,) = [f.path for f in service.state.job.files]
+    for _ in range(3):
+        with open(path, "ab") as f:
+            f.write(b"more")
+        grow(service)
+    problems = [e["message"] for e in service.state.errors if path in e["message"]]
+    assert len(problems) == 1 and "changed after it was listed" in problems[0]
+    grew = [u for u in Journal(tmp_path / "journal").replay() if isinstance(u, U.ForJob)
+            and isinstance(u.update, U.TableGrew)]
+    assert len(grew) == 1
+
+
+@pytest.mark.parametrize("compacted", [False, True])
+def test_a_restarted_master_plans_growths_with_the_split_size_the_job_was_planned_with(tmp_path, compacted):
+    """Splits cut smaller to fit the workers' buffer (the master's row size estimate, which a
+    restart does not redo) stay that small in what lands after a restart: a growth's splits
+    are planned as the job's were, whichever master lists them."""
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 600)
+    config = MasterConfig(buffer_bytes=8000)  # about 33 B a row: splits of 100 rows, not split_rows 300
+    live = MasterService(config, Journal(tmp_path / "journal"), Clock())
+    live.submit(DatasetSpec.from_dict(follow_spec(table, every=HOUR)))
+    planned = {s.raw_rows for s in live.state.job.splits}
+    assert max(planned) < 300
+    if compacted:
+        live.journal.compact(live.fleet.snapshot())
+    live.close()
+    live.journal.close()
+    restarted = MasterService(config, Journal(tmp_path / "journal"), Clock())
+    land_partition(table, "ds=2", 600, 600)
+    grow(restarted)
+    job = restarted.state.job
+    assert len(job.files) == 2 and {s.raw_rows for s in job.splits[len(live.state.job.splits):]} == planned
+    restarted.close()
+
+
+def test_a_stream_whose_until_is_listed_at_bind_has_ended_at_once(tmp_path):
+    """The first listing already holds ``until``: its files are the last read (spec.md), so
+    the job starts ended: no follower lists the table again (adding what lands meanwhile),
+    and the next window is empty at once instead of waiting for a re-listing."""
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 300)
+    land_partition(table, "ds=2", 300, 200)
+    spec = DatasetSpec.from_dict(follow_spec(table, every=HOUR, until="ds=2"))
+    service = MasterService(MasterConfig(), None, Clock())
+    service.submit(spec)
+    job = service.state.job
+    assert job.ended and service.runtime[job.fingerprint].follower is None
+    hello(service, spec)
+    assert rows(start(service, 0)[1]) == 500
+    t, epoch1 = start(service, 1)
+    assert t == "epoch" and rows(epoch1) == 0
+
+
+def test_a_rank_waiting_for_the_next_window_is_not_forgotten(tmp_path):
+    """A stream waits for data as long as it takes: each ``waiting`` answer is a sign of life,
+    so a rank waiting longer than --client-timeout keeps its session (it was forgotten, its
+    one rejoin forgotten again, and the loader failed after twice the timeout)."""
+    table = tmp_path / "t"
+    land_partition(table, "ds=1", 0, 300)
+    spec = DatasetSpec.from_dict(follow_spec(table, every=HOUR))
+    clock = Clock()
+    service = MasterService(MasterConfig(client_timeout=10.0), None, clock)
+    service.submit(spec)
+    hello(service, spec)
+    start(service, 0)
+    for _ in range(6):  # 36 s of waiting, a retry every 6 s
+        clock.now += 6.0
+        assert start(service, 1)[1]["code"] == "waiting"
+        service.tick()
+    assert session(service) in service.state.clients

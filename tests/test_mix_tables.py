@@ -14,8 +14,8 @@ import pytest
 from remoteloader.client.assembly import EpochAssembler
 from remoteloader.core.mix import check_passes, composition, plan_mixed_epoch, table_rows
 from remoteloader.core.plan import BaseSplit, pieces_of
-from remoteloader.core.schedule import lane_piece_key, weighted_shares
-from remoteloader.spec import DatasetSpec, SpecError
+from remoteloader.core.schedule import lane_piece_key
+from remoteloader.spec import DatasetSpec, SpecError, weighted_shares
 from tests.assembly_helpers import drain
 from tests.conftest import spec_dict
 from tests.test_assembly import make_batch
@@ -206,6 +206,7 @@ def test_a_spec_of_one_table_keeps_its_form_and_a_mix_round_trips(tmp_path):
     (lambda s: s.update(tables=[]), r"^tables: 0 tables"),
     (lambda s: s.update(mix_splits=2), r"^mix_splits"),
     (lambda s: s.update(order={"deterministic": True, "cycle": 2}), r"^order\.cycle"),
+    (lambda s: s["tables"][1].update(follow={"every": 60}), r"tables\[1\]\.follow: a mix's tables are fixed"),
 ])
 def test_the_spec_validates_a_mix_naming_the_key(tmp_path, change, key):
     spec = mix_dict(tmp_path)
@@ -312,3 +313,20 @@ def test_a_restarted_tables_later_passes_shuffle_rows_anew():
 
     assert row_stream(5, None) == row_stream(5, [1, 0]) == 6  # one table, and a mix's first pass: as before
     assert len({row_stream(5, [1, p]) for p in range(4)} | {row_stream(6, [1, p]) for p in range(4)}) == 8
+
+
+def test_a_mix_whose_tables_select_no_row_names_the_first_such_table(tmp_path):
+    """Not ``table.partitions``, a key a mix's spec does not have."""
+    import pyarrow.parquet as pq
+
+    from remoteloader.master.service import _bind_and_plan
+    from tests.follow_tables import follow_spec, partition_table
+
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        pq.write_table(partition_table(0, 0), tmp_path / name / "part-0.parquet")
+    spec = follow_spec(tmp_path / "a")
+    del spec["table"]
+    spec["tables"] = [{"path": str(tmp_path / "a")}, {"path": str(tmp_path / "b")}]
+    with pytest.raises(SpecError, match=r"^tables\[0\]\.partitions: the selection of table .* has no rows"):
+        _bind_and_plan(DatasetSpec.from_dict(spec))

@@ -159,3 +159,13 @@ def test_a_position_of_another_mix_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match="another dataset spec: 'table'"):
         resume.resume_of({"rank_0": position}, DatasetSpec.from_dict(other), 0, 1)
     assert resume.resume_of({"rank_0": position}, saved, 0, 1).done == [[0, 0, 10]]
+
+
+@pytest.mark.parametrize("lane, table", [([10**12, 0, 1], [10**12, 0]), ([0, 0, 0], [0, 0]), ([0, 0, 1], [0, 10**9])])
+def test_an_epoch_reply_with_a_lane_key_out_of_bounds_is_refused_naming_the_split(lane, table):
+    """The client sizes its per-table books by the lane keys the master sends: a table past
+    the most a spec may mix, a lane with no row a batch or a pass past the bound is refused
+    before anything is sized from it (not a MemoryError, nor a division by zero later)."""
+    info = M.EpochSplitInfo(7, 100, 3, 0, False, lane, table)
+    with pytest.raises(ValueError, match="split 7: lane key"):
+        _split_plan(info)

@@ -290,9 +290,7 @@ class EpochAssembler:
             used[table] += done
             coming[table] += rows - done
         batches, rest = divmod(sum(used), batch_size)
-        expected = [0] * tables
-        for b in range(batches if any(used) and any(coming) else 0):
-            expected = [e + n for e, n in zip(expected, counts.counts(b))]
+        expected = [counts.rows_before(batches, t) for t in range(tables)]  # closed form: no loop over batches
         if any(coming) and (rest or expected != used):
             raise ValueError(f"the consumed rows per table ({used}) are not those of {batches} batches of this plan "
                              f"({expected}): the position is not of this plan's mix")

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from ..core.mix import rows_key
+from ..core.mix import MAX_PASSES, rows_key
+from ..spec import MAX_TABLES
 from .session import RunStart, acks_of
 
 if TYPE_CHECKING:
@@ -56,6 +57,12 @@ def _split_plan(s: "EpochSplitInfo") -> SplitPlan:
     a position names say which pass consumed them, whatever the world size."""
     if s.lane is not None:
         pass_ = s.table[1] if s.table is not None else 0
+        # The client sizes its books of each table by these keys: bounded before any is used.
+        if not (s.lane[0] < MAX_TABLES and s.lane[2] >= 1 and pass_ < MAX_PASSES
+                and (s.table is None or s.table[0] == s.lane[0])):
+            raise ValueError(f"the master's plan: split {s.split_id}: lane key {s.lane} (table, pass "
+                             f"{s.table}) is out of bounds (at most {MAX_TABLES} tables, {MAX_PASSES} passes, "
+                             "a row a batch at least)")
         return SplitPlan(s.rows, rows_key(s.base_split, pass_), s.row_lo, bool(s.padding), tuple(s.lane))
     return SplitPlan(s.rows, s.base_split, s.row_lo, bool(s.padding))
 

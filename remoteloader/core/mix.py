@@ -37,9 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from ..spec import DatasetSpec, SpecError
+from ..spec import DatasetSpec, SpecError, weighted_shares
 from .plan import BaseSplit, EpochSplit, Intervals, plan_epoch
-from .schedule import weighted_shares
 
 PASS_STREAM = 1 << 48  # epoch_rng streams of passes' split orders: above any base split's (base id + 1)
 MAX_PASSES = 1 << 16  # a restarted table whose pass is far smaller than the epoch: refused, not looped

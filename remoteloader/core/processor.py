@@ -89,6 +89,9 @@ class SplitProcessor:
 
     def transform(self, task: SplitTask) -> TransformedSplit:
         start = time.perf_counter()
+        if task.table is not None and self.spec.tables and not task.table[0] < len(self.spec.tables):
+            raise TableError(f"{task.describe()}: table {task.table[0]} of a mix of {len(self.spec.tables)} tables: "
+                             "the task is not of this job")
         directive, shared = self._directive(task)
         if directive is not None:
             split = self._transform_cached(task, directive, shared)

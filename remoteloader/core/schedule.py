@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..spec import weighted_shares  # noqa: F401 (the mix's shares: imported from here too)
-
 PADDING_GROUP = 1 << 62  # after every cycle
 OrderKey = tuple[int, int, int]
 

@@ -303,8 +303,10 @@ def relist(path: str, format: str, partitions: Optional[Sequence[str]], known: d
             changed.append(f"{name}: cannot stat it ({e})")
             continue
         if before.identity and (identity, size) != (before.identity, before.nbytes):
-            changed.append(f"{name}: changed after it was listed (size {before.nbytes} -> {size}, "
-                           f"identity {before.identity} -> {identity})")
+            # Said of the version listed only: a file rewritten again and again is one problem
+            # (told once), not one per listing.
+            changed.append(f"{name}: changed after it was listed (listed with size {before.nbytes}, "
+                           f"identity {before.identity})")
     removed = [f"{name}: removed after it was listed" for name in sorted(set(known) - seen)]
 
     def describe(item: tuple[str, pafs.FileInfo]) -> DataFile:

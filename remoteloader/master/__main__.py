@@ -298,6 +298,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         server.serve_forever()
     finally:
+        service.close()  # its followers' re-listings
         launcher.stop_all()
         if autoscaler is not None:
             autoscaler.stop()  # saves the policy's state (with --journal)

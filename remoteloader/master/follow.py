@@ -54,7 +54,15 @@ class Follower:
         self._thread.start()
 
     def stop(self) -> None:
+        """Ask the thread to end (a listing under way finishes first: never waited for here)."""
         self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def take(self) -> list[Growth]:
         """The growths planned since the last call, in order (the loop commits each)."""

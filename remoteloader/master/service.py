@@ -22,7 +22,6 @@ from ..core.cache.job import job_block_keys
 from ..core.cache.store import BlockStore
 from ..core.mix import MAX_PASSES, base_and_pass, check_passes
 from ..core.plan import make_task, plan_base_splits
-from ..core.schedule import weighted_shares
 from ..core.schedule import split_order
 from ..core.popularity import record_projection
 from ..core.redact import redact, redact_text
@@ -32,7 +31,7 @@ from ..protocol.address import AddressError, validate_address
 from ..protocol.capability import MasterKeys
 from ..protocol import messages as M
 from ..protocol.messages import MASTER_REQUESTS, ErrorCode
-from ..spec import DatasetSpec, SpecError, spec_differences
+from ..spec import DatasetSpec, SpecError, spec_differences, weighted_shares
 from . import updates as U
 from ..core.allowlist import TableAllowlist
 from .cache_plan import CachePlanner
@@ -119,6 +118,7 @@ class Planned:
     bound: BoundDataset
     splits: list
     row_bytes: Optional[float]  # transformed bytes per row of a sample (None: not estimated)
+    split_rows: int  # the rows a base split was planned at: split_rows, or the cap that fits a worker
 
 
 def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) -> Planned:
@@ -134,8 +134,13 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
                     redact_text(str(e))[:500], spec.split_rows)
         per_row = None
     base = plan_base_splits(files, spec.split_rows)
-    cap = _split_cap(spec, budget_bytes, per_row)
+    split_rows = spec.split_rows
+    # A deterministic order reads `cycle` splits of a rank at once: they must fit a worker together.
+    # Mixed batches read `mix_splits` splits of a rank at once, one per lane: the same.
+    share = budget_bytes if spec.splits_in_flight is None else budget_bytes * 2 // (spec.splits_in_flight + 1)
+    cap = split_rows_within(share, per_row) if per_row is not None else None
     if cap is not None and base and max(s.raw_rows for s in base) > cap:
+        split_rows = cap
         planned = max(s.raw_rows for s in base)
         base = plan_base_splits(files, cap)
         largest = max(s.raw_rows for s in base)
@@ -146,23 +151,15 @@ def _bind_and_plan(spec: DatasetSpec, budget_bytes: int = DEFAULT_BUFFER_BYTES) 
                     "" if not uncut else f" ({uncut} splits are single stripes or row groups of up to {largest} rows, "
                                          f"{format_size(largest * per_row)}, which cannot be cut smaller)")
     splits = sampled_splits(bound, files, base)
-    if not splits or sum(s.rows for s in splits) == 0:
-        raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
-    for i, mixed in enumerate(spec.tables):
+    for i, mixed in enumerate(spec.tables):  # each table of a mix, named by its key
         if not any(s.rows for s in splits if bound.file_tables[s.file] == i):
             raise SpecError(f"tables[{i}].partitions: the selection of table {mixed.table.path!r} has no rows")
+    if not splits or sum(s.rows for s in splits) == 0:
+        raise SpecError(f"table.partitions: the selection of table {spec.table.path!r} has no rows")
     if spec.tables:
         check_passes(spec, [sum(s.rows for s in splits if bound.file_tables[s.file] == i)
                             for i in range(len(spec.tables))])
-    return Planned(bound, splits, per_row)
-
-
-def _split_cap(spec: DatasetSpec, budget_bytes: int, per_row: Optional[float]) -> Optional[int]:
-    """Rows of a split that keep it within its share of a worker's budget (None: unknown).
-    A deterministic order reads `cycle` splits of a rank at once: they must fit a worker
-    together. Mixed batches read `mix_splits` splits of a rank at once, one per lane: the same."""
-    share = budget_bytes if spec.splits_in_flight is None else budget_bytes * 2 // (spec.splits_in_flight + 1)
-    return split_rows_within(share, per_row) if per_row is not None else None
+    return Planned(bound, splits, per_row, split_rows)
 
 
 class PendingBind:
@@ -312,7 +309,7 @@ class MasterService:
         fingerprint = spec.fingerprint()
         self._commit(U.ForJob(fingerprint, U.JobSubmitted(
             spec, fingerprint, bound.schema, [U.file_record(f) for f in files], [U.SplitRecord.of(s) for s in splits],
-            bound.skipped, bound.file_tables)))
+            bound.skipped, bound.file_tables, planned.split_rows)))
         split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
         self.runtime[fingerprint] = JobRuntime(bound, planned.row_bytes, split_bytes)
         if self.config.popularity_log:
@@ -328,10 +325,22 @@ class MasterService:
         job, runtime = self.fleet.jobs[fingerprint].job, self.runtime[fingerprint]
         if not job.follows or job.ended:
             return
-        cap = _split_cap(job.spec, self.config.buffer_bytes, runtime.row_bytes)
+        # Growths are cut as the job's splits were (journaled: a restarted master has no row size
+        # estimate); a journal written before split_rows was: split_rows.
         reported = {e["message"] for e in self.fleet.jobs[fingerprint].errors if e["epoch"] < 0}
-        runtime.follower = Follower(runtime.bound, job.files, job.splits, min(job.spec.split_rows, cap or 1 << 62),
+        runtime.follower = Follower(runtime.bound, job.files, job.splits, job.split_rows or job.spec.split_rows,
                                     reported)
+
+    def close(self, wait_s: float = 2.0) -> None:
+        """Stop every follower's re-listing (the master is shutting down); waits at most
+        ``wait_s`` in all for listings under way (the threads are daemons: a hung listing
+        cannot keep the process alive)."""
+        followers = [r.follower for r in self.runtime.values() if r.follower is not None]
+        for follower in followers:
+            follower.stop()
+        deadline = time.monotonic() + wait_s
+        for follower in followers:
+            follower.join(max(0.0, deadline - time.monotonic()))
 
     def _take_growths(self) -> None:
         """Commit what the followers listed since the last tick, one journaled update each."""
@@ -780,7 +789,13 @@ class MasterService:
             raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code=ErrorCode.BAD_EPOCH)
         consumed = _acks(m.consumed)
         if st.job.follows and epoch not in st.job.windows:
-            self._open_window(fingerprint, st, epoch)
+            try:
+                self._open_window(fingerprint, st, epoch)
+            except RequestError as e:
+                if e.code == ErrorCode.WAITING:  # a rank waiting for data is alive: not forgotten meanwhile
+                    stats = {k: v for k, v in st.client_stats.get(session, {}).items() if k != "time"}
+                    self._commit(U.ForJob(fingerprint, U.ClientHeartbeat(session, self.clock(), stats)))
+                raise
         done = self._check_done(st, m.done)
         current = st.ranks.get(rank)
         if done and current is not None and epoch > current.epoch + 1:

@@ -90,6 +90,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     windows: dict[int, tuple[int, int]] = {}
     ended: bool = False
     tables: list[int] = []  # tables mixed by weight: each file's table (JobSubmitted.tables)
+    split_rows: Optional[int] = None  # JobSubmitted.split_rows
 
 
 class WorkerRecord(msgspec.Struct, frozen=True):
@@ -165,6 +166,9 @@ class JobSubmitted(Update):
     splits: list[SplitRecord]
     skipped: list[str]  # files left out (on_error: skip), with the reason
     tables: list[int] = []  # tables mixed by weight (spec tables): each file's table; empty: one table
+    # The rows a base split was planned at (split_rows, or fewer to fit the workers' buffer):
+    # a following job's growths are planned at it, by this master or a restarted one.
+    split_rows: Optional[int] = None
 
 
 class WorkerRegistered(Update):
