@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.auth_cost import job_spec, run_directory
-from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table
+from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table, round_options
 from remoteloader import RemoteDataLoader
 from remoteloader.client import assembly
 from remoteloader.core.binding import bind
@@ -165,11 +165,7 @@ def report(cases: dict[int, Case], args: argparse.Namespace, elapsed: float) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=4_000_000)
-    p.add_argument("--epochs", type=int, default=2, help="measured epochs per run (after one warm-up)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2)
+    p = round_options(__doc__, rows=4_000_000)
     p.add_argument("--copies", type=int, default=4, help="the table is --rows / --copies generated rows, linked "
                                                          "this many times under other partitions")
     p.add_argument("--quick", action="store_true", help="600k rows, 2 rounds of 1 measured epoch")

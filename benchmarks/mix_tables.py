@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benchmarks.auth_cost import job_spec, run_directory
 from benchmarks.mix_splits import cpu_s, recorded_epoch
-from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table
+from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table, round_options
 from remoteloader import RemoteDataLoader
 from remoteloader.client import assembly
 
@@ -132,11 +132,7 @@ def report(cases: dict[str, Case], args: argparse.Namespace, elapsed: float) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=2_000_000)
-    p.add_argument("--epochs", type=int, default=2, help="measured epochs per run (after one warm-up)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2)
+    p = round_options(__doc__, rows=2_000_000)
     p.add_argument("--quick", action="store_true", help="400k rows, 2 rounds of 1 measured epoch")
     args = p.parse_args()
     if args.quick:

@@ -293,12 +293,19 @@ def report(cases: dict[tuple[str, str], Case], args: argparse.Namespace, delay: 
     return passed
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=4_000_000)
+def round_options(doc: str, rows: int) -> argparse.ArgumentParser:
+    """The options every interleaved-rounds benchmark of a real cluster takes (this one,
+    ``mix_splits``, ``mix_tables``): table rows, measured epochs, rounds and workers."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=rows)
     p.add_argument("--epochs", type=int, default=2, help="measured epochs per run (after one warm-up)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
+    return p
+
+
+def main() -> None:
+    p = round_options(__doc__, rows=4_000_000)
     p.add_argument("--stripe-rows", type=int, default=SPLIT_ROWS,
                    help="rows per ORC stripe (0: the writer's default 64 MB stripes)")
     p.add_argument("--copies", type=int, default=4, help="the table is --rows / --copies generated rows, linked "
