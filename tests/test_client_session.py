@@ -228,3 +228,21 @@ def test_the_retry_policy_gives_up_at_the_deadline_in_one_line():
         rpc.close()
     finally:
         silent.close(linger=0)
+
+
+def test_a_following_jobs_waits_for_data_are_retried_and_counted_apart(master):
+    """``waiting`` (the next window has no data yet) is retried, with growing pauses, until the
+    window opens; the answers and the pauses are counted (DataWait), not raised."""
+    logic, waits = master.logic, [2]
+
+    def answer(h: dict) -> Optional[tuple[str, dict]]:
+        if h["t"] == "start_epoch" and waits[0] > 0:
+            waits[0] -= 1
+            return "error", {"message": "epoch 1: no new data", "code": "waiting"}
+        return logic(h)
+
+    master.answer = answer
+    session = make_session(master.addr)
+    assert session.start_epoch(RunStart(1, [], [])).epoch == 1
+    assert master.types() == ["hello", "start_epoch", "start_epoch", "start_epoch"]
+    assert session.data_wait.answers == 2 and session.data_wait.seconds >= 0.05 + 0.1  # WAITING_RETRY_S doubles

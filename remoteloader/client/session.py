@@ -37,6 +37,16 @@ class RunId:
     seals: Optional[PeerBook] = None  # the session's key pair and its sealing state per worker (one per session)
 
 
+@dataclass
+class DataWait:
+    """A following job's waits for its next window's data: the master's ``waiting`` answers
+    and the seconds paused between retries. Kept apart from the stall the autoscaler reads
+    (more workers would not shorten it): a trainer outran its table."""
+
+    answers: int = 0
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class RunStart:
     """What a run is (re)started from: the epoch, rows done before this job segment, and
@@ -77,6 +87,7 @@ class ClientSession:
         self.run: Optional[RunId] = None
         self.resume_point: Optional[Callable[[], RunStart]] = None
         self.stop = threading.Event()  # set by close(): retries end at once
+        self.data_wait = DataWait()
 
     # -- hello and rejoin ---------------------------------------------------------------------
     def hello(self) -> M.JobInfo:
@@ -140,7 +151,10 @@ class ClientSession:
                     raise
                 if pause == WAITING_RETRY_S[0]:
                     log.info("rank %d epoch %d: %s", self.rank, start.epoch, e)
+                paused = time.monotonic()
                 self.stop.wait(pause)
+                self.data_wait.answers += 1
+                self.data_wait.seconds += time.monotonic() - paused
                 pause = min(2 * pause, WAITING_RETRY_S[1])
         self.run = RunId(self.id, reply.seq, start.epoch, self.token, self.seals)
         return reply
