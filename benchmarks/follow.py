@@ -119,6 +119,15 @@ class Timeline:
         return out
 
 
+def structural_ratio(fixed: Timeline, follow: Timeline) -> float:
+    """The ratio if following cost only what it adds to the timeline (the time between its
+    windows and its longer end: another window's start, the empty window) and the rates were
+    otherwise equal: a view that the host's noise in the rates does not move."""
+    p, q = fixed.phases(), follow.phases()
+    seconds = fixed.stops[-1] - fixed.start
+    return seconds / (seconds + q["between_s"] + q["end_s"] - p["end_s"])
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User and system CPU seconds of these processes so far."""
     total = 0.0
@@ -212,11 +221,13 @@ def throughput(root: Path, rows: int, rounds: int, workers: int) -> list[tuple[T
         assert got["fixed"].rows == got["follow"].rows == rows, got
         fix, fol = got["fixed"], got["follow"]
         p, q = fix.phases(), fol.phases()
-        print(f"round {r + 1} ({' then '.join(order)}): fixed {fix.rate:,.0f} rows/s, following {fol.rate:,.0f} rows/s: "
-              f"ratio {fol.rate / fix.rate:.3f} | first batch {p['first_batch_s'] * 1e3:.0f} / {q['first_batch_s'] * 1e3:.0f} ms, "
-              f"between windows {q['between_s'] * 1e3:.0f} ms ({len(fol.read)} windows), end {p['end_s'] * 1e3:.0f} / "
-              f"{q['end_s'] * 1e3:.0f} ms, workers {p['worker_us_per_row']:.2f} / {q['worker_us_per_row']:.2f} us/row, "
-              f"waiting answers {q['waiting_answers']}", flush=True)
+        print(f"round {r + 1} ({' then '.join(order)}): fixed {fix.rate:,.0f} rows/s, following "
+              f"{fol.rate:,.0f} rows/s: ratio {fol.rate / fix.rate:.3f} | (fixed / following) first batch "
+              f"{p['first_batch_s'] * 1e3:.0f} / {q['first_batch_s'] * 1e3:.0f} ms, between windows "
+              f"{q['between_s'] * 1e3:.0f} ms ({len(fol.read)} windows), end {p['end_s'] * 1e3:.0f} / "
+              f"{q['end_s'] * 1e3:.0f} ms, workers {p['worker_us_per_row']:.2f} / {q['worker_us_per_row']:.2f} "
+              f"us/row, waiting answers {q['waiting_answers']}; structural ratio {structural_ratio(fix, fol):.3f}",
+              flush=True)
         out.append((fix, fol))
     return out
 
@@ -228,7 +239,10 @@ def phase_table(runs: list[tuple[Timeline, Timeline]]) -> str:
 
     def med(rows: list[dict], key: str, scale: float = 1.0) -> str:
         values = [r[key] * scale for r in rows if key in r]
-        return f"{statistics.median(values):,.2f}" if values else "-"
+        if not values:
+            return "-"
+        value = statistics.median(values)
+        return f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
 
     lines = ["| phase (median over rounds) | fixed | following |", "|---|---:|---:|"]
     for label, key, scale in [("rows/s, first iter() to the end", None, 1.0),
@@ -301,6 +315,8 @@ def main() -> int:
     ratios = [fol.rate / fix.rate for fix, fol in runs]
     median = statistics.median(ratios)
     print("\n" + phase_table(runs))
+    print(f"structural ratio (the fixed job's time against it plus what following adds to the timeline), median: "
+          f"{statistics.median(structural_ratio(fix, fol) for fix, fol in runs):.3f}")
     print(f"\nfollowing / fixed rows/s: median {median:.3f} over {len(ratios)} rounds "
           f"({', '.join(f'{r:.3f}' for r in ratios)}); target >= {TARGET}: {'met' if median >= TARGET else 'NOT met'}")
     print(f"re-listing {args.files:,} files (master's follower thread): {cost['relist_cpu_s']:.3f} s CPU, "
