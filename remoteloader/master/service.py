@@ -258,12 +258,12 @@ class MasterService:
     def bound(self) -> Optional[BoundDataset]:
         """The bound pipeline of this master's only job."""
         job = self.state.job
-        return None if job is None else self.runtime[job.fingerprint].bound
+        return None if job is None else self.runtime[job.key].bound
 
     @property
     def split_bytes(self) -> Optional[int]:
         job = self.state.job
-        return None if job is None else self.runtime[job.fingerprint].split_bytes
+        return None if job is None else self.runtime[job.key].split_bytes
 
     def _commit(self, update: U.Update) -> None:
         if self.journal is not None and not U.transient(update):
@@ -298,26 +298,28 @@ class MasterService:
             self._snapshot_bytes = self.journal.size
 
     # -- the job ---------------------------------------------------------------------
-    def submit(self, spec: DatasetSpec) -> None:
-        """Bind and plan a job; raises SpecError naming the key or column at fault."""
-        self._submit_bound(spec, _bind_and_plan(spec, self.config.buffer_bytes))
+    def submit(self, spec: DatasetSpec, name: str = "") -> None:
+        """Bind and plan a job (named ``name``: a shared fleet's); raises SpecError naming the
+        key or column at fault."""
+        self._submit_bound(spec, _bind_and_plan(spec, self.config.buffer_bytes), name)
         self.sync()
 
-    def _submit_bound(self, spec: DatasetSpec, planned: Planned) -> JobState:
+    def _submit_bound(self, spec: DatasetSpec, planned: Planned, name: str = "") -> JobState:
         bound, splits = planned.bound, planned.splits
         files = bound.files or []
         fingerprint = spec.fingerprint()
-        self._commit(U.ForJob(fingerprint, U.JobSubmitted(
+        key = M.job_key(fingerprint, name)
+        self._commit(U.ForJob(key, U.JobSubmitted(
             spec, fingerprint, bound.schema, [U.file_record(f) for f in files], [U.SplitRecord.of(s) for s in splits],
-            bound.skipped, bound.file_tables, planned.split_rows)))
+            bound.skipped, bound.file_tables, planned.split_rows, name)))
         split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
-        self.runtime[fingerprint] = JobRuntime(bound, planned.row_bytes, split_bytes)
+        self.runtime[key] = JobRuntime(bound, planned.row_bytes, split_bytes)
         if self.config.popularity_log:
             # Which columns jobs read together: `remoteloader reorder` stores them together.
             record_projection(self.config.popularity_log, spec.table.path, bound.read_columns)
-        st = self.fleet.jobs[fingerprint]
-        log.info("job %s: %d files, %d splits, %d rows", fingerprint, len(files), len(splits), st.job.total_rows)
-        self._follow(fingerprint)
+        st = self.fleet.jobs[key]
+        log.info("job %s: %d files, %d splits, %d rows", key, len(files), len(splits), st.job.total_rows)
+        self._follow(key)
         return st
 
     def _follow(self, fingerprint: str) -> None:
@@ -399,12 +401,11 @@ class MasterService:
                 log.warning("worker %s: split %d of epoch %d of job %s revoked: %s", worker_id, split_id, epoch,
                             fingerprint, reason)
                 self._commit(U.ForJob(fingerprint, U.SplitRevoked(epoch, split_id, worker_id, reason)))
-        if len(self.fleet.jobs) == 1:
-            # The auto cache policy measures one job's costs (its ledger is per job): on a
-            # shared fleet each job keeps the plan it has (issue 39's shared work is left).
-            plan = self.cache.decide(self.state, self.bound, lambda: self.rates.group_totals().get("w", {}), now)
+        # The auto cache policy, each job's own (its costs, its plan, its check).
+        for key, st in list(self.fleet.jobs.items()):
+            plan = self.cache.decide(st, self.runtime[key].bound, lambda: self.rates.group_totals().get("w", {}), now)
             if plan is not None:
-                self._commit(U.ForJob(plan.fingerprint, plan))
+                self._commit(U.ForJob(key, plan))
         if self.history.due(now):
             self._sample_history(now)
 
@@ -451,12 +452,13 @@ class MasterService:
         return m.worker_id in self.fleet.workers and self.keys.worker_token_ok(m.worker_id, m.token)
 
     def _require_client(self, session: str) -> tuple[str, JobState, int]:
-        """(job fingerprint, its state, rank) of a live client session."""
+        """(job key, its state, rank) of a live client session."""
         fingerprint = self.fleet.session_job.get(session)
         if fingerprint is None:
             if any(session in st.replaced for st in self.fleet.jobs.values()):
-                raise RequestError("another loader took this rank over (a new process of the rank, or another job "
-                                   "of the same spec and world size on this master)", code=ErrorCode.REPLACED)
+                raise RequestError("another loader took this rank over (a new process of the rank, or another loader "
+                                   "of the same job: the same spec, job name and world size on this master)",
+                                   code=ErrorCode.REPLACED)
             raise RequestError(f"unknown client session {session[:80]}; say hello again",
                                code=ErrorCode.UNKNOWN_CLIENT)
         st = self.fleet.jobs[fingerprint]
@@ -471,10 +473,10 @@ class MasterService:
         # A master of one job takes only workers compiled for it; a shared fleet's workers
         # compile each job's pipeline as they get its first split (they name any).
         job = self.state.job if self.config.max_jobs == 1 else None
-        if job is not None and m.fingerprint != job.fingerprint:
+        if job is not None and m.fingerprint != job.key:
             # A worker still compiled for a job this master no longer serves (a master
             # restarted on the same address with another spec): it fetches the spec again.
-            raise RequestError(f"this master serves job {job.fingerprint}, not {m.fingerprint[:80]}",
+            raise RequestError(f"this master serves job {job.key}, not {m.fingerprint[:80]}",
                                code=ErrorCode.WRONG_JOB)
         worker_id = "w-" + uuid.uuid4().hex[:10]
         self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock(), m.key, m.node, m.arena))
@@ -482,7 +484,7 @@ class MasterService:
                  f", node {m.node}" if m.node else "")
         # Split tasks name the job too: a worker that registered before one existed checks each.
         return M.Registered(worker_id=worker_id, heartbeat_interval=self.config.heartbeat_interval,
-                            fingerprint=m.fingerprint if job is None else job.fingerprint,
+                            fingerprint=m.fingerprint if job is None else job.key,
                             token=self.keys.worker_token(worker_id), verify_key=self.keys.verify_key,
                             max_jobs=self.config.max_jobs)
 
@@ -511,7 +513,7 @@ class MasterService:
     def _on_get_spec(self, m: M.GetSpec) -> Reply:
         fingerprint, st = self._job(m.fingerprint)
         job = st.job
-        return M.Spec(spec=job.spec.to_dict(), schema=job.schema, fingerprint=job.fingerprint,
+        return M.Spec(spec=job.spec.to_dict(), schema=job.schema, fingerprint=job.key,
                       split_bytes=self.runtime[fingerprint].split_bytes)
 
     def _on_heartbeat(self, m: M.Heartbeat) -> Reply:
@@ -524,8 +526,7 @@ class MasterService:
         stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
         self._commit(U.WorkerHeartbeat(m.worker_id, self.clock(), m.buffered, stats))
         self.rates.update("w:" + m.worker_id, self.clock(), stats)
-        if len(self.fleet.jobs) == 1:
-            self.cache.observe(m.worker_id, self.state.job.fingerprint, stats)
+        self.cache.observe(m.worker_id, stats, self.fleet.jobs)
         # The live sessions of the ranks it serves, of every job: pieces it holds for any other are stale.
         jobs = list(self.fleet.jobs.values())
         sessions = [session for st in jobs for session in st.sessions_served(m.worker_id)]
@@ -604,7 +605,7 @@ class MasterService:
                                     m.worker_id, run.epoch, s.id, self.clock())
         cycle = job.spec.cycle
         task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
-                         seq=run.seq, fingerprint=job.fingerprint,
+                         seq=run.seq, fingerprint=job.key,
                          cache=self.cache.directive(st, self.runtime[fingerprint].bound),
                          order=None if cycle is None else split_order(progress.position, cycle, s.padding),
                          lane=progress.lane)
@@ -693,17 +694,19 @@ class MasterService:
             dense_width=bound.pipeline.dense_width))
 
     def _hello_job(self, m: M.Hello) -> tuple[str, JobState]:
-        """The job a hello joins: the one of its spec, or (while there is room) a new one,
-        whose spec is bound first. A master of one job refuses every other spec."""
+        """The job a hello joins: the one of its spec and name, or (while there is room) a new
+        one, whose spec is bound first. A master of one job (``--spec``, ``--max-jobs 1``, the
+        embedded one) serves its job whatever the name, and refuses every other spec."""
         jobs = self.fleet.jobs
-        st = jobs.get(m.fingerprint)
+        name = m.job if self.config.max_jobs > 1 else ""
+        st = jobs.get(M.job_key(m.fingerprint, name))
         if st is None:
             if self.config.max_jobs == 1 and jobs:
                 self._spec_mismatch(m, self.state)
-            st = self._bind_new_job(m.spec)
+            st = self._bind_new_job(m.spec, name)
         if m.fingerprint != st.job.fingerprint:  # the loader's and the master's fingerprints of one spec
             self._spec_mismatch(m, st)
-        return st.job.fingerprint, st
+        return st.job.key, st
 
     def _spec_mismatch(self, m: M.Hello, st: JobState) -> None:
         job = st.job
@@ -722,8 +725,8 @@ class MasterService:
                 f"ago); it takes another world size once they have closed their loaders, or after "
                 f"{self.config.client_timeout:g} s of silence (remoteloader-master --client-timeout)")
 
-    def _bind_new_job(self, spec_dict: dict) -> JobState:
-        """A new job of this spec. Binding lists files and reads footers, maybe from an
+    def _bind_new_job(self, spec_dict: dict, name: str) -> JobState:
+        """A new job of this spec and name. Binding lists files and reads footers, maybe from an
         object store: it runs on its own thread, so the loop keeps answering everybody else
         (the other jobs' clients and workers included); hellos meanwhile hear ``binding``
         (retry) until it is done or past ``bind_timeout``. A spec that fails to bind fails
@@ -756,10 +759,11 @@ class MasterService:
         del self._binding[fingerprint]
         if pending.error is not None:
             raise RequestError(str(pending.error), code=ErrorCode.BAD_SPEC)
-        if fingerprint in self.fleet.jobs:  # bound twice over (another hello of the spec got there first)
-            return self.fleet.jobs[fingerprint]
+        key = M.job_key(fingerprint, name)
+        if key in self.fleet.jobs:  # bound twice over (another hello of the job got there first)
+            return self.fleet.jobs[key]
         self._check_room(end_idle=True)
-        return self._submit_bound(pending.spec, pending.result)
+        return self._submit_bound(pending.spec, pending.result, name)
 
     def _check_room(self, end_idle: bool = False) -> None:
         """Room for one more job: below ``max_jobs``, or (``end_idle``: by ending it) a job
@@ -780,6 +784,8 @@ class MasterService:
             del self.runtime[idle[0]]
             self.shares.forget(idle[0])
             self.shared_work.forget(idle[0])
+            self.cache.forget(idle[0])
+            self.rates.drop_groups(lambda group: group.endswith(":" + idle[0]))  # its ranks' metrics series
 
     def _on_start_epoch(self, m: M.StartEpoch) -> Reply:
         session = m.session
@@ -982,10 +988,12 @@ class MasterService:
         assigned = {wid: sum(len(st.workers[wid].assigned) for st in jobs.values()) for wid in self.fleet.workers}
         return {
             # Redacted: any key holder may ask for the status (and it ends up in logs and tickets).
-            "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec.table.path),
+            "job": None if job is None else {"fingerprint": job.fingerprint, "key": job.key,
+                                             **({"name": job.name} if job.name else {}),
+                                             "table": redact(job.spec.table.path),
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size,
-                                             "split_bytes": self.runtime[job.fingerprint].split_bytes,
+                                             "split_bytes": self.runtime[job.key].split_bytes,
                                              **({"mix": self._mix_status(first)} if job.spec.tables else {}),
                                              # A shared fleet: this is one of several (an operator reading
                                              # the top level must not take it for the whole fleet's work).
@@ -1012,9 +1020,9 @@ class MasterService:
             "pending_workers": self.pending_workers(),
             "autoscaler": self.decision_log(),
             # Where the block cache is, its counters, and the auto policy's decisions with their
-            # reasons (the policy runs for a master of one job).
-            "cache": self.cache.status(first, None if job is None else self.runtime[job.fingerprint].bound,
-                                       self.rates.group_totals().get("w", {})) if len(jobs) <= 1 else None,
+            # reasons (a shared fleet's: each job's, under `jobs`).
+            "cache": self.cache.status([(st, self.runtime[key].bound) for key, st in jobs.items()],
+                                       self.rates.group_totals().get("w", {})),
             # Work shared between jobs (a shared fleet): the master's co-scheduling choices, and
             # the blocks workers computed for one job and another took from their memo.
             "shared_work": dict(self.shared_work.counters.to_dict(), **{
@@ -1037,7 +1045,8 @@ class MasterService:
             runs = list(st.ranks.values())
             splits = sum(len(r.splits) for r in runs)
             done = sum(1 for r in runs for p in r.splits.values() if p.done)
-            out.append({"fingerprint": fp, "table": redact(st.job.spec.table.path),
+            out.append({"job": fp, "fingerprint": st.job.fingerprint, **({"name": st.job.name} if st.job.name else {}),
+                        "table": redact(st.job.spec.table.path),
                         "world_size": st.job.world_size, "clients": len(st.clients),
                         "epoch": max((r.epoch for r in runs), default=None),
                         "progress": round(done / splits, 4) if splits else None,
