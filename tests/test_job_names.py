@@ -21,7 +21,7 @@ from remoteloader.master.metrics import MasterMetrics
 from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.protocol.messages import check_job_name, job_key
 from remoteloader.spec import DatasetSpec
-from tests.conftest import spec_dict
+from tests.conftest import ROWS, spec_dict
 from tests.test_cache_policy import MIN_ROWS, _costs
 from tests.test_checkpoint import spec_of, two_rank_parts
 from tests.test_fleet import durable, joined, start
@@ -245,9 +245,12 @@ def test_a_loader_takes_its_checkpoints_job_unless_given_another(tables, inproce
         assert state["rank_0"]["job"] == ""
     named = {k: dict(v, job="sweep-3") for k, v in state.items()}
     with cluster.loader(spec_dict(tables["orc"], batch_size=100)) as loader:
-        loader.load_state_dict(named)  # a default name: the checkpoint's job is resumed
-        assert loader.job == loader.session.job_name == "sweep-3"
+        loader.state_dict()  # as DCP does before it loads: the loader meets the master as its default job
+        before = loader.session.id
+        loader.load_state_dict(named)  # a default name: the checkpoint's job is resumed, in a new session
+        assert loader.job == loader.session.job_name == "sweep-3" and loader.session.id not in (None, before)
         assert loader.state_dict()["rank_0"]["job"] == "sweep-3"
+        assert sum(len(b) for b in loader) == ROWS  # and it reads its epoch, as the checkpoint's job
     with cluster.loader(spec_dict(tables["orc"], batch_size=100), job="sweep-4") as loader:
         with pytest.raises(ValueError, match="of job 'sweep-3' and this loader was given job='sweep-4'"):
             loader.load_state_dict(named)

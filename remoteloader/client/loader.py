@@ -253,16 +253,16 @@ class RemoteDataLoader:
     def _resume_job(self, saved: Optional[str]) -> None:
         """A checkpoint resumes its own job, never another one: a loader without a name given
         takes the checkpoint's (a relaunch of the job is that job again, whatever its new
-        run id); one given another name, or one that already met the master as another job,
-        is refused. A state saved before job names (None) resumes as this loader's job."""
+        run id), saying goodbye first if it met the master under its default name (DCP asks
+        ``state_dict()`` before it loads); one given another name is refused. A state saved
+        before job names (None) resumes as this loader's job."""
         if saved is None or saved == self.job:
             return
-        if self._job_given or self.session.id is not None:
-            why = "this loader was given job=" if self._job_given else "this loader already joined the master as job "
-            raise ValueError(f"this state is of job {saved!r} and {why}{self.job!r}: a checkpoint resumes only its "
-                             f"own job (pass job={saved!r} to resume it, or load the state before the loader's "
-                             "first use)")
+        if self._job_given:
+            raise ValueError(f"this state is of job {saved!r} and this loader was given job={self.job!r}: a "
+                             f"checkpoint resumes only its own job (pass job={saved!r} to resume it)")
         log.info("rank %d: resuming job %r of the loaded state (its default name was %r)", self.rank, saved, self.job)
+        self.session.goodbye(GOODBYE_S)  # the next call says hello as the checkpoint's job
         self.job = self.position.job = self.session.job_name = saved
 
     # -- lifetime ------------------------------------------------------------------------------
