@@ -238,7 +238,8 @@ def test_the_job_position_merges_every_rank_and_no_key_names_a_rank():
     spec = spec_of(batch_size=100)
     position = resume.job_position(two_rank_parts(spec))
     assert position == {"version": resume.STATE_VERSION, "spec": resume.spec_keys(spec), "plan": "plan-a",
-                        "epoch": 0, "done": [[3, 0, 250], [3, 400, 650]], "world_size": 2, "batch_size": 100}
+                        "epoch": 0, "done": [[3, 0, 250], [3, 400, 650]], "world_size": 2, "batch_size": 100,
+                        "job": ""}
     assert save_load(position) == position
 
 

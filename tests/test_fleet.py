@@ -33,16 +33,16 @@ def durable(service: MasterService) -> dict:
     return raw
 
 
-def joined(service: MasterService, spec: DatasetSpec, client: str, rank: int = 0, world_size: int = 1):
+def joined(service: MasterService, spec: DatasetSpec, client: str, rank: int = 0, world_size: int = 1, job: str = ""):
     """hello, again while the master binds the spec on its thread (told ``binding``)."""
-    while (answer := hello(service, spec, client=client, rank=rank, world_size=world_size))[1].get("code") == "binding":
+    while (answer := hello(service, spec, client, rank, world_size, job))[1].get("code") == "binding":
         pass
     return answer
 
 
-def start(service: MasterService, spec: DatasetSpec, name: str, world_size: int) -> None:
+def start(service: MasterService, spec: DatasetSpec, name: str, world_size: int, job: str = "") -> None:
     for rank in range(world_size):
-        t, reply = joined(service, spec, f"{name}{rank}", rank, world_size)
+        t, reply = joined(service, spec, f"{name}{rank}", rank, world_size, job)
         assert t == "welcome", reply
         assert call(service, "start_epoch", session=session(service, f"{name}{rank}"), epoch=0)[0] == "epoch"
 

@@ -52,9 +52,10 @@ def register(service: MasterService, n: int = 1) -> list[str]:
 SESSIONS: dict[tuple[int, str], str] = {}  # (service, the test's name for a client) -> the session its hello got
 
 
-def hello(service: MasterService, spec: DatasetSpec, client: str = "c0", rank: int = 0, world_size: int = 1):
+def hello(service: MasterService, spec: DatasetSpec, client: str = "c0", rank: int = 0, world_size: int = 1,
+          job: str = ""):
     t, reply = call(service, "hello", rank=rank, world_size=world_size, spec=spec.to_dict(),
-                    fingerprint=spec.fingerprint())
+                    fingerprint=spec.fingerprint(), **({"job": job} if job else {}))
     if t == "welcome":
         SESSIONS[id(service), client] = reply["session"]
     return t, reply

@@ -16,7 +16,7 @@ from remoteloader.protocol.wire import MASTER_REQUESTS
 from tests.wire_helpers import ask
 
 # Every label a remoteloader metric may carry: none of them takes a random id or an epoch.
-STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "version", "le", "reason"}
+STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "version", "le", "reason", "job"}
 SECRET_TABLE = "s3://ads-bucket-7/t?endpoint_override=h:9000&secret_key=NOT-FOR-METRICS"
 
 
@@ -66,11 +66,11 @@ SNAPSHOT = {
                      "cpu": 0.0, "mem": 9e7, "last_seen_s": 0.1, "draining": True})],
     "worker_totals": {"rows": 9000, "batches": 40, "busy_s": 3.5, "io.requests": 12, "io.bytes_requested": 4096,
                       "discarded.stale_run": 7},
-    "clients": {0: {"stall": 0.02, "batches_per_s": 20.0, "queued": 2, "last_batch_age_s": 0.4},
-                1: {"stall": 0.0, "batches_per_s": 0.0, "queued": 0, "last_batch_age_s": None}},
-    "client_totals": {0: {"wait_s": 1.5, "starved_s": 0.5, "batches": 120, "rows": 30000, "wait_buckets.0": 100, "wait_buckets.1": 15,
+    "clients": {(0, "abc123"): {"stall": 0.02, "batches_per_s": 20.0, "queued": 2, "last_batch_age_s": 0.4},
+                (1, "abc123"): {"stall": 0.0, "batches_per_s": 0.0, "queued": 0, "last_batch_age_s": None}},
+    "client_totals": {(0, "abc123"): {"wait_s": 1.5, "starved_s": 0.5, "batches": 120, "rows": 30000, "wait_buckets.0": 100, "wait_buckets.1": 15,
                           "wait_buckets.2": 5}},
-    "client_wait_le": {0: [0.01, 0.1]},
+    "client_wait_le": {(0, "abc123"): [0.01, 0.1]},
     "ranks": {"0": {"epoch": 3, "splits": 8, "done": 4, "pending": 2, "finished": False}},
     "errors": {"failed": 0, "skipped": 2},
     "age_s": 0.05,
@@ -121,12 +121,12 @@ def test_families_follow_the_naming_conventions():
         "remoteloader_worker_busy_seconds": ("counter", set()),
         "remoteloader_worker_read_bytes": ("counter", set()),
         "remoteloader_worker_pieces_discarded": ("counter", {"reason"}),
-        "remoteloader_client_stall_ratio": ("gauge", {"rank"}),
-        "remoteloader_client_last_batch_age_seconds": ("gauge", {"rank"}),
-        "remoteloader_client_wait_seconds": ("counter", {"rank"}),
-        "remoteloader_client_starved_seconds": ("counter", {"rank"}),
-        "remoteloader_client_batches": ("counter", {"rank"}),
-        "remoteloader_client_batch_wait_seconds": ("histogram", {"rank"}),
+        "remoteloader_client_stall_ratio": ("gauge", {"rank", "job"}),
+        "remoteloader_client_last_batch_age_seconds": ("gauge", {"rank", "job"}),
+        "remoteloader_client_wait_seconds": ("counter", {"rank", "job"}),
+        "remoteloader_client_starved_seconds": ("counter", {"rank", "job"}),
+        "remoteloader_client_batches": ("counter", {"rank", "job"}),
+        "remoteloader_client_batch_wait_seconds": ("histogram", {"rank", "job"}),
         "remoteloader_rank_epoch": ("gauge", {"rank"}),
         "remoteloader_rank_splits": ("gauge", {"rank", "state"}),
         "remoteloader_errors": ("counter", {"outcome"}),
@@ -162,7 +162,7 @@ def test_families_follow_the_naming_conventions():
     assert [s.labels["rank"] for s in parsed["remoteloader_client_last_batch_age_seconds"].samples] == ["0"]
     assert [value("remoteloader_client_batch_wait_seconds_bucket", rank="0", le=le)
             for le in ("0.01", "0.1", "+Inf")] == [100, 115, 120]
-    assert value("remoteloader_client_batch_wait_seconds_count", rank="0") == 120
+    assert value("remoteloader_client_batch_wait_seconds_count", rank="0", job="abc123") == 120
 
 
 def test_the_metrics_name_no_table():

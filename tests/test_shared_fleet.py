@@ -26,9 +26,9 @@ def rows_of(per_rank) -> list[int]:
     return sorted(r for batches in per_rank for b in batches for r in b.passthrough["row_id"].tolist())
 
 
-def run_job(addr: str, spec: dict, world: int, on_batch=None) -> list[list]:
+def run_job(addr: str, spec: dict, world: int, on_batch=None, job=None) -> list[list]:
     """Every rank's batches of one epoch, the ranks taking turns (as under DDP); ``on_batch(rank, i)`` after each."""
-    loaders = [RemoteDataLoader(spec, master=addr, rank=r, world_size=world, timeout=90) for r in range(world)]
+    loaders = [RemoteDataLoader(spec, master=addr, rank=r, world_size=world, timeout=90, job=job) for r in range(world)]
     try:
         return consume(loaders, on_batch)
     finally:
@@ -63,6 +63,24 @@ def test_three_concurrent_jobs_share_one_fleet_each_exactly_once(tables, cluster
                           text=True, check=True, timeout=30).stdout
     assert "jobs: 3 of at most 8" in text and text.count("\n  job ") == 3, text
     assert "shared work: " in text and "shared work: 0 blocks" not in text, text
+
+
+def test_two_jobs_of_one_spec_under_two_names_each_read_every_row_once(tables, cluster):
+    """A sweep's two trials of the same spec: two jobs by their names, side by side, sharing blocks."""
+    master = cluster.master(workers=2)
+    spec = spec_dict(tables["orc"], batch_size=128)
+    with ThreadPoolExecutor(2) as pool:
+        running = {name: pool.submit(run_job, master.addr, spec, 1, job=name) for name in ("trial-1", "trial-2")}
+        got = {name: f.result(timeout=120) for name, f in running.items()}
+    for name, per_rank in got.items():
+        assert rows_of(per_rank) == list(range(ROWS)), f"{name}: every row exactly once"
+    fingerprint = DatasetSpec.from_dict(spec).fingerprint()
+    deadline = time.monotonic() + 30
+    while (status := master_status(master.addr))["shared_work"].get("hits", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sorted((j["job"], j["name"]) for j in status["jobs"]) == \
+        [(f"{fingerprint}/trial-1", "trial-1"), (f"{fingerprint}/trial-2", "trial-2")]
+    assert status["shared_work"]["hits"] > 0, status["shared_work"]  # the same blocks: one trial took the other's
 
 
 def test_a_worker_sigkilled_and_the_master_restarted_mid_epoch_under_three_jobs(tables, cluster, tmp_path):

@@ -26,6 +26,7 @@ from .assembly import EpochAssembler
 from .batch import Batch
 from .credit import CreditWindow
 from .embedded import EmbeddedCluster, resolve_rank
+from .jobname import resolve_job_name
 from .placement import MasterPlacement
 from .epoch import EpochPlan, EpochRun
 from .position import Position
@@ -100,6 +101,12 @@ class RemoteDataLoader:
             Unix sockets in a private 0700 directory (with a directory given, CURVE runs on
             them too); a multi-node job's master is keyed with a per-job key set that rank 0
             makes and shares through torch.distributed's store, unless a directory is given.
+        job: the job's name on a shared fleet (a master without ``--spec``): loaders of one spec
+            are one job only under one name, so a sweep's trials of the same spec run side by
+            side, each getting every row once. Default: torchrun's ``TORCHELASTIC_RUN_ID``, else
+            under torch.distributed a name the ranks agree on through its store, else none (the
+            spec alone). Every rank of a job must give the same; a master of one job ignores it.
+            See ``jobname.py``.
     """
 
     def __init__(self, spec: Union[DatasetSpec, dict, str, os.PathLike], *, master: Optional[str] = None,
@@ -109,7 +116,7 @@ class RemoteDataLoader:
                  inflight: int = 2, prefetch_bytes: int = 256 << 20, timeout: float = 300.0,
                  connect_timeout: float = 60.0,
                  auth: Union[str, os.PathLike, None] = None, device: Union[str, torch.device, None] = None,
-                 pin_bytes: Optional[int] = None) -> None:
+                 pin_bytes: Optional[int] = None, job: Optional[str] = None) -> None:
         spec = load_spec(spec)
         if isinstance(even_batches, bool):
             even_batches = "pad" if even_batches else "off"
@@ -117,6 +124,8 @@ class RemoteDataLoader:
                                             even_batches=even_batches).items() if v is not None}
         self.spec = spec.replace(**overrides) if overrides else spec
         self.rank, self.world_size = resolve_rank(rank, world_size)
+        # ValueError for a name that is none, before anything starts.
+        self.job, self._job_given = resolve_job_name(job, self.spec.fingerprint(), self.rank, self.world_size)
         self.batch_size = self.spec.batch_size
         self.drop_last = self.spec.drop_last
         self.timeout, self.connect_timeout = timeout, connect_timeout
@@ -138,9 +147,9 @@ class RemoteDataLoader:
         self._ctx = zmq.Context.instance()
         self._rpc = RpcClient(self._ctx, master, connect_timeout, auth=self._auth)
         # Where this rank is (epoch, loaded position, the run being iterated): the loader's alone.
-        self.position = Position(self.spec, self.rank, self.world_size)
+        self.position = Position(self.spec, self.rank, self.world_size, self.job)
         self.session = ClientSession(self._rpc, self.spec, self.rank, self.world_size, timeout, connect_timeout,
-                                     on_welcome=self._welcomed, node=self._placement.node)
+                                     on_welcome=self._welcomed, node=self._placement.node, job=self.job)
         self._active: Optional[EpochIterator] = None
         self._closed = False
         self.warnings: list[str] = []  # skipped splits etc., also issued as Python warnings
@@ -237,8 +246,24 @@ class RemoteDataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped
-        (see ``Position.load``)."""
+        (see ``Position.load``), as the job the state was saved by (see ``_resume_job``)."""
+        self._resume_job(resume.saved_job(state))
         self.position.load(state, lambda: self._hello().plan)
+
+    def _resume_job(self, saved: Optional[str]) -> None:
+        """A checkpoint resumes its own job, never another one: a loader without a name given
+        takes the checkpoint's (a relaunch of the job is that job again, whatever its new
+        run id), saying goodbye first if it met the master under its default name (DCP asks
+        ``state_dict()`` before it loads); one given another name is refused. A state saved
+        before job names (None) resumes as this loader's job."""
+        if saved is None or saved == self.job:
+            return
+        if self._job_given:
+            raise ValueError(f"this state is of job {saved!r} and this loader was given job={self.job!r}: a "
+                             f"checkpoint resumes only its own job (pass job={saved!r} to resume it)")
+        log.info("rank %d: resuming job %r of the loaded state (its default name was %r)", self.rank, saved, self.job)
+        self.session.goodbye(GOODBYE_S)  # the next call says hello as the checkpoint's job
+        self.job = self.position.job = self.session.job_name = saved
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

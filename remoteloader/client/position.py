@@ -18,8 +18,9 @@ from .session import RunStart, acks_of
 
 
 class Position:
-    def __init__(self, spec: DatasetSpec, rank: int, world_size: int) -> None:
+    def __init__(self, spec: DatasetSpec, rank: int, world_size: int, job: str = "") -> None:
         self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.job = job  # the loader's job name: saved in its parts, so a checkpoint resumes its own job
         self.next_epoch = 0
         self.pending: Optional[resume.Resume] = None  # loaded; the next iter() of its epoch starts from it
         self.run: Optional[EpochRun] = None  # the epoch being iterated
@@ -66,8 +67,11 @@ class Position:
         self.plan = job_plan
 
     def part(self, plan: str) -> dict:
-        """This rank's part (``resume``): what its training loop consumed. Batches prefetched
-        but not yet yielded are not in it: after a load they are delivered again."""
+        """This rank's part (``resume``): what its training loop consumed, and its job's name.
+        Batches prefetched but not yet yielded are not in it: after a load they are delivered again."""
+        return dict(self._consumed_part(plan), job=self.job)
+
+    def _consumed_part(self, plan: str) -> dict:
         run = self.run
         if run is not None and not run.assembler.exhausted:
             return resume.part(self.spec, plan, self.rank, self.world_size, run.epoch, run.plan.done,

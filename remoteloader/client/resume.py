@@ -16,6 +16,9 @@ Two forms, both small plain data (``torch.save``, ``torch.load(weights_only=True
   ``[split id, pieces, rows of a partly used tail, base split, first row, rows consumed,
   padding]``) and ``batches_yielded``.
 
+Both name their job (``job``, the loader's job name: "" for none), so that a checkpoint
+resumes its own job on a shared fleet (``RemoteDataLoader.load_state_dict``).
+
 ``done`` names rows as ``[[base split, lo, hi], ...]`` ranges of a base split after its
 per-epoch shuffle, which depend on neither the world size nor the batch size: any job
 can take over the rows nobody consumed (the master plans the rest of the epoch without
@@ -35,14 +38,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 from ..core.mix import BatchCounts
+from ..protocol.messages import check_job_name
 from ..spec import DatasetSpec
 
 if TYPE_CHECKING:
     from .epoch import SplitPlan
 
-STATE_VERSION = 4  # 4: the job's position names the world size and batch size it was saved at; 3: the job's
-# position; parts name the spec by key (2 had one fingerprint)
-READ_VERSIONS = (3, 4)  # a version-3 job position resumes as any position of another world size
+STATE_VERSION = 5  # 5: positions name their job (``job``: the loader's job name, "" for none); 4: the job's
+# position names the world size and batch size it was saved at; 3: the job's position; parts name the
+# spec by key (2 had one fingerprint)
+READ_VERSIONS = (3, 4, 5)  # a version-3 job position resumes as any position of another world size; before 5,
+# a position names no job (it resumes as the loading loader's)
 # Every spec key but batch_size (positions are row ranges) and autoscale (how many
 # workers, not which rows). Always all of them, so the state's keys are fixed (DCP).
 SPEC_KEYS = ("table", "features", "shuffle", "seed", "drop_last", "even_batches", "split_rows", "sampling",
@@ -126,9 +132,33 @@ def job_position(parts: Mapping[int, Mapping]) -> dict:
         common(parts, key)
     if len({mix_of(p) for p in parts.values()}) != 1:
         raise ValueError(f"the ranks' states disagree on 'mix_splits': {sorted({mix_of(p) for p in parts.values()})}")
+    job = _common_job(parts)
     return _with_mix({"version": STATE_VERSION, "spec": dict(first["spec"]), "plan": first["plan"],
                       "epoch": first["epoch"], "done": merged_done(parts), "world_size": first["world_size"],
-                      "batch_size": first["batch_size"]}, mix_of(first))
+                      "batch_size": first["batch_size"], "job": "" if job is None else job}, mix_of(first))
+
+
+def _common_job(parts: Mapping[int, Mapping]) -> Optional[str]:
+    """The job every part names (None: parts of before job names)."""
+    jobs = {p.get("job") for p in parts.values()}
+    if len(jobs) != 1:
+        raise ValueError(f"the ranks' states disagree on 'job': {sorted(map(repr, jobs))}")
+    return next(iter(jobs))
+
+
+def saved_job(state: Any) -> Optional[str]:
+    """The job name ``state`` (the job's position, or rank parts) was saved by; None for a
+    state of before job names. A ValueError for a name that is none."""
+    if isinstance(state, Mapping) and "version" in state:
+        job = state.get("job")
+    else:
+        job = _common_job(rank_parts(state))
+    if job is None:
+        return None
+    try:
+        return check_job_name(job)
+    except ValueError as e:
+        raise ValueError(f"the checkpoint's {e}") from None
 
 
 def common(parts: Mapping[int, Mapping], key: str) -> Any:

@@ -74,8 +74,10 @@ class ClientSession:
     """
 
     def __init__(self, rpc: RpcClient, spec: DatasetSpec, rank: int, world_size: int, timeout: float,
-                 connect_timeout: float, on_welcome: Callable[[M.JobInfo], None], node: str = "") -> None:
+                 connect_timeout: float, on_welcome: Callable[[M.JobInfo], None], node: str = "",
+                 job: str = "") -> None:
         self.rpc, self.spec, self.rank, self.world_size = rpc, spec, rank, world_size
+        self.job_name = job  # hello.job: loaders of one spec are one job on a shared fleet only under one name
         self.node = node  # where this rank runs (hello.node): the master gives it that node's workers first
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.on_welcome = on_welcome
@@ -103,7 +105,8 @@ class ClientSession:
             try:
                 reply = self.rpc.call_with_retry(
                     M.Hello(rank=self.rank, world_size=self.world_size, spec=self.spec.to_dict(),
-                            fingerprint=self.spec.fingerprint(), key=seals.pair.public_hex, node=self.node),
+                            fingerprint=self.spec.fingerprint(), key=seals.pair.public_hex, node=self.node,
+                            job=self.job_name),
                     time.monotonic() + self.connect_timeout, stop=self.stop, timeout_s=CALL_TIMEOUT_S)
                 break
             except HandshakeRefused:

@@ -6,13 +6,18 @@ fixed directives; ``auto`` follows the policy (``cache_policy``), whose decision
 journaled (``CachePlanChanged``) so a restarted master keeps them. What the policy reads
 (workers' measured costs, the cache's rates) is measurement, not state: it lives here,
 owned by the service's thread, and starts over after a restart.
+
+Every job has its own policy state (``JobCachePolicy``), a shared fleet's jobs too: workers
+report each job's costs apart, and each job's plan is decided, checked and journaled for that
+job alone. Blocks are keyed by what they hold, not by job, so what one job's plan writes
+another job of the same features reads (its directive looks its features up).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -54,22 +59,21 @@ def probe_rates(store: BlockStore, nbytes: int = PROBE_BYTES) -> Optional[tuple[
 
 
 class CostLedger:
-    """Workers' cumulative job costs turned into job totals that survive worker restarts."""
+    """One job's costs from its workers' cumulative reports, as totals that survive worker restarts."""
 
     def __init__(self) -> None:
-        self.fingerprint = ""
+        self.fingerprint = ""  # the job (its key) once a report of it came: before, nothing is measured
         self.rows = 0.0
         self.split_s = 0.0
         self.measured = Measured()
         self._last: dict[str, dict] = {}  # worker id -> its last report for this job
 
     def observe(self, worker_id: str, fingerprint: str, costs: Optional[list]) -> None:
-        if fingerprint != self.fingerprint:
-            self.__init__()  # type: ignore[misc]  # another job: start over
-            self.fingerprint = fingerprint
+        """The worker's report of job ``fingerprint`` (its key) in ``costs``, if it has one."""
         report = next((c for c in costs or () if c.get("fingerprint") == fingerprint), None)
         if report is None:
             return
+        self.fingerprint = fingerprint
         last = self._last.get(worker_id)
         if last is not None and report["rows"] < last["rows"]:
             last = None  # the worker restarted its counts
@@ -90,31 +94,48 @@ class CostLedger:
         self._last.pop(worker_id, None)
 
 
+class JobCachePolicy:
+    """What the auto policy measures and remembers of one job: its costs (a worker reports
+    each job's apart, ``heartbeat.stats.costs``), the check of its last change, its feature
+    groups and its current directive. On a shared fleet every job has its own."""
+
+    def __init__(self) -> None:
+        self.ledger = CostLedger()
+        self.check: Optional[PlanCheck] = None
+        self.groups: Optional[list[FeatureGroup]] = None
+        self.directive: tuple[object, Optional[CacheDirective]] = (None, None)
+        self.next_decision = 0.0
+        self.last_choices: dict = {}  # group -> the policy's latest Choice (its reason is current; the plan's may be older)
+
+
 class CachePlanner:
     def __init__(self, store: Optional[BlockStore], budget_bytes: Optional[int] = None,
                  popularity_log: Optional[str] = None, probe: bool = True) -> None:
         self.store = store
         self.budget_bytes = budget_bytes
         self.popularity_log = popularity_log
-        self.ledger = CostLedger()
-        self.check: Optional[PlanCheck] = None
         self.probed: Optional[tuple[float, float]] = None  # (read, write) bytes/s; set once by the probe thread
-        self._groups: tuple[str, list[FeatureGroup]] = ("", [])
-        self._directive: tuple[object, Optional[CacheDirective]] = (None, None)
-        self._next_decision = 0.0
-        self.last_choices: dict = {}  # group -> the policy's latest Choice (its reason is current; the plan's may be older)
+        self.jobs: dict[str, JobCachePolicy] = {}  # job key -> its policy's state (a job the master holds)
         if store is not None and probe:
             threading.Thread(target=self._probe, name="cache-probe", daemon=True).start()
+
+    def policy(self, state: JobState) -> JobCachePolicy:
+        return self.jobs.setdefault(state.job.key, JobCachePolicy())
+
+    def forget(self, key: str) -> None:
+        """The job ended: its measurements go."""
+        self.jobs.pop(key, None)
 
     # -- each split -----------------------------------------------------------------------
     def directive(self, state: JobState, bound: Optional[BoundDataset]) -> Optional[CacheDirective]:
         """What a split of the job does with the cache now; None: nothing."""
         if self.store is None or bound is None or state.job is None:
             return None
-        memo = (state.job.fingerprint, tuple(sorted(state.cache_plan.items())))
-        if self._directive[0] != memo:
-            self._directive = (memo, self._make_directive(state, bound))
-        return self._directive[1]
+        policy = self.policy(state)
+        memo = tuple(sorted(state.cache_plan.items()))
+        if policy.directive[0] != memo:
+            policy.directive = (memo, self._make_directive(state, bound))
+        return policy.directive[1]
 
     def _make_directive(self, state: JobState, bound: BoundDataset) -> Optional[CacheDirective]:
         mode, pipeline = bound.spec.cache_mode, bound.pipeline
@@ -140,38 +161,47 @@ class CachePlanner:
                               write_sources=sources)
 
     def groups(self, state: JobState, bound: BoundDataset) -> list[FeatureGroup]:
-        if self._groups[0] != state.job.fingerprint:
-            self._groups = (state.job.fingerprint, feature_groups(bound.pipeline))
-        return self._groups[1]
+        policy = self.policy(state)
+        if policy.groups is None:
+            policy.groups = feature_groups(bound.pipeline)
+        return policy.groups
 
     # -- the auto policy, on the service's tick ---------------------------------------------
-    def observe(self, worker_id: str, fingerprint: str, stats: dict) -> None:
-        self.ledger.observe(worker_id, fingerprint, stats.get("costs"))
+    def observe(self, worker_id: str, stats: dict, jobs: Iterable[str]) -> None:
+        """A worker's heartbeat: its cost report of each of ``jobs`` (the keys of the jobs the master holds)."""
+        costs = stats.get("costs")
+        if not costs:
+            return
+        for key in jobs:
+            self.jobs.setdefault(key, JobCachePolicy()).ledger.observe(worker_id, key, costs)
 
     def decide(self, state: JobState, bound: Optional[BoundDataset], worker_totals: Callable[[], dict],
                now: float) -> Optional[U.CachePlanChanged]:
         """A new decision for the job (mode auto), or None when nothing changes."""
         if self.store is None or bound is None or state.job is None or bound.spec.cache_mode != "auto":
             return None
-        if now < self._next_decision:
+        policy = self.policy(state)
+        if now < policy.next_decision:
             return None
-        self._next_decision = now + DECIDE_EVERY_S
-        if self.ledger.fingerprint != state.job.fingerprint:
+        policy.next_decision = now + DECIDE_EVERY_S
+        ledger = policy.ledger
+        if not ledger.fingerprint:
             return None  # no report for this job yet
         epoch = max((run.epoch for run in state.ranks.values()), default=0)
-        if self.check is not None:
-            reason = self.check.verdict(epoch, self.ledger.rows, self.ledger.split_s)
+        if policy.check is not None:
+            reason = policy.check.verdict(epoch, ledger.rows, ledger.split_s)
             if reason is not None:
-                reverted = set(state.cache_reverted) | set(self.check.changed)
-                plan = {g: ("compute", reason) if g in self.check.changed else mc for g, mc in state.cache_plan.items()}
-                self.check = None
-                log.warning("cache plan %s", reason)
+                reverted = set(state.cache_reverted) | set(policy.check.changed)
+                plan = {g: ("compute", reason) if g in policy.check.changed else mc
+                        for g, mc in state.cache_plan.items()}
+                policy.check = None
+                log.warning("cache plan of job %s %s", state.job.key, reason)
                 return self._update(state, plan, reverted)
-        self._rates(worker_totals())
+        self._rates(ledger.measured, worker_totals())
         groups = self.groups(state, bound)
-        choices = choose(groups, self.ledger.measured, self._reads(state, bound, groups, epoch), state.job.total_rows,
+        choices = choose(groups, ledger.measured, self._reads(state, bound, groups, epoch), state.job.total_rows,
                          self.budget_bytes, frozenset(state.cache_reverted))
-        self.last_choices = {c.group: c for c in choices}
+        policy.last_choices = {c.group: c for c in choices}
         plan = dict(state.cache_plan)
         changed = []
         for c in choices:
@@ -185,16 +215,15 @@ class CachePlanner:
         if plan == state.cache_plan:
             return None
         if changed:
-            self.check = PlanCheck(tuple(changed), epoch, self.ledger.split_s / max(self.ledger.rows, 1.0))
+            policy.check = PlanCheck(tuple(changed), epoch, ledger.split_s / max(ledger.rows, 1.0))
         return self._update(state, plan, set(state.cache_reverted))
 
     def _update(self, state: JobState, plan: dict, reverted: set) -> U.CachePlanChanged:
         return U.CachePlanChanged(state.job.fingerprint, [U.CacheChoiceRecord(g, m, r) for g, (m, r) in sorted(plan.items())],
                                   sorted(reverted))
 
-    def _rates(self, totals: dict) -> None:
+    def _rates(self, m: Measured, totals: dict) -> None:
         """The cache's read and write rates: what workers measured, else the probe's."""
-        m = self.ledger.measured
         m.read_bps, m.write_bps = self.probed or (None, None)
         if totals.get("cache.read_seconds", 0.0) > 0.05 and totals.get("cache.bytes_read", 0.0) > 0:
             m.read_bps = totals["cache.bytes_read"] / totals["cache.read_seconds"]
@@ -217,23 +246,32 @@ class CachePlanner:
         self.probed = probe_rates(self.store)
 
     # -- status -------------------------------------------------------------------------------
-    def status(self, state: JobState, bound: Optional[BoundDataset], worker_totals: dict) -> Optional[dict]:
+    def status(self, jobs: list[tuple[JobState, Optional[BoundDataset]]], worker_totals: dict) -> Optional[dict]:
+        """Where the cache is and its counters; the policy's decisions of a master of one job
+        (``mode``, ``groups``, ...) beside them, and of a shared fleet's jobs under ``jobs``, by job key."""
         if self.store is None:
             return None
         out: dict = {"location": redact(self.store.uri), "budget_bytes": self.budget_bytes,
                      "counters": {k[6:]: v for k, v in sorted(worker_totals.items()) if k.startswith("cache.")}}
-        if bound is None or state.job is None:
-            return out
-        out["mode"] = bound.spec.cache_mode
+        held = [(st, bound) for st, bound in jobs if bound is not None and st.job is not None]
+        if len(jobs) == 1 and held:
+            out.update(self._job_status(*held[0]))
+        elif len(jobs) > 1:
+            out["jobs"] = {st.job.key: self._job_status(st, bound) for st, bound in held}
+        return out
+
+    def _job_status(self, state: JobState, bound: BoundDataset) -> dict:
+        out: dict = {"mode": bound.spec.cache_mode}
         if out["mode"] != "auto":
             return out
-        m = self.ledger.measured
+        policy = self.policy(state)
+        m = policy.ledger.measured
         out["read_bytes_per_s"], out["write_bytes_per_s"] = m.read_bps, m.write_bps
         plan = state.cache_plan
         out["groups"] = []
         for g in self.groups(state, bound):
             mode, reason = plan.get(g.name, ("compute", "undecided"))
-            latest = self.last_choices.get(g.name)
+            latest = policy.last_choices.get(g.name)
             if latest is not None and latest.mode == mode:
                 reason = latest.reason
             out["groups"].append({"group": g.name, "features": list(g.features), "columns": list(g.columns),

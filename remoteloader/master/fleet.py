@@ -3,8 +3,9 @@
 Each job keeps its own ``JobState`` (plan, sessions, runs, resumes, order, cache plan),
 untouched by the others. Workers are the fleet's: their updates reach the fleet's worker
 registry and every job, so each job keeps its own books of what a worker holds for it. A
-job starts from the registry (``ForJob(JobSubmitted)`` of a new fingerprint) and ends by
-``JobEnded``. Like ``JobState.apply``, ``apply`` does no I/O and reads no clock: replaying
+job starts from the registry (``ForJob(JobSubmitted)`` of a new key) and ends by
+``JobEnded``. A job's key is its spec fingerprint and its name (``messages.job_key``): two
+jobs of one spec under two names are two jobs. Like ``JobState.apply``, ``apply`` does no I/O and reads no clock: replaying
 the journal rebuilds exactly this state.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable, Optional
 import msgspec
 
 from . import updates as U
+from ..protocol.messages import job_key
 from .state import JobState, WorkerInfo
 
 # Updates of the whole fleet: the worker registry and every job apply them.
@@ -25,19 +27,19 @@ class FleetState:
     def __init__(self) -> None:
         # The fleet's workers and no job: what a new job starts from, and what status lists.
         self.registry = JobState()
-        self.jobs: dict[str, JobState] = {}  # spec fingerprint -> its job, in the order they started
-        self.session_job: dict[str, str] = {}  # client session -> the fingerprint of its job
+        self.jobs: dict[str, JobState] = {}  # job key -> its job, in the order they started
+        self.session_job: dict[str, str] = {}  # client session -> the key of its job
 
     @property
     def workers(self) -> dict[str, WorkerInfo]:
         return self.registry.workers
 
     def job_of(self, session: str) -> Optional[JobState]:
-        fingerprint = self.session_job.get(session)
-        return None if fingerprint is None else self.jobs[fingerprint]
+        key = self.session_job.get(session)
+        return None if key is None else self.jobs[key]
 
     def live_jobs(self) -> list[str]:
-        """Fingerprints of the jobs with a client session."""
+        """Keys of the jobs with a client session."""
         return [fp for fp, st in self.jobs.items() if st.clients]
 
     # -- the one mutator --------------------------------------------------------------
@@ -54,14 +56,14 @@ class FleetState:
 
     def _broadcast(self, update: U.Update) -> None:
         self.registry.apply(update)
-        for fingerprint, st in self.jobs.items():
-            st.apply(_seen_by(fingerprint, update))
+        for key, st in self.jobs.items():
+            st.apply(_seen_by(key, update))
 
     def _on_ForJob(self, u: U.ForJob) -> None:
         inner = u.update
         if isinstance(inner, U.JobSubmitted):
-            if inner.fingerprint != u.job:
-                raise ValueError(f"job {u.job!r} submitted with fingerprint {inner.fingerprint!r}")
+            if job_key(inner.fingerprint, inner.name) != u.job:
+                raise ValueError(f"job {u.job!r} submitted as {job_key(inner.fingerprint, inner.name)!r}")
             if u.job not in self.jobs:
                 st = JobState()
                 st.apply(self.registry.snapshot())  # the fleet's workers, with nothing assigned
@@ -75,18 +77,18 @@ class FleetState:
 
     def _on_JobSubmitted(self, u: U.JobSubmitted) -> None:
         """A journal of a master that served one job: its job, by its fingerprint."""
-        self._on_ForJob(U.ForJob(u.fingerprint, u))
+        self._on_ForJob(U.ForJob(job_key(u.fingerprint, u.name), u))
 
     def _on_JobEnded(self, u: U.JobEnded) -> None:
         if self.jobs.pop(u.job, None) is not None:
             self._index_sessions(u.job)
 
-    def _index_sessions(self, fingerprint: str) -> None:
-        for session in [s for s, fp in self.session_job.items() if fp == fingerprint]:
+    def _index_sessions(self, key: str) -> None:
+        for session in [s for s, k in self.session_job.items() if k == key]:
             del self.session_job[session]
-        st = self.jobs.get(fingerprint)
+        st = self.jobs.get(key)
         if st is not None:
-            self.session_job.update((session, fingerprint) for session in st.clients)
+            self.session_job.update((session, key) for session in st.clients)
 
     def _on_Snapshot(self, u: U.Snapshot) -> None:
         """A compacted journal of a master that served one job: a fleet of that job."""
@@ -107,8 +109,11 @@ class FleetState:
                 raise ValueError("a job's snapshot without its job")
             st = JobState()
             st.apply(snap)
-            restored.jobs[snap.job.fingerprint] = st
-            restored._index_sessions(snap.job.fingerprint)
+            key = st.job.key
+            if key in restored.jobs:
+                raise ValueError(f"a fleet snapshot holding job {key!r} twice")
+            restored.jobs[key] = st
+            restored._index_sessions(key)
         self.__dict__.update(restored.__dict__)
 
     def snapshot(self) -> U.FleetSnapshot:
@@ -116,11 +121,11 @@ class FleetState:
                                [st.snapshot() for st in self.jobs.values()])
 
 
-def _seen_by(fingerprint: str, update: U.Update) -> U.Update:
+def _seen_by(key: str, update: U.Update) -> U.Update:
     """A worker's heartbeat as one job sees it: the split it says it is producing is that
     job's only if the heartbeat names it (``stats.job``), so another job's split of the same
     (epoch, id) never looks like progress, or its absence like a lost assignment."""
-    if not isinstance(update, U.WorkerHeartbeat) or update.stats.get("job", fingerprint) == fingerprint:
+    if not isinstance(update, U.WorkerHeartbeat) or update.stats.get("job", key) == key:
         return update
     return msgspec.structs.replace(update, stats={k: v for k, v in update.stats.items() if k != "split"})
 

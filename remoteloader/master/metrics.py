@@ -176,6 +176,14 @@ class RateWindow:
                 samples.clear()
                 samples.append(latest)
 
+    def drop_groups(self, ended: Callable[[str], bool]) -> None:
+        """Forget the totals of the groups ``ended`` says are gone (a job's ranks, when it ends),
+        so that the groups, and the series they make, stay bounded by what is held."""
+        for group in [g for g in self._retired if ended(g)]:
+            del self._retired[group]
+        for key in [k for k, g in self._group.items() if ended(g)]:
+            self._totals[key] = {}
+
     def group_totals(self) -> dict[str, dict[str, float]]:
         """Group -> counter -> total increase, over live and forgotten reporters."""
         out = {group: dict(totals) for group, totals in self._retired.items()}
@@ -236,7 +244,7 @@ def families(reading: dict) -> list[Metric]:
         if job.get("world_size") is not None:
             gauge("remoteloader_job_world_size", "Trainer ranks of the job.", samples=[(job["world_size"],)])
 
-    # A shared fleet's jobs, one series each: the `job` label is the spec fingerprint, bounded
+    # A shared fleet's jobs, one series each: the `job` label is the job's key, bounded
     # by the master's --max-jobs (a job that ends leaves the next scrape).
     jobs = reading.get("jobs", [])
     per_job = [
@@ -251,7 +259,7 @@ def families(reading: dict) -> list[Metric]:
         ("remoteloader_fleet_job_weight", "The job's fair-share weight (its spec's share.weight).", "weight"),
     ]
     for name, doc, field in per_job:
-        gauge(name, doc, ["job"], [(j["fingerprint"], j[field]) for j in jobs
+        gauge(name, doc, ["job"], [(j["job"], j[field]) for j in jobs
                                    if isinstance(j.get(field), (int, float))])
 
     # Workers: current values per slot, cumulative counts summed over every worker that reported.
@@ -323,18 +331,21 @@ def families(reading: dict) -> list[Metric]:
             "(their splits are handed back and produced again if still needed), by reason.", ["reason"],
             [(reason, wt.get(f"discarded.{reason}", 0.0)) for reason in DISCARD_REASONS])
 
-    # Clients, by rank (a rank's client is replaced when the rank restarts; the rank stays).
+    # Clients, by rank and job, (rank, job key) (a rank's client is replaced when the rank restarts;
+    # the rank stays): the `job` label is the job's key, bounded by the master's --max-jobs.
     clients = reading.get("clients", {})
+    rank_job = ["rank", "job"]
     gauge("remoteloader_clients", "Connected trainer clients.", samples=[(len(clients),)])
     gauge("remoteloader_client_stall_ratio", "Share of time the rank's training loop waited for batches "
-          "over the rate window.", ["rank"], [(r, c["stall"]) for r, c in sorted(clients.items())])
+          "over the rate window.", rank_job, [(r, j, c["stall"]) for (r, j), c in sorted(clients.items())])
     gauge("remoteloader_client_batches_per_second", "Batches the rank consumed per second over the rate window.",
-          ["rank"], [(r, c["batches_per_s"]) for r, c in sorted(clients.items())])
+          rank_job, [(r, j, c["batches_per_s"]) for (r, j), c in sorted(clients.items())])
     gauge("remoteloader_client_queued_batches", "Assembled batches waiting in the rank's client.",
-          ["rank"], [(r, c["queued"]) for r, c in sorted(clients.items())])
+          rank_job, [(r, j, c["queued"]) for (r, j), c in sorted(clients.items())])
     gauge("remoteloader_client_last_batch_age_seconds", "Seconds since the rank's training loop last got a "
-          "batch (it grows while the rank waits, at an epoch's start too).", ["rank"],
-          [(r, c["last_batch_age_s"]) for r, c in sorted(clients.items()) if c.get("last_batch_age_s") is not None])
+          "batch (it grows while the rank waits, at an epoch's start too).", rank_job,
+          [(r, j, c["last_batch_age_s"]) for (r, j), c in sorted(clients.items())
+           if c.get("last_batch_age_s") is not None])
     ct = reading.get("client_totals", {})
     for name, doc, field in [
         ("remoteloader_client_wait_seconds", "Seconds the rank's training loop waited for a batch "
@@ -346,18 +357,20 @@ def families(reading: dict) -> list[Metric]:
         ("remoteloader_client_batches", "Batches the rank consumed.", "batches"),
         ("remoteloader_client_rows", "Rows the rank consumed.", "rows"),
     ]:
-        counter(name, doc, ["rank"], [(r, t.get(field, 0.0)) for r, t in sorted(ct.items())])
+        counter(name, doc, rank_job, [(r, j, t.get(field, 0.0)) for (r, j), t in sorted(ct.items())])
     hist = HistogramMetricFamily("remoteloader_client_batch_wait_seconds",
                                  "Per-batch wait of the rank's training loop (from clients that report buckets).",
-                                 labels=["rank"])
-    for rank, bounds in sorted(reading.get("client_wait_le", {}).items()):
-        totals = ct.get(rank, {})
+                                 labels=rank_job)
+    for (rank, job), bounds in sorted(reading.get("client_wait_le", {}).items()):
+        if (rank, job) not in ct:
+            continue  # a job that ended: its series went
+        totals = ct[(rank, job)]
         counts = [totals.get(f"wait_buckets.{i}", 0.0) for i in range(len(bounds) + 1)]
         cumulative, running = [], 0.0
         for le, n in zip([*(repr(float(b)) for b in bounds), "+Inf"], counts):
             running += n
             cumulative.append((le, running))
-        hist.add_metric([str(rank)], cumulative, sum_value=totals.get("wait_s", 0.0))
+        hist.add_metric([str(rank), job], cumulative, sum_value=totals.get("wait_s", 0.0))
     out.append(hist)
 
     # Ranks' progress through their current epoch.
@@ -421,7 +434,7 @@ class MasterMetrics:
             PlatformCollector(registry=self.registry)
             GCCollector(registry=self.registry)
         self._slots = SlotTable()
-        self._wait_le: dict[int, list[float]] = {}
+        self._wait_le: dict[tuple[int, str], list[float]] = {}  # (rank, job key) -> its wait buckets' bounds
         self._reading: Optional[dict] = None
         self._scrape_lock = threading.Lock()
         self._wanted, self._fresh = threading.Event(), threading.Event()
@@ -436,11 +449,13 @@ class MasterMetrics:
     # What is read of the client sessions, in one place: the service keys a client's reports
     # ``c:<session>`` and its state maps each live session to its rank.
     def _group_of(self, key: str) -> str:
+        """A client's group is its rank in its job, ``c:<rank>:<job key>`` (the series of the
+        rank's restarted processes continue each other; ranks of two jobs are two series)."""
         kind, _, session = key.partition(":")
         if kind == "c":
-            st = self.service.fleet.job_of(session)  # ranks of every job share a group
+            st = self.service.fleet.job_of(session)
             rank = None if st is None else st.clients.get(session)
-            return f"c:{rank}" if rank is not None else "c:?"
+            return f"c:{rank}:{st.job.key}" if rank is not None else "c:?"
         return kind
 
     def _last_batch_age(self, session: str, now: float) -> Optional[float]:
@@ -494,11 +509,13 @@ class MasterMetrics:
         service = self.service
         status = service.status()
         slots = self._slots.assign(w["id"] for w in status["workers"])
-        clients: dict[int, dict] = {}
+        clients: dict[tuple[int, str], dict] = {}  # (rank, job key) -> its live sessions' (one, but while replaced)
         now = service.clock()
         for c in status["clients"]:
-            agg = clients.setdefault(c["rank"], {"stall": 0.0, "batches_per_s": 0.0, "queued": 0,
-                                                 "last_batch_age_s": None})
+            st = service.fleet.job_of(c["id"])
+            key = (c["rank"], "" if st is None else st.job.key)
+            agg = clients.setdefault(key,
+                                     {"stall": 0.0, "batches_per_s": 0.0, "queued": 0, "last_batch_age_s": None})
             agg["stall"] = max(agg["stall"], c.get("stall", 0.0))
             age = self._last_batch_age(c["id"], now)
             if age is not None:
@@ -508,9 +525,15 @@ class MasterMetrics:
             bounds = c.get("wait_le")
             if (isinstance(bounds, list) and bounds and all(isinstance(b, (int, float)) for b in bounds)
                     and bounds == sorted(bounds) and len(bounds) <= 64):
-                self._wait_le[c["rank"]] = [float(b) for b in bounds]
+                self._wait_le[key] = [float(b) for b in bounds]
         totals = service.rates.group_totals()
-        client_totals = {int(g[2:]): t for g, t in totals.items() if g.startswith("c:") and g[2:].isdigit()}
+        client_totals = {}  # (rank, job key) -> its totals, of the jobs held (an ended job's series go)
+        for group, t in totals.items():
+            kind, _, rest = group.partition(":")
+            rank, _, job = rest.partition(":")
+            if kind == "c" and rank.isdigit() and job in service.fleet.jobs:
+                client_totals[(int(rank), job)] = t
+        self._wait_le = {k: v for k, v in self._wait_le.items() if k[1] in service.fleet.jobs}
         counts = {kind: sum(st.error_counts.get(kind, 0) for st in service.fleet.jobs.values())
                   for kind in ("failed", "skipped")}
         return {

@@ -211,7 +211,7 @@ class MasterService:
         self.journal = journal
         self.clock = clock
         self.fleet = FleetState()
-        self.runtime: dict[str, JobRuntime] = {}  # spec fingerprint -> what is not journaled of that job
+        self.runtime: dict[str, JobRuntime] = {}  # job key -> what is not journaled of that job
         self.shares = JobShares()  # which job's split a worker gets next
         self.shared_work = SharedWork()  # which of the jobs' next splits, so that jobs share blocks
         self.rates = RateWindow(config.rate_window_s)
@@ -239,9 +239,9 @@ class MasterService:
         # Journal bytes right after the last compaction (or at start): what has been appended
         # since is what the compaction rule counts.
         self._snapshot_bytes = journal.size if journal is not None else 0
-        for fingerprint, st in self.fleet.jobs.items():
-            self.runtime[fingerprint] = JobRuntime(bind_schema(st.job.spec, st.job.schema))
-            self._follow(fingerprint)
+        for key, st in self.fleet.jobs.items():
+            self.runtime[key] = JobRuntime(bind_schema(st.job.spec, st.job.schema))
+            self._follow(key)
         self._commit(U.MasterStarted(clock()))
         self.sync()
 
@@ -258,12 +258,12 @@ class MasterService:
     def bound(self) -> Optional[BoundDataset]:
         """The bound pipeline of this master's only job."""
         job = self.state.job
-        return None if job is None else self.runtime[job.fingerprint].bound
+        return None if job is None else self.runtime[job.key].bound
 
     @property
     def split_bytes(self) -> Optional[int]:
         job = self.state.job
-        return None if job is None else self.runtime[job.fingerprint].split_bytes
+        return None if job is None else self.runtime[job.key].split_bytes
 
     def _commit(self, update: U.Update) -> None:
         if self.journal is not None and not U.transient(update):
@@ -277,11 +277,11 @@ class MasterService:
             jobs = [update.job] if update.job in self.fleet.jobs else []
         else:
             return
-        for fingerprint in jobs:
-            st = self.fleet.jobs[fingerprint]
+        for key in jobs:
+            st = self.fleet.jobs[key]
             partitions = st.balanced_partitions(self.config.max_workers_per_client)
             if partitions != st.partitions:
-                self._commit(U.ForJob(fingerprint, U.PartitionsChanged(sorted(partitions.items()))))
+                self._commit(U.ForJob(key, U.PartitionsChanged(sorted(partitions.items()))))
 
     def sync(self) -> None:
         """Make every committed update durable (one fsync for all of them: the server calls
@@ -298,36 +298,38 @@ class MasterService:
             self._snapshot_bytes = self.journal.size
 
     # -- the job ---------------------------------------------------------------------
-    def submit(self, spec: DatasetSpec) -> None:
-        """Bind and plan a job; raises SpecError naming the key or column at fault."""
-        self._submit_bound(spec, _bind_and_plan(spec, self.config.buffer_bytes))
+    def submit(self, spec: DatasetSpec, name: str = "") -> None:
+        """Bind and plan a job (named ``name``: a shared fleet's); raises SpecError naming the
+        key or column at fault."""
+        self._submit_bound(spec, _bind_and_plan(spec, self.config.buffer_bytes), name)
         self.sync()
 
-    def _submit_bound(self, spec: DatasetSpec, planned: Planned) -> JobState:
+    def _submit_bound(self, spec: DatasetSpec, planned: Planned, name: str = "") -> JobState:
         bound, splits = planned.bound, planned.splits
         files = bound.files or []
         fingerprint = spec.fingerprint()
-        self._commit(U.ForJob(fingerprint, U.JobSubmitted(
+        key = M.job_key(fingerprint, name)
+        self._commit(U.ForJob(key, U.JobSubmitted(
             spec, fingerprint, bound.schema, [U.file_record(f) for f in files], [U.SplitRecord.of(s) for s in splits],
-            bound.skipped, bound.file_tables, planned.split_rows)))
+            bound.skipped, bound.file_tables, planned.split_rows, name)))
         split_bytes = None if planned.row_bytes is None else int(max(s.rows for s in splits) * planned.row_bytes)
-        self.runtime[fingerprint] = JobRuntime(bound, planned.row_bytes, split_bytes)
+        self.runtime[key] = JobRuntime(bound, planned.row_bytes, split_bytes)
         if self.config.popularity_log:
             # Which columns jobs read together: `remoteloader reorder` stores them together.
             record_projection(self.config.popularity_log, spec.table.path, bound.read_columns)
-        st = self.fleet.jobs[fingerprint]
-        log.info("job %s: %d files, %d splits, %d rows", fingerprint, len(files), len(splits), st.job.total_rows)
-        self._follow(fingerprint)
+        st = self.fleet.jobs[key]
+        log.info("job %s: %d files, %d splits, %d rows", key, len(files), len(splits), st.job.total_rows)
+        self._follow(key)
         return st
 
-    def _follow(self, fingerprint: str) -> None:
+    def _follow(self, key: str) -> None:
         """Start re-listing a following job's table (until its stream has ended)."""
-        job, runtime = self.fleet.jobs[fingerprint].job, self.runtime[fingerprint]
+        job, runtime = self.fleet.jobs[key].job, self.runtime[key]
         if not job.follows or job.ended:
             return
         # Growths are cut as the job's splits were (journaled: a restarted master has no row size
         # estimate); a journal written before split_rows was: split_rows.
-        reported = {e["message"] for e in self.fleet.jobs[fingerprint].errors if e["epoch"] < 0}
+        reported = {e["message"] for e in self.fleet.jobs[key].errors if e["epoch"] < 0}
         runtime.follower = Follower(runtime.bound, job.files, job.splits, job.split_rows or job.spec.split_rows,
                                     reported)
 
@@ -344,19 +346,19 @@ class MasterService:
 
     def _take_growths(self) -> None:
         """Commit what the followers listed since the last tick, one journaled update each."""
-        for fingerprint, runtime in list(self.runtime.items()):
+        for key, runtime in list(self.runtime.items()):
             if runtime.follower is None:
                 continue
             for growth in runtime.follower.take():
-                self._commit(U.ForJob(fingerprint, U.TableGrew(
+                self._commit(U.ForJob(key, U.TableGrew(
                     growth.first_file, growth.first_split, [U.file_record(f) for f in growth.files],
                     [U.SplitRecord.of(s) for s in growth.splits], growth.problems, growth.ended)))
                 for problem in growth.problems:
-                    log.warning("following job %s: %s", fingerprint, redact_text(problem))
+                    log.warning("following job %s: %s", key, redact_text(problem))
                 if growth.files:
-                    log.info("following job %s: %d new files, %d splits, %d rows", fingerprint, len(growth.files),
+                    log.info("following job %s: %d new files, %d splits, %d rows", key, len(growth.files),
                              len(growth.splits), sum(s.rows for s in growth.splits))
-            if self.fleet.jobs[fingerprint].job.ended:
+            if self.fleet.jobs[key].job.ended:
                 runtime.follower.stop()
                 runtime.follower = None
 
@@ -388,23 +390,22 @@ class MasterService:
                 log.warning("worker %s (%s) missed heartbeats for %.1f s: presumed dead",
                             w.worker_id, w.addr, now - w.last_seen)
                 self._commit(U.WorkerLost(w.worker_id, "heartbeat timeout"))
-        for fingerprint, st in list(self.fleet.jobs.items()):
+        for key, st in list(self.fleet.jobs.items()):
             for session, seen in list(st.client_seen.items()):
                 if seen < now - self.config.client_timeout:
-                    log.warning("client %s (job %s, rank %d) silent for %.0f s: forgotten", session, fingerprint,
+                    log.warning("client %s (job %s, rank %d) silent for %.0f s: forgotten", session, key,
                                 st.clients[session], now - seen)
-                    self._commit(U.ForJob(fingerprint, U.ClientLeft(session, "client timeout")))
+                    self._commit(U.ForJob(key, U.ClientLeft(session, "client timeout")))
             for epoch, split_id, worker_id, reason in st.stalled_splits(
                     now, self.config.heartbeat_interval, self.config.split_timeout):
                 log.warning("worker %s: split %d of epoch %d of job %s revoked: %s", worker_id, split_id, epoch,
-                            fingerprint, reason)
-                self._commit(U.ForJob(fingerprint, U.SplitRevoked(epoch, split_id, worker_id, reason)))
-        if len(self.fleet.jobs) == 1:
-            # The auto cache policy measures one job's costs (its ledger is per job): on a
-            # shared fleet each job keeps the plan it has (issue 39's shared work is left).
-            plan = self.cache.decide(self.state, self.bound, lambda: self.rates.group_totals().get("w", {}), now)
+                            key, reason)
+                self._commit(U.ForJob(key, U.SplitRevoked(epoch, split_id, worker_id, reason)))
+        # The auto cache policy, each job's own (its costs, its plan, its check).
+        for key, st in list(self.fleet.jobs.items()):
+            plan = self.cache.decide(st, self.runtime[key].bound, lambda: self.rates.group_totals().get("w", {}), now)
             if plan is not None:
-                self._commit(U.ForJob(plan.fingerprint, plan))
+                self._commit(U.ForJob(key, plan))
         if self.history.due(now):
             self._sample_history(now)
 
@@ -430,16 +431,16 @@ class MasterService:
             cache_hits=totals.get("cache.hits", 0.0), cache_misses=totals.get("cache.misses", 0.0))
         self.history.decisions(now, self.decision_log())
 
-    def _job(self, fingerprint: str) -> tuple[str, JobState]:
+    def _job(self, key: str) -> tuple[str, JobState]:
         """The job a worker's request names (``""``: the oldest, as a worker of one job says)."""
-        if not fingerprint and self.fleet.jobs:
-            fingerprint = next(iter(self.fleet.jobs))
-        st = self.fleet.jobs.get(fingerprint)
+        if not key and self.fleet.jobs:
+            key = next(iter(self.fleet.jobs))
+        st = self.fleet.jobs.get(key)
         if st is None:
             if not self.fleet.jobs:
                 raise RequestError("no job yet: the master waits for the first client's spec", code=ErrorCode.NO_JOB)
-            raise RequestError(f"this master holds no job {fingerprint[:80]} (it ended)", code=ErrorCode.NO_JOB)
-        return fingerprint, st
+            raise RequestError(f"this master holds no job {key[:80]} (it ended)", code=ErrorCode.NO_JOB)
+        return key, st
 
     def _require_worker(self, m: M.WorkerNamed) -> None:
         """The sender is the worker it names: registered, and holding its ``registered.token``
@@ -451,16 +452,17 @@ class MasterService:
         return m.worker_id in self.fleet.workers and self.keys.worker_token_ok(m.worker_id, m.token)
 
     def _require_client(self, session: str) -> tuple[str, JobState, int]:
-        """(job fingerprint, its state, rank) of a live client session."""
-        fingerprint = self.fleet.session_job.get(session)
-        if fingerprint is None:
+        """(job key, its state, rank) of a live client session."""
+        key = self.fleet.session_job.get(session)
+        if key is None:
             if any(session in st.replaced for st in self.fleet.jobs.values()):
-                raise RequestError("another loader took this rank over (a new process of the rank, or another job "
-                                   "of the same spec and world size on this master)", code=ErrorCode.REPLACED)
+                raise RequestError("another loader took this rank over (a new process of the rank, or another loader "
+                                   "of the same job: the same spec, job name and world size on this master)",
+                                   code=ErrorCode.REPLACED)
             raise RequestError(f"unknown client session {session[:80]}; say hello again",
                                code=ErrorCode.UNKNOWN_CLIENT)
-        st = self.fleet.jobs[fingerprint]
-        return fingerprint, st, st.clients[session]
+        st = self.fleet.jobs[key]
+        return key, st, st.clients[session]
 
     # -- workers ----------------------------------------------------------------------
     def _on_register(self, m: M.Register) -> Reply:
@@ -471,10 +473,10 @@ class MasterService:
         # A master of one job takes only workers compiled for it; a shared fleet's workers
         # compile each job's pipeline as they get its first split (they name any).
         job = self.state.job if self.config.max_jobs == 1 else None
-        if job is not None and m.fingerprint != job.fingerprint:
+        if job is not None and m.fingerprint != job.key:
             # A worker still compiled for a job this master no longer serves (a master
             # restarted on the same address with another spec): it fetches the spec again.
-            raise RequestError(f"this master serves job {job.fingerprint}, not {m.fingerprint[:80]}",
+            raise RequestError(f"this master serves job {job.key}, not {m.fingerprint[:80]}",
                                code=ErrorCode.WRONG_JOB)
         worker_id = "w-" + uuid.uuid4().hex[:10]
         self._commit(U.WorkerRegistered(worker_id, m.addr, m.pid, self.clock(), m.key, m.node, m.arena))
@@ -482,7 +484,7 @@ class MasterService:
                  f", node {m.node}" if m.node else "")
         # Split tasks name the job too: a worker that registered before one existed checks each.
         return M.Registered(worker_id=worker_id, heartbeat_interval=self.config.heartbeat_interval,
-                            fingerprint=m.fingerprint if job is None else job.fingerprint,
+                            fingerprint=m.fingerprint if job is None else job.key,
                             token=self.keys.worker_token(worker_id), verify_key=self.keys.verify_key,
                             max_jobs=self.config.max_jobs)
 
@@ -509,10 +511,10 @@ class MasterService:
                                "(a concrete host, e.g. the worker's IP)")
 
     def _on_get_spec(self, m: M.GetSpec) -> Reply:
-        fingerprint, st = self._job(m.fingerprint)
+        key, st = self._job(m.fingerprint)
         job = st.job
-        return M.Spec(spec=job.spec.to_dict(), schema=job.schema, fingerprint=job.fingerprint,
-                      split_bytes=self.runtime[fingerprint].split_bytes)
+        return M.Spec(spec=job.spec.to_dict(), schema=job.schema, fingerprint=job.key,
+                      split_bytes=self.runtime[key].split_bytes)
 
     def _on_heartbeat(self, m: M.Heartbeat) -> Reply:
         def beat(state: M.WorkerState, sessions: list[str]) -> M.HeartbeatOk:
@@ -524,8 +526,7 @@ class MasterService:
         stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
         self._commit(U.WorkerHeartbeat(m.worker_id, self.clock(), m.buffered, stats))
         self.rates.update("w:" + m.worker_id, self.clock(), stats)
-        if len(self.fleet.jobs) == 1:
-            self.cache.observe(m.worker_id, self.state.job.fingerprint, stats)
+        self.cache.observe(m.worker_id, stats, self.fleet.jobs)
         # The live sessions of the ranks it serves, of every job: pieces it holds for any other are stale.
         jobs = list(self.fleet.jobs.values())
         sessions = [session for st in jobs for session in st.sessions_served(m.worker_id)]
@@ -550,9 +551,9 @@ class MasterService:
             self._commit(U.WorkerDraining(worker_id))
             # A next epoch's split read ahead would keep it waiting for a trainer that may
             # never start that epoch: it goes back to the queue, produced again when needed.
-            for fingerprint, st in self.fleet.jobs.items():
+            for key, st in self.fleet.jobs.items():
                 for epoch, split_id in st.splits_ahead(worker_id):
-                    self._commit(U.ForJob(fingerprint, U.SplitRevoked(epoch, split_id, worker_id,
+                    self._commit(U.ForJob(key, U.SplitRevoked(epoch, split_id, worker_id,
                                                                       "its worker is draining")))
 
     def _on_bye(self, m: M.Bye) -> Reply:
@@ -567,45 +568,45 @@ class MasterService:
         jobs = self.fleet.jobs
         # Ranks whose share of the worker's buffer is full: named by rank (a worker of one
         # job), or by session (a shared fleet's worker: ranks of several jobs share numbers).
-        avoid = {fp: frozenset(m.avoid_ranks) | {st.clients[s] for s in m.avoid_sessions if s in st.clients}
-                 for fp, st in jobs.items()}
-        order = self.shares.order({fp: _weight(st) for fp, st in jobs.items()})
-        choices = [(fp, choice) for fp in order
-                   if (choice := jobs[fp].choose_split(m.worker_id, avoid[fp], ahead=False)) is not None]
+        avoid = {key: frozenset(m.avoid_ranks) | {st.clients[s] for s in m.avoid_sessions if s in st.clients}
+                 for key, st in jobs.items()}
+        order = self.shares.order({key: _weight(st) for key, st in jobs.items()})
+        choices = [(key, choice) for key in order
+                   if (choice := jobs[key].choose_split(m.worker_id, avoid[key], ahead=False)) is not None]
         picked = self._share_work(m.worker_id, choices) if choices and len(jobs) > 1 else 0
         if picked is None:
             return M.NoSplit(retry_ms=self.config.no_split_retry_ms,
                              reason="waiting for a split another job is producing with the same blocks")
-        fingerprint, choice = choices[picked] if choices else ("", None)
-        passed_over = [fp for fp, _ in choices[:picked]]  # their splits were left to the workers holding their blocks
+        key, choice = choices[picked] if choices else ("", None)
+        passed_over = [key for key, _ in choices[:picked]]  # their splits were left to the workers holding their blocks
         # A worker with no current work reads ahead into the next epoch, one split at a
         # time and only when it says it has room for one (`read_ahead`: within its byte
         # budget, leaving a split's room for current work): those pieces wait in its
         # buffer, outside the trainers' credit, until the trainer gets there.
         if (choice is None and m.read_ahead and self.config.prefetch_next_epoch
                 and not any(st.splits_ahead(m.worker_id) for st in jobs.values())):
-            for fingerprint in order:
-                self._open_window_ahead(fingerprint, jobs[fingerprint])
-                for prefetch in jobs[fingerprint].prefetch_candidates(m.worker_id):
-                    self._commit(U.ForJob(fingerprint, prefetch))
-                choice = jobs[fingerprint].choose_split(m.worker_id, avoid[fingerprint])
+            for key in order:
+                self._open_window_ahead(key, jobs[key])
+                for prefetch in jobs[key].prefetch_candidates(m.worker_id):
+                    self._commit(U.ForJob(key, prefetch))
+                choice = jobs[key].choose_split(m.worker_id, avoid[key])
                 if choice is not None:
                     break
         if choice is None:
             return M.NoSplit(retry_ms=self.config.no_split_retry_ms, reason="no pending split for this worker")
         run, progress = choice
         s = progress.split
-        st = jobs[fingerprint]
-        self._commit(U.ForJob(fingerprint, U.SplitAssigned(run.epoch, s.id, m.worker_id, self.clock())))
-        self.shares.served(fingerprint, s.rows, behind=passed_over)
+        st = jobs[key]
+        self._commit(U.ForJob(key, U.SplitAssigned(run.epoch, s.id, m.worker_id, self.clock())))
+        self.shares.served(key, s.rows, behind=passed_over)
         job = st.job
         if len(jobs) > 1:
-            self.shared_work.handed(fingerprint, split_identity(job.files, job.splits[s.base], job.spec.sampling),
+            self.shared_work.handed(key, split_identity(job.files, job.splits[s.base], job.spec.sampling),
                                     m.worker_id, run.epoch, s.id, self.clock())
         cycle = job.spec.cycle
         task = make_task(job.files, job.splits[s.base], s, run.epoch, skip=progress.consumed, session=run.session,
-                         seq=run.seq, fingerprint=job.fingerprint,
-                         cache=self.cache.directive(st, self.runtime[fingerprint].bound),
+                         seq=run.seq, fingerprint=job.key,
+                         cache=self.cache.directive(st, self.runtime[key].bound),
                          order=None if cycle is None else split_order(progress.position, cycle, s.padding),
                          lane=progress.lane)
         return M.Split(split=task.to_wire())
@@ -615,11 +616,11 @@ class MasterService:
         produces, so that two jobs' splits of one base split meet on one worker
         (master/shared_work.py); None: it waits a moment for one in flight elsewhere."""
         candidates = []
-        for fingerprint, (_, progress) in choices:
-            st, s = self.fleet.jobs[fingerprint], progress.split
-            if fingerprint not in self.shared_work.jobs:
-                self.shared_work.add_job(fingerprint, job_block_keys(self.runtime[fingerprint].bound))
-            candidates.append(Candidate(fingerprint, split_identity(st.job.files, st.job.splits[s.base],
+        for key, (_, progress) in choices:
+            st, s = self.fleet.jobs[key], progress.split
+            if key not in self.shared_work.jobs:
+                self.shared_work.add_job(key, job_block_keys(self.runtime[key].bound))
+            candidates.append(Candidate(key, split_identity(st.job.files, st.job.splits[s.base],
                                                                     st.job.spec.sampling),
                                         st.partitions.get(s.rank, ())))
         workers = self.fleet.workers
@@ -627,19 +628,19 @@ class MasterService:
                                      lambda w: w in workers and not workers[w].draining)
 
     def _on_split_produced(self, m: M.SplitProduced) -> Reply:
-        fingerprint = self._holder_job(m)
-        if fingerprint is not None:
-            self._commit(U.ForJob(fingerprint, U.SplitProduced(m.epoch, m.split_id, m.worker_id)))
-            self.shared_work.produced(fingerprint, m.epoch, m.split_id)
+        key = self._holder_job(m)
+        if key is not None:
+            self._commit(U.ForJob(key, U.SplitProduced(m.epoch, m.split_id, m.worker_id)))
+            self.shared_work.produced(key, m.epoch, m.split_id)
         return M.Ok()
 
     def _on_split_failed(self, m: M.SplitFailed) -> Reply:
-        fingerprint = self._holder_job(m)
-        if fingerprint is not None:
-            skipped = self.fleet.jobs[fingerprint].job.spec.on_error == "skip"
-            log.error("split %d of job %s failed%s: %s", m.split_id, fingerprint, " (skipped)" if skipped else "",
+        key = self._holder_job(m)
+        if key is not None:
+            skipped = self.fleet.jobs[key].job.spec.on_error == "skip"
+            log.error("split %d of job %s failed%s: %s", m.split_id, key, " (skipped)" if skipped else "",
                       m.error)
-            self._commit(U.ForJob(fingerprint, U.SplitFailed(m.epoch, m.split_id, m.worker_id, m.error, skipped)))
+            self._commit(U.ForJob(key, U.SplitFailed(m.epoch, m.split_id, m.worker_id, m.error, skipped)))
         return M.Ok()
 
     def _on_splits_released(self, m: M.SplitsReleased) -> Reply:
@@ -648,9 +649,9 @@ class MasterService:
         out again from what the rank consumed, as after a worker failure."""
         self._require_worker(m)
         for ref in m.splits:
-            fingerprint = self._holding(m.worker_id, m.job, ref.epoch, ref.split_id)
-            if fingerprint is not None:
-                self._commit(U.ForJob(fingerprint, U.SplitRevoked(ref.epoch, ref.split_id, m.worker_id,
+            key = self._holding(m.worker_id, m.job, ref.epoch, ref.split_id)
+            if key is not None:
+                self._commit(U.ForJob(key, U.SplitRevoked(ref.epoch, ref.split_id, m.worker_id,
                                                                   f"released: {m.reason[:200]}")))
         return M.Ok()
 
@@ -669,7 +670,7 @@ class MasterService:
 
     # -- clients ------------------------------------------------------------------------
     def _on_hello(self, m: M.Hello) -> Reply:
-        fingerprint, st = self._hello_job(m)
+        key, st = self._hello_job(m)
         job = st.job
         if m.world_size > self.config.max_world_size:
             raise RequestError(f"world size {m.world_size} is above the master's maximum "
@@ -679,9 +680,9 @@ class MasterService:
         if job.world_size is not None and m.world_size != job.world_size:
             raise RequestError(self._busy_message(st, m.world_size), code=ErrorCode.BUSY)
         session = "s-" + uuid.uuid4().hex[:12]
-        self._commit(U.ForJob(fingerprint, U.ClientJoined(session, m.rank, m.world_size, self.clock(), m.node)))
+        self._commit(U.ForJob(key, U.ClientJoined(session, m.rank, m.world_size, self.clock(), m.node)))
         shares = st.shares()
-        bound = self.runtime[fingerprint].bound
+        bound = self.runtime[key].bound
         # The token is what lets this client's credit take the session's pieces at workers;
         # the session id alone (which status shows) does not.
         # It signs the session's public key too: a token seen on the wire is no use with another key.
@@ -693,17 +694,19 @@ class MasterService:
             dense_width=bound.pipeline.dense_width))
 
     def _hello_job(self, m: M.Hello) -> tuple[str, JobState]:
-        """The job a hello joins: the one of its spec, or (while there is room) a new one,
-        whose spec is bound first. A master of one job refuses every other spec."""
+        """The job a hello joins: the one of its spec and name, or (while there is room) a new
+        one, whose spec is bound first. A master of one job (``--spec``, ``--max-jobs 1``, the
+        embedded one) serves its job whatever the name, and refuses every other spec."""
         jobs = self.fleet.jobs
-        st = jobs.get(m.fingerprint)
+        name = m.job if self.config.max_jobs > 1 else ""
+        st = jobs.get(M.job_key(m.fingerprint, name))
         if st is None:
             if self.config.max_jobs == 1 and jobs:
                 self._spec_mismatch(m, self.state)
-            st = self._bind_new_job(m.spec)
+            st = self._bind_new_job(m.spec, name)
         if m.fingerprint != st.job.fingerprint:  # the loader's and the master's fingerprints of one spec
             self._spec_mismatch(m, st)
-        return st.job.fingerprint, st
+        return st.job.key, st
 
     def _spec_mismatch(self, m: M.Hello, st: JobState) -> None:
         job = st.job
@@ -722,8 +725,8 @@ class MasterService:
                 f"ago); it takes another world size once they have closed their loaders, or after "
                 f"{self.config.client_timeout:g} s of silence (remoteloader-master --client-timeout)")
 
-    def _bind_new_job(self, spec_dict: dict) -> JobState:
-        """A new job of this spec. Binding lists files and reads footers, maybe from an
+    def _bind_new_job(self, spec_dict: dict, name: str) -> JobState:
+        """A new job of this spec and name. Binding lists files and reads footers, maybe from an
         object store: it runs on its own thread, so the loop keeps answering everybody else
         (the other jobs' clients and workers included); hellos meanwhile hear ``binding``
         (retry) until it is done or past ``bind_timeout``. A spec that fails to bind fails
@@ -756,10 +759,11 @@ class MasterService:
         del self._binding[fingerprint]
         if pending.error is not None:
             raise RequestError(str(pending.error), code=ErrorCode.BAD_SPEC)
-        if fingerprint in self.fleet.jobs:  # bound twice over (another hello of the spec got there first)
-            return self.fleet.jobs[fingerprint]
+        key = M.job_key(fingerprint, name)
+        if key in self.fleet.jobs:  # bound twice over (another hello of the job got there first)
+            return self.fleet.jobs[key]
         self._check_room(end_idle=True)
-        return self._submit_bound(pending.spec, pending.result)
+        return self._submit_bound(pending.spec, pending.result, name)
 
     def _check_room(self, end_idle: bool = False) -> None:
         """Room for one more job: below ``max_jobs``, or (``end_idle``: by ending it) a job
@@ -767,7 +771,7 @@ class MasterService:
         jobs = self.fleet.jobs
         if len(jobs) < self.config.max_jobs:
             return
-        idle = [fp for fp, st in jobs.items() if not st.clients]
+        idle = [key for key, st in jobs.items() if not st.clients]
         if not idle:
             raise RequestError(f"this master already serves {len(jobs)} live jobs, its most "
                                f"(remoteloader-master --max-jobs {self.config.max_jobs}): retry once one ends, "
@@ -780,21 +784,23 @@ class MasterService:
             del self.runtime[idle[0]]
             self.shares.forget(idle[0])
             self.shared_work.forget(idle[0])
+            self.cache.forget(idle[0])
+            self.rates.drop_groups(lambda group: group.endswith(":" + idle[0]))  # its ranks' metrics series
 
     def _on_start_epoch(self, m: M.StartEpoch) -> Reply:
         session = m.session
-        fingerprint, st, rank = self._require_client(session)
+        key, st, rank = self._require_client(session)
         epoch = m.epoch
         if not epoch < self.config.max_epoch:
             raise RequestError(f"epoch {epoch} is outside [0, {self.config.max_epoch})", code=ErrorCode.BAD_EPOCH)
         consumed = _acks(m.consumed)
         if st.job.follows and epoch not in st.job.windows:
             try:
-                self._open_window(fingerprint, st, epoch)
+                self._open_window(key, st, epoch)
             except RequestError as e:
                 if e.code == ErrorCode.WAITING:  # a rank waiting for data is alive: not forgotten meanwhile
                     stats = {k: v for k, v in st.client_stats.get(session, {}).items() if k != "time"}
-                    self._commit(U.ForJob(fingerprint, U.ClientHeartbeat(session, self.clock(), stats)))
+                    self._commit(U.ForJob(key, U.ClientHeartbeat(session, self.clock(), stats)))
                 raise
         done = self._check_done(st, m.done)
         current = st.ranks.get(rank)
@@ -807,23 +813,23 @@ class MasterService:
             if st.epoch_started(epoch):
                 raise RequestError(f"epoch {epoch} already started with other rows consumed before the resume: "
                                    "every rank must load the same checkpoint", code=ErrorCode.RESUME_MISMATCH)
-            self._commit(U.ForJob(fingerprint, U.EpochResumed(epoch, done)))
+            self._commit(U.ForJob(key, U.EpochResumed(epoch, done)))
         ahead = st.prefetched.get(rank)
         if ahead is not None and (ahead.session, ahead.epoch) == (session, epoch):
             seq = ahead.seq  # the run workers started early: its pieces are this epoch's
         else:
             seq = st.next_seq[session]
-        self._commit(U.ForJob(fingerprint, U.EpochStarted(rank, epoch, session, seq)))
+        self._commit(U.ForJob(key, U.EpochStarted(rank, epoch, session, seq)))
         consumed = self._current_acks(st, rank, seq, consumed)
         if consumed:  # a resumed client: what it consumed before is not produced again
-            self._commit(U.ForJob(fingerprint, U.SplitsConsumed(rank, seq, consumed)))
+            self._commit(U.ForJob(key, U.SplitsConsumed(rank, seq, consumed)))
         splits = [M.EpochSplitInfo(p.split.id, p.split.rows, p.split.base, p.split.row_lo, p.split.padding,
                                    None if p.split.lane is None else list(p.split.lane),
                                    None if p.split.table is None else list(p.split.table))
                   for p in st.epoch_splits(rank, epoch)]
         return M.Epoch(epoch=epoch, seq=seq, splits=splits)
 
-    def _open_window(self, fingerprint: str, st: JobState, epoch: int) -> None:
+    def _open_window(self, key: str, st: JobState, epoch: int) -> None:
         """The first start of a following job's epoch fixes its window: the base splits
         added since the window before (every rank's run of the epoch then plans the same
         rows). With nothing new yet, the client is told to wait (``waiting``: it retries)
@@ -837,9 +843,9 @@ class MasterService:
             raise RequestError(f"epoch {epoch}: no new data in table {redact(job.spec.table.path)} since the "
                                f"window before; waiting for it to grow (listed every {job.spec.table.follow['every']:g} s)",
                                code=ErrorCode.WAITING)
-        self._commit(U.ForJob(fingerprint, U.WindowOpened(epoch, lo, len(job.splits))))
+        self._commit(U.ForJob(key, U.WindowOpened(epoch, lo, len(job.splits))))
 
-    def _open_window_ahead(self, fingerprint: str, st: JobState) -> None:
+    def _open_window_ahead(self, key: str, st: JobState) -> None:
         """A following job's next window, opened early once a rank has nothing left to hand
         out of the last one and there is new data, so that workers read ahead into it as into
         a fixed table's next epoch (the window is then fixed here, not at its first start:
@@ -851,7 +857,7 @@ class MasterService:
         lo = job.windows[last][1]
         if lo < len(job.splits) and any(r.epoch == last and not r.pending and r.session in st.clients
                                         for r in st.ranks.values()):
-            self._commit(U.ForJob(fingerprint, U.WindowOpened(last + 1, lo, len(job.splits))))
+            self._commit(U.ForJob(key, U.WindowOpened(last + 1, lo, len(job.splits))))
 
     def _check_done(self, st: JobState, done: list[M.DoneRange]) -> list:
         """Rows consumed before an elastic resume, disjoint and coalesced (adjacent ranges
@@ -885,12 +891,12 @@ class MasterService:
 
     def _on_client_heartbeat(self, m: M.ClientHeartbeat) -> Reply:
         session = m.session
-        fingerprint, st, rank = self._require_client(session)
+        key, st, rank = self._require_client(session)
         acks = self._current_acks(st, rank, m.seq, _acks(m.acks))
         if acks:
-            self._commit(U.ForJob(fingerprint, U.SplitsConsumed(rank, m.seq, acks)))
+            self._commit(U.ForJob(key, U.SplitsConsumed(rank, m.seq, acks)))
         stats = msgspec.to_builtins(m.stats) if m.stats is not None else {}
-        self._commit(U.ForJob(fingerprint, U.ClientHeartbeat(session, self.clock(), stats)))
+        self._commit(U.ForJob(key, U.ClientHeartbeat(session, self.clock(), stats)))
         self.rates.update("c:" + session, self.clock(), stats)
         # Worker keys reach clients only here, over the authenticated control channel.
         workers = [M.WorkerAddr(wid, w.addr, w.key, w.arena)
@@ -905,18 +911,18 @@ class MasterService:
                                                      for e in errors], master=self.incarnation, holders=holders)
 
     def _on_finish_epoch(self, m: M.FinishEpoch) -> Reply:
-        fingerprint, st, rank = self._require_client(m.session)
+        key, st, rank = self._require_client(m.session)
         current = st.ranks.get(rank)
         if current is None or current.seq != m.seq:
             raise RequestError(f"rank {rank} is not in epoch run {m.seq}", code=ErrorCode.BAD_EPOCH)
-        self._commit(U.ForJob(fingerprint, U.EpochFinished(rank, m.seq)))
+        self._commit(U.ForJob(key, U.EpochFinished(rank, m.seq)))
         return M.Ok()
 
     def _on_goodbye(self, m: M.Goodbye) -> Reply:
         """The client closed its loader: its session ends now, not after the client timeout."""
-        fingerprint = self.fleet.session_job.get(m.session)
-        if fingerprint is not None:
-            self._commit(U.ForJob(fingerprint, U.ClientLeft(m.session, "goodbye")))
+        key = self.fleet.session_job.get(m.session)
+        if key is not None:
+            self._commit(U.ForJob(key, U.ClientLeft(m.session, "goodbye")))
         return M.Ok()
 
     def _current_acks(self, st: JobState, rank: int, seq: int,
@@ -982,10 +988,12 @@ class MasterService:
         assigned = {wid: sum(len(st.workers[wid].assigned) for st in jobs.values()) for wid in self.fleet.workers}
         return {
             # Redacted: any key holder may ask for the status (and it ends up in logs and tickets).
-            "job": None if job is None else {"fingerprint": job.fingerprint, "table": redact(job.spec.table.path),
+            "job": None if job is None else {"fingerprint": job.fingerprint, "key": job.key,
+                                             **({"name": job.name} if job.name else {}),
+                                             "table": redact(job.spec.table.path),
                                              "files": len(job.files), "splits": len(job.splits),
                                              "rows": job.total_rows, "world_size": job.world_size,
-                                             "split_bytes": self.runtime[job.fingerprint].split_bytes,
+                                             "split_bytes": self.runtime[job.key].split_bytes,
                                              **({"mix": self._mix_status(first)} if job.spec.tables else {}),
                                              # A shared fleet: this is one of several (an operator reading
                                              # the top level must not take it for the whole fleet's work).
@@ -1002,19 +1010,19 @@ class MasterService:
                          "rows_per_s": round(self.rates.rate("w:" + w.worker_id, "rows"), 1),
                          "busy": round(self.worker_busy(w.worker_id) or 0.0, 4)}
                         for w in sorted(self.fleet.workers.values(), key=lambda w: w.seq)],
-            "clients": [{"id": cid, "rank": rank, **({"job": fp} if len(jobs) > 1 else {}),
+            "clients": [{"id": cid, "rank": rank, **({"job": key} if len(jobs) > 1 else {}),
                          **({"node": st.rank_node[rank]} if st.rank_node.get(rank) else {}),
                          **st.client_stats.get(cid, {}),
                          "stall": round(self.client_stall(cid), 4),
                          "starved": round(self.client_starved(cid) or 0.0, 4),
                          "batches_per_s": round(self.rates.rate("c:" + cid, "batches"), 2)}
-                        for fp, st in jobs.items() for cid, rank in st.clients.items()],
+                        for key, st in jobs.items() for cid, rank in st.clients.items()],
             "pending_workers": self.pending_workers(),
             "autoscaler": self.decision_log(),
             # Where the block cache is, its counters, and the auto policy's decisions with their
-            # reasons (the policy runs for a master of one job).
-            "cache": self.cache.status(first, None if job is None else self.runtime[job.fingerprint].bound,
-                                       self.rates.group_totals().get("w", {})) if len(jobs) <= 1 else None,
+            # reasons (a shared fleet's: each job's, under `jobs`).
+            "cache": self.cache.status([(st, self.runtime[key].bound) for key, st in jobs.items()],
+                                       self.rates.group_totals().get("w", {})),
             # Work shared between jobs (a shared fleet): the master's co-scheduling choices, and
             # the blocks workers computed for one job and another took from their memo.
             "shared_work": dict(self.shared_work.counters.to_dict(), **{
@@ -1022,36 +1030,37 @@ class MasterService:
                 if k.startswith("shared.")}) if len(jobs) > 1 or self.shared_work.jobs else None,
             "ranks": ranks,
             # They name files: redacted.
-            "errors": [dict(e, message=redact_text(e["message"]), **({"job": fp} if len(jobs) > 1 else {}))
-                       for fp, st in jobs.items() for e in st.errors[-20:]][-20 * max(1, len(jobs)):],
+            "errors": [dict(e, message=redact_text(e["message"]), **({"job": key} if len(jobs) > 1 else {}))
+                       for key, st in jobs.items() for e in st.errors[-20:]][-20 * max(1, len(jobs)):],
             **({"history": self.history.to_dict()} if history else {}),
         }
 
     def _jobs_status(self) -> list[dict]:
         """A line per job: its spec, world size, progress through its current epoch, what
         its trainers consume (rows/s, and its share of all jobs' consumption), and its stall."""
-        rows = {fp: sum(self.rates.rate("c:" + cid, "rows") for cid in st.clients) for fp, st in self.fleet.jobs.items()}
+        rows = {key: sum(self.rates.rate("c:" + cid, "rows") for cid in st.clients) for key, st in self.fleet.jobs.items()}
         total = sum(rows.values())
         out = []
-        for fp, st in self.fleet.jobs.items():
+        for key, st in self.fleet.jobs.items():
             runs = list(st.ranks.values())
             splits = sum(len(r.splits) for r in runs)
             done = sum(1 for r in runs for p in r.splits.values() if p.done)
-            out.append({"fingerprint": fp, "table": redact(st.job.spec.table.path),
+            out.append({"job": key, "fingerprint": st.job.fingerprint, **({"name": st.job.name} if st.job.name else {}),
+                        "table": redact(st.job.spec.table.path),
                         "world_size": st.job.world_size, "clients": len(st.clients),
                         "epoch": max((r.epoch for r in runs), default=None),
                         "progress": round(done / splits, 4) if splits else None,
-                        "rows_per_s": round(rows[fp], 1), "share": round(rows[fp] / total, 4) if total else None,
+                        "rows_per_s": round(rows[key], 1), "share": round(rows[key] / total, 4) if total else None,
                         "weight": st.job.spec.share_weight, "priority": st.job.spec.priority,
                         "stall": round(max((self.client_stall(cid) for cid in st.clients), default=0.0), 4),
-                        **({"follow": self._follow_status(fp, st)} if st.job.follows else {})})
+                        **({"follow": self._follow_status(key, st)} if st.job.follows else {})})
         return out
 
-    def _follow_status(self, fingerprint: str, st: JobState) -> dict:
+    def _follow_status(self, key: str, st: JobState) -> dict:
         """A following job's stream: its watermark (the latest partition listed), its windows,
         what is listed but in no window yet, and its last re-listing."""
         job, now = st.job, time.time()
-        follower = self.runtime[fingerprint].follower
+        follower = self.runtime[key].follower
         last = max(job.windows, default=None)
         windowed = job.windows[last][1] if last is not None else 0
         out = {"every_s": job.spec.table.follow["every"], "until": job.spec.table.follow["until"],

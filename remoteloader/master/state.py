@@ -25,6 +25,7 @@ from ..core.plan import (
 from ..core.mix import plan_mixed_epoch
 from ..core.schedule import lane_of, lane_piece_key
 from ..formats import DataFile, reaches
+from ..protocol.messages import job_key
 from ..spec import DatasetSpec
 from . import updates as U
 
@@ -106,6 +107,12 @@ class Job:
     ended: bool = False
     split_rows: Optional[int] = None  # what its base splits were planned at (JobSubmitted.split_rows)
     file_tables: list[int] = field(default_factory=list)  # tables mixed by weight: each file's table
+    name: str = ""  # its name (hello.job on a shared fleet; "": unnamed)
+
+    @property
+    def key(self) -> str:
+        """What names the job on the master, to workers and in status: fingerprint and name."""
+        return job_key(self.fingerprint, self.name)
 
     @property
     def follows(self) -> bool:
@@ -193,7 +200,7 @@ class JobState:
         if u.job is not None:
             job = u.job
             self._on_JobSubmitted(U.JobSubmitted(job.spec, job.fingerprint, job.schema, job.files, job.splits, [],
-                                                 job.tables, job.split_rows))
+                                                 job.tables, job.split_rows, job.name))
             self.job.world_size = job.world_size
             if self.job.follows:
                 self.job.listed, self.job.ended = job.listed, job.ended
@@ -247,7 +254,7 @@ class JobState:
             job=None if job is None else U.JobRecord(
                 job.spec, job.fingerprint, dict(job.schema), [U.file_record(f) for f in job.files],
                 [U.SplitRecord.of(s) for s in job.splits], job.world_size, job.listed, dict(job.windows), job.ended,
-                list(job.file_tables), job.split_rows),
+                list(job.file_tables), job.split_rows, job.name),
             worker_seq=self._worker_seq,
             workers=[U.WorkerRecord(w.worker_id, w.addr, w.pid, w.seq, w.last_seen, w.draining, sorted(w.assigned),
                                     w.key, w.node, w.arena) for w in self.workers.values()],
@@ -276,7 +283,7 @@ class JobState:
         self.cache_plan, self.cache_reverted = {}, set()
         self.job = Job(u.spec, u.fingerprint, u.schema, [U.data_file(f) for f in u.files], splits,
                        sum(s.rows for s in splits), listed=len(splits) if u.spec.table.follow is not None else None,
-                       file_tables=list(u.tables), split_rows=u.split_rows)
+                       file_tables=list(u.tables), split_rows=u.split_rows, name=u.name)
         if self.job.follows:  # a first listing that holds ``until`` is the stream's last (spec.md)
             self.job.ended = any(reaches(f.partition, u.spec.table.follow["until"]) for f in self.job.files)
         self.errors.extend({"epoch": -1, "rank": -1, "split_id": -1, "rows": 0, "message": m, "skipped": True}

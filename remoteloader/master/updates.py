@@ -91,6 +91,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     ended: bool = False
     tables: list[int] = []  # tables mixed by weight: each file's table (JobSubmitted.tables)
     split_rows: Optional[int] = None  # JobSubmitted.split_rows
+    name: str = ""  # JobSubmitted.name
 
 
 class WorkerRecord(msgspec.Struct, frozen=True):
@@ -169,6 +170,9 @@ class JobSubmitted(Update):
     # The rows a base split was planned at (split_rows, or fewer to fit the workers' buffer):
     # a following job's growths are planned at it, by this master or a restarted one.
     split_rows: Optional[int] = None
+    # The job's name (hello.job, on a shared fleet): its key is (fingerprint, name); "", in a
+    # journal written before names too, the fingerprint alone.
+    name: str = ""
 
 
 class WorkerRegistered(Update):
@@ -339,8 +343,9 @@ JobUpdate = Union[JOB_UPDATES]  # type: ignore[valid-type]
 
 
 class ForJob(Update):
-    """``update`` of the job whose spec fingerprint is ``job``. A ``JobSubmitted`` of a
-    fingerprint the master does not hold starts that job (from the fleet's workers)."""
+    """``update`` of the job whose key is ``job`` (``messages.job_key``: its spec fingerprint,
+    and ``/name`` for a named job). A ``JobSubmitted`` of a key the master does not hold
+    starts that job (from the fleet's workers)."""
     job: str
     update: JobUpdate
 

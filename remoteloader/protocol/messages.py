@@ -12,13 +12,14 @@ list on the wire, named fields in code.
 from __future__ import annotations
 
 import enum
+import re
 import sys
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 15  # 15: following a growing table: error code waiting (the next window of a following job has no data yet: retry); tables mixed by weight (spec tables): split tasks carry their (table, pass), start_epoch's splits their lane key and (table, pass) (core/mix.py); a worker's heartbeat counts the blocks it shared between jobs (stats.shared); 14: batches that mix splits: split tasks carry their lane (spec mix_splits); one master serves several jobs (issue 39): registered says how many, get_split avoids sessions (ranks of jobs share numbers), get_spec names the job whose spec a worker compiles, split_produced, split_failed and splits_released name their job, a worker's heartbeat the job of the split it produces; 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
+PROTOCOL_VERSION = 16  # 16: a job has a name beside its spec (issue 39): hello names it (job), a shared fleet keys its jobs by spec fingerprint and name, and every field naming a job to workers (split tasks, get_spec, split_produced, split_failed, splits_released, a heartbeat's job and costs) carries that key, ``<fingerprint>/<name>`` (the fingerprint alone for an unnamed job); 15: following a growing table: error code waiting (the next window of a following job has no data yet: retry); tables mixed by weight (spec tables): split tasks carry their (table, pass), start_epoch's splits their lane key and (table, pass) (core/mix.py); a worker's heartbeat counts the blocks it shared between jobs (stats.shared); 14: batches that mix splits: split tasks carry their lane (spec mix_splits); one master serves several jobs (issue 39): registered says how many, get_split avoids sessions (ranks of jobs share numbers), get_spec names the job whose spec a worker compiles, split_produced, split_failed and splits_released name their job, a worker's heartbeat the job of the split it produces; 13: shared-memory arenas on one host: credit names the arena the client maps, a batch may lie in it (arena_offer, arena_release on the arena socket); locality: register and hello name the node (host) a worker and a client run on; 12: files carry identity (what the filesystem says of the file's version: block cache keys); 11: deterministic order: split tasks carry their schedule order, membership the holders of the run's splits; block cache: files carry tail_digest, split tasks a cache directive, heartbeats cache counters and job costs; 10: sealed data socket: X25519 keys in hello, register and membership, the session token signs the key, credit and batch carry gen and nonce (protocol/seal.py); 9: typed messages (credit.pieces, split tasks carry only their units, error codes an enum); 8: capabilities: welcome/credit token, registered token and verify_key, the worker token on every request naming a worker id; 7: master-issued client sessions and epoch runs (session, seq), goodbye, job fingerprint on register and split; 6: a batch message is a run of consecutive pieces, one frame per tensor; 5: several pieces per batch message; 4: credit replaces get_batch; 3: splits_released, get_split avoid_ranks; 2: files as maps, start_epoch done, ...
 MAX_STRING = 4096  # ids, addresses, reasons
 MAX_TEXT = 1 << 16  # error texts name files and causes
 MAX_LIST = 1 << 20  # items of any list (a rank's splits, acks)
@@ -38,7 +39,25 @@ Dim = Annotated[int, Meta(ge=0, le=MAX_FRAME_BYTES)]
 OrUnset = Annotated[int, Meta(ge=-1, le=MAX_INT)]  # -1: not about one epoch, rank or split
 # A node (host) label, "" for none: the master gives each rank the workers of its own node first.
 Node = Annotated[str, Meta(max_length=255)]
-Key = Annotated[str, Meta(max_length=64, pattern="^([0-9a-f]{64})?$")]  # an X25519 public key, hex ("": none)
+Key = Annotated[str, Meta(max_length=64, pattern="^([0-9a-f]{64})?$")]
+# A job's name (hello.job): two loaders of one spec are one job only under the same name, so a
+# sweep's trials of one spec run side by side on a shared fleet. "": the spec fingerprint alone.
+JOB_NAME_MAX = 40
+JOB_NAME_PATTERN = "^([A-Za-z0-9][A-Za-z0-9._-]{0,%d})?$" % (JOB_NAME_MAX - 1)
+JobName = Annotated[str, Meta(max_length=JOB_NAME_MAX, pattern=JOB_NAME_PATTERN)]
+
+
+def check_job_name(name: str) -> str:
+    """``name`` if it is a job name (``JobName``); else a ValueError naming the rule."""
+    if not isinstance(name, str) or len(name) > JOB_NAME_MAX or re.fullmatch(JOB_NAME_PATTERN, name) is None:
+        raise ValueError(f"job {str(name)[:60]!r}: a job name is 1 to {JOB_NAME_MAX} letters, digits, '.', '_' or "
+                         "'-', starting with a letter or digit")
+    return name
+
+
+def job_key(fingerprint: str, name: str) -> str:
+    """What names a job to workers and in status and metrics: its spec fingerprint, and its name."""
+    return f"{fingerprint}/{name}" if name else fingerprint  # an X25519 public key, hex ("": none)
 Gen = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]  # a sealing key's generation
 Nonce = Annotated[int, Meta(ge=1, le=MAX_INT)]  # the first counter of a sealed message (a 64-bit field)
 DType = Literal["float32", "float64", "int32", "int64", "uint8"]
@@ -495,6 +514,7 @@ class Hello(ClientRequest, tag="hello"):
     fingerprint: Id
     key: Key = ""  # the session's X25519 public key: welcome.token signs it with the session
     node: Node = ""  # the node this rank runs on: the master gives it the workers of that node first
+    job: JobName = ""  # the job's name: loaders of one spec and name are one job (a shared fleet's; "": unnamed)
 
 
 class SessionRequest(ClientRequest):

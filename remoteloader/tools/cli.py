@@ -235,7 +235,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"tables[{i}] {t['path']}: weight {t['weight']} ({t['rows_per_batch']} rows a batch), "
               f"{t['rows_read']:,} rows read this epoch ({t['share_read']:.1%} of the mix), "
               f"when done: {t['when_done']}")
-    of_job = f" (job {job['fingerprint']})" if job and job.get("oldest_of") else ""
+    of_job = f" (job {job.get('key', job['fingerprint'])})" if job and job.get("oldest_of") else ""
     for rank, r in status["ranks"].items():
         print(f"rank {rank}{of_job}: epoch {r['epoch']}  splits {r['done']}/{r['splits']} done, {r['pending']} pending")
     for j in jobs:
@@ -251,6 +251,10 @@ def _status(args: argparse.Namespace) -> int:
               f"faults {n.get('faults', 0):,.0f}  read {_mib(n.get('bytes_read', 0))} MiB")
         for g in cache.get("groups", []):
             print(f"  group {g['group']} ({', '.join(g['features'])}): {g['mode']}: {g['reason']}")
+        for key, policy in cache.get("jobs", {}).items():  # a shared fleet: each job's own policy
+            print(f"  job {key}: mode {policy.get('mode', '?')}")
+            for g in policy.get("groups", []):
+                print(f"    group {g['group']} ({', '.join(g['features'])}): {g['mode']}: {g['reason']}")
     for e in status["errors"]:
         print(f"error ({'skipped' if e['skipped'] else 'fatal'}): {e['message'][:300]}")
     return 0
@@ -261,7 +265,7 @@ def job_header(job: Optional[dict]) -> str:
     shared fleet is only the oldest of its jobs (every job has its line under ``jobs``)."""
     if not job:
         return "job: none yet"
-    line = f"job: {job['fingerprint']} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)"
+    line = f"job: {job.get('key', job['fingerprint'])} {job['table']} ({job['rows']:,} rows, {job['splits']} splits)"
     if job.get("oldest_of"):
         line += f"; the oldest of the {job['oldest_of']} jobs this master serves (its ranks below; every job's line follows)"
     return line
@@ -273,7 +277,7 @@ def job_line(j: dict) -> str:
         return "-" if x is None else f"{x:.0%}"
 
     world = "idle" if j.get("world_size") is None else f"world size {j['world_size']}"
-    return (f"  job {j['fingerprint']} {j['table']}: {world}, {j.get('clients', 0)} clients, "
+    return (f"  job {j.get('job', j['fingerprint'])} {j['table']}: {world}, {j.get('clients', 0)} clients, "
             f"epoch {'-' if j.get('epoch') is None else j['epoch']} {pct(j.get('progress'))} done, "
             f"{j.get('rows_per_s', 0):,.0f} rows/s (share {pct(j.get('share'))}, weight {j.get('weight', 1):g} "
             f"{j.get('priority', 'normal')}), stall {j.get('stall', 0):.1%}")
@@ -287,7 +291,7 @@ def follow_line(j: dict) -> str:
                f"; {f['listings']} listings, the last {f.get('last_listing_age_s')} s ago took "
                f"{f.get('last_listing_s', 0):.3f} s ({f.get('last_listing_cpu_s', 0):.3f} s CPU) for "
                f"{f.get('listed_files', 0):,} files" + (f", failed: {f['error']}" if f.get("error") else ""))
-    return (f"follow {j['fingerprint']}: watermark {f['watermark'] or '-'}"
+    return (f"follow {j.get('job', j['fingerprint'])}: watermark {f['watermark'] or '-'}"
             + (f" (until {f['until']})" if f.get("until") else "") + f", {f['files']} files; "
             + (f"window {window['epoch']}: {window['rows']:,} rows" if window else "no window yet")
             + f", {f['waiting_rows']:,} rows waiting for the next" + ("; ENDED" if f["ended"] else "") + listing)
