@@ -14,11 +14,13 @@ deterministic or not, and its exactly-once books):
    while another job has work for this worker: that worker takes it when it asks next, as
    its own job's turn comes (the passed-over job keeps its place in the fair share,
    ``JobShares.served(behind=...)``). Bounded in time, so a holder that cannot take it (its
-   buffer full for that job) delays it by at most ``DEFER_S``. That window is as long as
-   the holder's memo surely keeps the blocks, not just as long as a split takes: two jobs
+   buffer full for that job) delays it by at most ``DEFER_S``. That window is a third of
+   how long the holder's memo keeps the blocks (30 s, within its bytes), not just as long
+   as a split takes: two jobs
    reading flat out run seconds apart (one starts or reads ahead into an epoch first), and a
    job that trails the other by more than the window lost the blocks of about half its
-   splits (the other worker took them: 9 to 22% of the splits measured, 2026-11-27).
+   splits (the other worker took them: 35 of 158 base splits in one run with a 2-s window,
+   11 with this one; benchmarks/RESULTS.md, issue 39).
 2. Else, when every job's next split is another worker's and one of them is still in flight
    there (given less than ``WAIT_S`` ago, not yet produced), the worker waits (the master
    answers ``no_split``; it asks again in ``no_split_retry_ms``) rather than compute it twice;
