@@ -11,7 +11,10 @@ Side by side in one run, on one table:
   held more ids than its eight shared ones). The
   workers share work (issue 39 item 4: a block computed for one job is taken by the other's
   split of the same base split); ``--unshared`` adds the shared fleet without it. CPU per
-  row is sampled while both trainers read their timed epoch.
+  row is sampled while both trainers read their timed epoch, per thread (``/proc``): the
+  pusher, ZeroMQ's I/O threads, the producer and the rest, so that what each job's serving
+  costs shows beside what sharing saves (a thread that ended is not counted: workers' threads
+  live as long as the worker).
 * **weights 3:1 when starved**: two jobs of ``share.weight`` 3 and 1, read flat out on one
   master with 1 worker (both starved), and each job's share of the rows consumed while both run.
 * **priority**: a high-priority trainer that wants part of the fleet (``--step-ms`` per
@@ -60,6 +63,23 @@ def spec(table: Path, features: list[int], **extra) -> dict:
             "batch_size": 512, "split_rows": 4096, **extra}
 
 
+# A worker's threads: the pusher is its main thread (it owns the data socket: pack, arena
+# copy, send, the poll loop), ZeroMQ's I/O threads name themselves, the rest are the producer
+# (read, transform, cut, the split RPCs), heartbeats and a cache writer.
+THREADS = ("pusher", "zmq", "producer+")
+
+
+def thread_kind(pid: int, tid: int) -> str:
+    """Which of ``THREADS`` thread ``tid`` of worker ``pid`` is."""
+    if tid == pid:
+        return "pusher"
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return "zmq" if f.read().startswith("ZMQbg") else "producer+"
+    except OSError:
+        return "producer+"
+
+
 class Master:
     def __init__(self, table: Path, workers: int, shared_block_bytes: Optional[int] = None) -> None:
         """``shared_block_bytes``: its workers' memo of blocks shared between jobs (None: their default)."""
@@ -72,13 +92,14 @@ class Master:
         self.addr = self.proc.stdout.readline().rsplit(" ", 1)[1].strip()
         self.workers = workers
 
-    def worker_cpu_s(self) -> float:
-        """CPU seconds (user + system) of its launched workers (and their fork server) so far."""
-        total = 0.0
+    def worker_cpu_s(self) -> dict[str, float]:
+        """CPU seconds (user + system) of its launched workers (and their fork server) so far,
+        by thread (``THREADS``)."""
+        total = dict.fromkeys(THREADS, 0.0)
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                t = p.cpu_times()
-                total += t.user + t.system
+                for t in p.threads():
+                    total[thread_kind(p.pid, t.id)] += t.user_time + t.system_time
             except psutil.NoSuchProcess:
                 pass
         return total
@@ -144,12 +165,12 @@ class Reader(threading.Thread):
 
 
 class CpuSampler(threading.Thread):
-    """A master's workers' CPU seconds, sampled every ``interval`` s while the readers read."""
+    """A master's workers' CPU seconds by thread, sampled every ``interval`` s while the readers read."""
 
     def __init__(self, master: Master, interval: float = 0.1) -> None:
         super().__init__(daemon=True)
         self.master, self.interval = master, interval
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, dict[str, float]]] = []
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -157,12 +178,13 @@ class CpuSampler(threading.Thread):
             self.samples.append((time.perf_counter(), self.master.worker_cpu_s()))
             self.done.wait(self.interval)
 
-    def at(self, t: float) -> float:
-        """CPU seconds at time ``t``, interpolated between the samples around it."""
+    def at(self, t: float) -> dict[str, float]:
+        """CPU seconds by thread at time ``t``, interpolated between the samples around it."""
         times = [s[0] for s in self.samples]
         i = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
         (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
-        return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
+        share = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+        return {k: c0[k] + (c1[k] - c0[k]) * share for k in THREADS}
 
 
 def read_all(readers: list[Reader]) -> None:
@@ -201,15 +223,18 @@ def shared_vs_separate(table: Path, specs: list[dict], epochs: int, layouts: tup
             # CPU per row over the timed epochs, not the pipelines' compiling at the first split:
             # a fleet's workers' CPU over the rows of its jobs while they all read their timed
             # epoch (the shared fleet: while both do, not one job finishing alone).
-            cpu = rows = 0.0
+            cpu, rows = dict.fromkeys(THREADS, 0.0), 0.0
             for i, sampler in enumerate(samplers):
                 own = readers[i::len(samplers)]
                 start, end = max(r.times[0] for r in own), min(r.times[-1] for r in own)
                 if end <= start:
                     raise RuntimeError(f"{layout}: the jobs' timed epochs did not overlap; use more --rows")
                 rows += sum(r.rows_until(end) - r.rows_until(start) for r in own)
-                cpu += sampler.at(end) - sampler.at(start)
-            out[layout] = {"rates": [r.rate() for r in readers], "cpu_per_row_us": cpu / rows * 1e6}
+                at_end, at_start = sampler.at(end), sampler.at(start)
+                for k in THREADS:
+                    cpu[k] += at_end[k] - at_start[k]
+            out[layout] = {"rates": [r.rate() for r in readers], "cpu_per_row_us": sum(cpu.values()) / rows * 1e6,
+                           "threads_us": {k: cpu[k] / rows * 1e6 for k in THREADS}}
             if layout == "shared":
                 out["shared_work"] = masters[0].status()["shared_work"]
         finally:
@@ -326,7 +351,8 @@ def run(args: argparse.Namespace, table: Path) -> None:
     rounds = [shared_vs_separate(table, [spec(table, a), spec(table, b)], args.epochs, layouts)
               for _ in range(args.rounds)]
     side = {layout: {"rates": [statistics.median(r[layout]["rates"][j] for r in rounds) for j in range(2)],
-                     "cpu_per_row_us": statistics.median(r[layout]["cpu_per_row_us"] for r in rounds)}
+                     "cpu_per_row_us": statistics.median(r[layout]["cpu_per_row_us"] for r in rounds),
+                     "threads_us": {k: statistics.median(r[layout]["threads_us"][k] for r in rounds) for k in THREADS}}
             for layout in layouts}
     print(f"{args.rows:,} rows, two jobs sharing {SHARED} of {FEATURES} sparse features, one trainer each, flat out; "
           f"medians of {args.rounds} rounds, epoch {args.epochs - 1} timed")
@@ -335,6 +361,8 @@ def run(args: argparse.Namespace, table: Path) -> None:
     for layout, r in side.items():
         print(f"| {layout} ({LAYOUTS[layout]}) | {r['rates'][0]:,.0f} | {r['rates'][1]:,.0f} | "
               f"{r['cpu_per_row_us']:.1f} |")
+    print("worker CPU µs/row by thread (medians): " + "; ".join(
+        f"{layout} " + ", ".join(f"{k} {r['threads_us'][k]:.2f}" for k in THREADS) for layout, r in side.items()))
     d = side["separate"]
     for layout in ("shared", "unshared")[:len(layouts) - 1]:
         s = side[layout]

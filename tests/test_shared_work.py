@@ -15,14 +15,14 @@ import pytest
 from remoteloader.columns import DenseColumn
 from remoteloader.core.binding import bind
 from remoteloader.core.cache.job import JobCache, job_block_keys
-from remoteloader.core.cache.memo import BlockMemo
+from remoteloader.core.cache.memo import TTL_S, BlockMemo
 from remoteloader.core.plan import make_task, plan_epoch
 from remoteloader.core.processor import SplitProcessor
 from remoteloader.core.sampling import plan_job_splits
 from remoteloader.formats.table import posix_identity
 from remoteloader.master.service import MasterConfig, MasterService
 from remoteloader.master.share import JobShares
-from remoteloader.master.shared_work import Candidate, SharedWork
+from remoteloader.master.shared_work import DEFER_S, Candidate, SharedWork
 from remoteloader.spec import DatasetSpec
 from tests.conftest import spec_dict
 from tests.test_fleet import start
@@ -207,7 +207,20 @@ def test_a_split_is_not_left_to_a_worker_that_cannot_take_it_or_to_a_job_sharing
     assert shared.pick("w2", [Candidate("b", ("x",), {"w2"}), a_y], 0.1, alive) == 0  # w1 does not serve B's rank
     assert shared.pick("w2", [Candidate("b", ("x",), {"w1", "w2"}), a_y], 0.1, lambda w: w != "w1") == 0  # lost
     assert shared.pick("w2", [Candidate("c", ("x",), {"w1", "w2"}), a_y], 0.1, alive) == 0  # c shares no block
-    assert shared.pick("w2", [Candidate("b", ("x",), {"w1", "w2"}), a_y], 2.5, alive) == 0  # after DEFER_S
+    assert shared.pick("w2", [Candidate("b", ("x",), {"w1", "w2"}), a_y], DEFER_S + 0.5, alive) == 0  # after DEFER_S
+
+
+def test_a_job_trailing_another_by_seconds_still_leaves_its_splits_to_their_holder():
+    """Two jobs read flat out seconds apart (one started first, or read ahead into the epoch):
+    the trailing job's split of a base split given to w1 for the leading job seconds ago is
+    still left to w1, whose memo keeps the blocks (for ``TTL_S``), while w2 has other work."""
+    shared = work()
+    shared.handed("a", ("x",), "w1", epoch=0, split_id=0, now=0.0)
+    shared.produced("a", 0, 0)
+    b_x, a_y = Candidate("b", ("x",), {"w1", "w2"}), Candidate("a", ("y",), {"w1", "w2"})
+    assert shared.pick("w2", [b_x, a_y], 4.0, alive) == 1  # 4 s behind: w2 takes A's next
+    assert shared.pick("w1", [b_x, a_y], 4.1, alive) == 0
+    assert 4.0 < DEFER_S < TTL_S  # the holder takes it while its memo still holds the blocks
 
 
 def test_with_nothing_else_a_worker_waits_for_a_split_in_flight_elsewhere_but_not_for_long():

@@ -14,7 +14,13 @@ deterministic or not, and its exactly-once books):
    while another job has work for this worker: that worker takes it when it asks next, as
    its own job's turn comes (the passed-over job keeps its place in the fair share,
    ``JobShares.served(behind=...)``). Bounded in time, so a holder that cannot take it (its
-   buffer full for that job) delays it by at most ``DEFER_S``.
+   buffer full for that job) delays it by at most ``DEFER_S``. That window is a third of
+   how long the holder's memo keeps the blocks (30 s, within its bytes), not just as long
+   as a split takes: two jobs
+   reading flat out run seconds apart (one starts or reads ahead into an epoch first), and a
+   job that trails the other by more than the window lost the blocks of about half its
+   splits (the other worker took them: 35 of 158 base splits in one run with a 2-s window,
+   11 with this one; benchmarks/RESULTS.md, issue 39).
 2. Else, when every job's next split is another worker's and one of them is still in flight
    there (given less than ``WAIT_S`` ago, not yet produced), the worker waits (the master
    answers ``no_split``; it asks again in ``no_split_retry_ms``) rather than compute it twice;
@@ -35,11 +41,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Collection, Optional, Sequence
 
+from ..core.cache.memo import TTL_S
 from ..core.plan import BaseSplit
 from ..formats import DataFile
 
 WAIT_S = 1.0  # how long a worker with nothing else waits for a split in flight on another
-DEFER_S = 2.0  # how long a split is left to the worker given it for another job, while others have work
+# How long a split is left to the worker given it for another job, while others have work:
+# a third of the time that worker's memo keeps the blocks (core/cache/memo.py), so that the
+# holder still finds them when it takes the split.
+DEFER_S = TTL_S / 3
 MAX_RECENT = 4096  # base splits remembered (each a few handed-out records): bounded memory
 
 SplitIdentity = tuple  # what names a base split's stored rows, as the block cache's split key does
