@@ -64,17 +64,17 @@ def epoch(pieces: dict, mix: int) -> tuple[float, int]:
                                                                 for p in range(SPLIT_ROWS // BATCH)]
     start = time.thread_time()
     assembler = EpochAssembler(splits, BATCH, drop_last=False, mix_splits=mix)
-    batches = 0
+    batches = rows = 0
     for sid, p in order:
         if assembler.wants(sid, p):
             assembler.add(sid, p, pieces[sid][p])
         while (ready := assembler.next_ready()) is not None:
-            ready.batch
+            rows += len(ready.batch)
             assembler.consume(ready)
             batches += 1
             if batches % 8 == 0:
                 assembler.take_acks()
-    assert assembler.exhausted and batches == len(order)
+    assert assembler.exhausted and batches == len(order) and rows == len(splits) * SPLIT_ROWS
     return time.thread_time() - start, batches
 
 
