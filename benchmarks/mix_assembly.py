@@ -99,13 +99,16 @@ def measure(splits: int, mean_length: float, rounds: int, profile: int = 0) -> d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--splits", type=int, default=32, help="splits of one rank's epoch (16 pieces each)")
+    p.add_argument("--splits", type=int, default=32,
+                   help="splits of one rank's epoch (16 pieces each), a multiple of 8: each lane whole splits")
     p.add_argument("--mean-length", type=float, default=12.0, help="mean ids a row of each sparse feature")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", help="a tree holding an older remoteloader/ to compare with")
     p.add_argument("--profile", type=int, default=0, metavar="K", help="print a cProfile of one epoch at this K")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's answer
     args = p.parse_args()
+    if args.splits < 1 or args.splits % max(MIXES):
+        p.error(f"--splits {args.splits}: a positive multiple of {max(MIXES)} (each of K lanes holds whole splits)")
     if args.json:
         print(json.dumps(measure(args.splits, args.mean_length, 1, args.profile)))
         return
@@ -120,7 +123,9 @@ def main() -> None:
             out = subprocess.run([sys.executable, "-m", "benchmarks.mix_assembly", "--json", "--splits",
                                   str(args.splits), "--mean-length", str(args.mean_length),
                                   "--profile", str(args.profile if r == 0 else 0)],
-                                 env=env, cwd=root, check=True, capture_output=True, text=True)
+                                 env=env, cwd=root, capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"the {name} run failed:\n{out.stderr}")
             if out.stderr.strip() and r == 0:
                 print(f"--- {name}\n{out.stderr}", file=sys.stderr)
             for m, us in json.loads(out.stdout).items():
