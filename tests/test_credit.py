@@ -34,6 +34,23 @@ class Clock:
         return self.now
 
 
+def test_a_window_for_batches_mixing_lanes_holds_the_next_piece_of_every_lane_however_few_the_workers():
+    # mix_splits 8 on 2 workers: all 8 lanes want their next piece at the same batch.
+    clock = Clock()
+    window = CreditWindow(initial_per_worker=2, max_bytes=1 << 30, period_s=5.0, clock=clock, lanes=8)
+    window.fit(2)
+    assert window.pieces == 16
+    window.starved()
+    assert window.pieces == 32
+    for _ in range(4):  # full queues for many periods: it halves back to the lanes' floor, not the workers'
+        clock.now += 6.0
+        window.queued(3)
+    assert window.pieces == 16 and window.shrunk == 1
+    window.fit(12)  # more workers than lanes: per worker again
+    assert window.pieces == 24
+    assert CreditWindow(2, 1 << 30, lanes=8).pieces == 2  # nothing granted before fit knows the partition
+
+
 def test_window_halves_back_to_its_initial_size_while_the_loop_never_waits():
     clock = Clock()
     window = CreditWindow(initial_per_worker=2, max_bytes=1 << 20, period_s=5.0, clock=clock)

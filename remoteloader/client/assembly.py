@@ -40,7 +40,7 @@ from ..core.plan import pieces_of
 from ..core.schedule import lane_of, lane_piece_key, lane_rows, lane_schedule, proportional, rank_schedule
 
 
-@dataclass
+@dataclass(slots=True)
 class Contribution:
     split_id: int
     piece: int
@@ -89,12 +89,13 @@ class SplitCursor:
     skipped: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tail:
     split_id: int
     piece: int
     batch: Batch
     start: int  # first row not yet used
+    stop: int  # the piece's rows (kept: a mixed batch's piece is cut K times)
 
 
 class RowQueue:
@@ -106,21 +107,24 @@ class RowQueue:
         self._tails: deque[_Tail] = deque()
         self.rows = 0
 
-    def push(self, split_id: int, piece: int, batch: Batch, start: int) -> None:
-        self._tails.append(_Tail(split_id, piece, batch, start))
-        self.rows += len(batch) - start
+    def push(self, split_id: int, piece: int, batch: Batch, start: int) -> int:
+        """Queue rows ``[start, ..)`` of a piece; returns how many."""
+        rows = len(batch)
+        self._tails.append(_Tail(split_id, piece, batch, start, rows))
+        self.rows += rows - start
+        return rows - start
 
     def take(self, rows: int, pieces: list, parts: list[Contribution]) -> None:
         """Move the first ``rows`` rows into ``pieces`` (``(batch, start, stop)``) and ``parts``."""
         self.rows -= rows
         while rows:
             tail = self._tails[0]
-            take = min(rows, len(tail.batch) - tail.start)
-            stop = tail.start + take
+            stop = min(tail.start + rows, tail.stop)
             pieces.append((tail.batch, tail.start, stop))
-            parts.append(Contribution(tail.split_id, tail.piece, stop, stop == len(tail.batch)))
-            rows -= take
-            if stop == len(tail.batch):
+            last = stop == tail.stop
+            parts.append(Contribution(tail.split_id, tail.piece, stop, last))
+            rows -= stop - tail.start
+            if last:
                 self._tails.popleft()
             else:
                 tail.start = stop
@@ -153,8 +157,7 @@ class Lanes:
         return sum(q.rows for q in self.queues)
 
     def push(self, lane: int, split_id: int, piece: int, batch: Batch, start: int) -> None:
-        self.queues[lane].push(split_id, piece, batch, start)
-        self.coming[lane] -= len(batch) - start
+        self.coming[lane] -= self.queues[lane].push(split_id, piece, batch, start)
 
     def forgo(self, lane: int, rows: int) -> None:
         """``rows`` of the lane will never come (a skipped split)."""

@@ -95,6 +95,7 @@ class KeyedJaggedTensor(_Jagged):
         if scored is not None and len(scored) != len(self._keys):
             raise ValueError(f"{len(scored)} scored flags for {len(self._keys)} sparse keys")
         self._scored: Optional[list[bool]] = None if scored is None else [bool(x) for x in scored]
+        self._numpy: Optional[jagged.Jagged] = None  # _jagged(), once asked for
 
     def keys(self) -> list[str]:
         return self._keys
@@ -211,9 +212,12 @@ class KeyedJaggedTensor(_Jagged):
                                length_per_key=length_per_key, offset_per_key=offset_per_key)
 
     def _jagged(self) -> jagged.Jagged:
-        """The same arrays as numpy views (CPU tensors only)."""
-        return jagged.Jagged(len(self._keys), self._stride, self._lengths.numpy(), self._values.numpy(),
-                             None if self._weights is None else self._weights.numpy())
+        """The same arrays as numpy views (CPU tensors only), made once: a piece of a mixed
+        batch is merged from once for each batch it serves, and the views keep its ``ends``."""
+        if self._numpy is None:
+            self._numpy = jagged.Jagged(len(self._keys), self._stride, self._lengths.numpy(), self._values.numpy(),
+                                        None if self._weights is None else self._weights.numpy())
+        return self._numpy
 
     def __repr__(self) -> str:
         return f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, values={self._values.numel()})"
@@ -328,15 +332,16 @@ Alloc = Callable[[Sequence[tuple[tuple[int, ...], torch.dtype]]], Sequence[torch
 
 def concat_rows(pieces: Sequence[tuple[Batch, int, int]], alloc: Optional[Alloc] = None) -> Batch:
     """Rows ``[start, stop)`` of each batch (on the CPU), in order, as one batch, written once
-    into the tensors ``alloc`` gives (new ones by default): the sparse features in one
-    compiled copy per tensor, the rest one slice per batch. Single-threaded numpy copies: a
-    torch copy would start an intra-op thread team beside the training thread's."""
+    into the tensors ``alloc`` gives (new ones by default): one ``np.concatenate`` per tensor
+    over views of the pieces' rows (a mixed batch takes a slice of each of ``mix_splits``
+    pieces for every tensor: the Python per slice, not the bytes, was most of its cost).
+    Single-threaded numpy copies: a torch copy would start an intra-op thread team beside the
+    training thread's."""
     first = pieces[0][0]
     if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == len(first):
         return _copy_of(first, alloc)  # a whole batch: its tensors as they are, no key ranges to find
     kjt = first.sparse_features
-    parts = [(b.sparse_features._jagged(), start, stop) for b, start, stop in pieces]
-    plan = jagged.plan_concat(parts)
+    plan = jagged.plan_concat([(b.sparse_features._jagged(), start, stop) for b, start, stop in pieces])
     rows = plan.total_rows
 
     def per_row(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
@@ -356,7 +361,7 @@ def concat_rows(pieces: Sequence[tuple[Batch, int, int]], alloc: Optional[Alloc]
     it = iter(out)
     dense, labels, values, lengths = next(it), next(it), next(it), next(it)
     weights = next(it) if kjt._weights is not None else None
-    jagged.concat_into(plan, parts, lengths.numpy(), values.numpy(), None if weights is None else weights.numpy())
+    jagged.concat_into(plan, lengths.numpy(), values.numpy(), None if weights is None else weights.numpy())
     _rows_into(dense, [(b.dense_features, start, stop) for b, start, stop in pieces])
     _rows_into(labels, [(b.labels, start, stop) for b, start, stop in pieces])
     passthrough = {}
@@ -367,16 +372,14 @@ def concat_rows(pieces: Sequence[tuple[Batch, int, int]], alloc: Optional[Alloc]
         row_weights = _rows_into(next(it), [(b.weights, start, stop) for b, start, stop in pieces])
     padding = None
     if padded:
-        padding = next(it)
-        at = 0
-        for b, start, stop in pieces:
-            if b.padding is None:
-                padding[at:at + stop - start] = False
-            else:
-                copy_tensor(padding[at:at + stop - start], b.padding[start:stop])
-            at += stop - start
+        padding = _rows_into(next(it), [(_padding_of(b), start, stop) for b, start, stop in pieces])
     merged = KeyedJaggedTensor(kjt.keys(), values, lengths, weights, stride=rows, scored=kjt._scored)
     return Batch(dense, merged, labels, passthrough, row_weights, padding)
+
+
+def _padding_of(batch: Batch) -> torch.Tensor:
+    """Which rows of ``batch`` are padding (none, when it says nothing)."""
+    return batch.padding if batch.padding is not None else torch.zeros(len(batch), dtype=torch.bool)
 
 
 def _copy_of(batch: Batch, alloc: Optional[Alloc]) -> Batch:
@@ -398,20 +401,12 @@ def _copy_of(batch: Batch, alloc: Optional[Alloc]) -> Batch:
 
 
 def _rows_into(dst: torch.Tensor, sources: Sequence[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
-    """Rows ``[start, stop)`` of each source, one after another, into ``dst``: numpy views and
-    slices, since a mixed batch copies a slice of each of ``mix_splits`` pieces for every
-    tensor, and torch's slicing and ``numpy()`` per slice cost more than the copies."""
+    """Rows ``[start, stop)`` of each source, one after another, into ``dst``: one
+    ``np.concatenate`` over numpy views."""
     try:
-        out = dst.numpy()
-        at = 0
-        for src, start, stop in sources:
-            np.copyto(out[at:at + stop - start], src.numpy()[start:stop], casting="no")
-            at += stop - start
+        np.concatenate([src.numpy()[start:stop] for src, start, stop in sources], out=dst.numpy(), casting="no")
     except (TypeError, RuntimeError):  # a dtype numpy lacks
-        at = 0
-        for src, start, stop in sources:
-            dst[at:at + stop - start].copy_(src[start:stop])
-            at += stop - start
+        torch.cat([src[start:stop] for src, start, stop in sources], out=dst)
     return dst
 
 

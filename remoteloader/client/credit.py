@@ -15,7 +15,12 @@ never emptied its queue: at every top-up of credit another batch waited beyond t
 it was taking, so the window held more than the loop needed (after a burst, or while the loop is slow or idle), and
 keeping it would keep a burst's worth of data waiting in memory. If half is too little,
 the next wait on credit doubles it back, so the window stays within a factor of two of
-what the loop needs. It never shrinks below ``initial`` per worker of the partition.
+what the loop needs. It never shrinks below ``initial`` per worker of the partition, nor
+below ``initial`` per lane when batches mix ``lanes`` sources (``mix_splits`` K, or the
+tables mixed by weight): every lane's piece serves the same run of batches, so all K lanes
+want their next piece at the same batch, and a window smaller than that burst stalls the
+loop once a piece's worth of batches (it grew back only after such a stall, and a period
+of full queues halved it again).
 
 The window never holds more than ``max_bytes`` of batches at the measured mean piece
 size, so memory stays bounded whatever the batch size.
@@ -31,12 +36,13 @@ SHRINK_PERIOD_S = 5.0
 
 class CreditWindow:
     def __init__(self, initial_per_worker: int, max_bytes: int, period_s: float = SHRINK_PERIOD_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, lanes: int = 1) -> None:
         if initial_per_worker < 1:
             raise ValueError(f"inflight must be >= 1, got {initial_per_worker}")
         if max_bytes < 1:
             raise ValueError(f"prefetch_bytes must be >= 1, got {max_bytes}")
         self.initial_per_worker = initial_per_worker
+        self.lanes = max(1, lanes)  # sources every batch takes rows of (see the module's docstring)
         self.max_bytes = max_bytes  # bytes the workers may push beyond what has arrived, over the partition
         self.period_s, self.clock = period_s, clock
         self.reset()
@@ -53,7 +59,7 @@ class CreditWindow:
     def reset(self, state: Optional[dict] = None) -> None:
         """Back to ``state`` (``get_state()``), or to ``initial`` per worker."""
         state = state or {}
-        self._floor = int(state.get("floor", self.initial_per_worker))  # initial x the partition's workers (fit)
+        self._floor = int(state.get("floor", self.initial_per_worker))  # initial x workers or lanes (fit)
         self.pieces = max(self._floor, int(state.get("pieces", self.initial_per_worker)))  # the window in pieces
         self.piece_bytes = float(state.get("piece_bytes", 0.0))  # running mean size of a piece
         self._arrived = int(state.get("arrived", 0))
@@ -65,8 +71,9 @@ class CreditWindow:
         self._least_queued: float = math.inf if least is None else least
 
     def fit(self, workers: int) -> None:
-        """At least ``initial`` per worker of the partition (it may have grown past that)."""
-        self._floor = self.initial_per_worker * max(1, workers)
+        """At least ``initial`` per worker of the partition, and per lane (it may have grown
+        past that)."""
+        self._floor = self.initial_per_worker * max(1, workers, self.lanes)
         self.pieces = min(self.cap, max(self.pieces, self._floor))
 
     def arrived(self, pieces: int, nbytes: int) -> None:

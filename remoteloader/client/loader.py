@@ -129,7 +129,8 @@ class RemoteDataLoader:
         self.batch_size = self.spec.batch_size
         self.drop_last = self.spec.drop_last
         self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.credit = CreditWindow(inflight, prefetch_bytes)  # kept across epochs: what it learned holds
+        # Kept across epochs: what it learned holds. Lanes: the sources each batch mixes.
+        self.credit = CreditWindow(inflight, prefetch_bytes, lanes=max(self.spec.mix_splits, len(self.spec.tables)))
         self.device = staging.resolve_device(device)  # None: batches stay on the host
         self.pin_memory = pin_memory and self._can_pin()
         # Pinned slabs for the staging thread, reused across epochs (None: no staging).

@@ -11,15 +11,17 @@ into its pieces, both as views; a batch is a run of one piece.
 
 Tensors go by their wire names: ``sparse.values`` and ``sparse.weights`` hold one entry
 per value, ``sparse.lengths`` one per row and key, every other tensor one per row.
-Slicing works on numpy arrays and torch tensors alike. Copies are compiled: Python calls
-one copy per source array (a split's feature columns on the worker, a merge's tails on the
-client), never one per block, row or value. The compiled loops live in ``kernels``,
-loaded at the first copy: a process that never copies (``remoteloader status``, a client
-whose batches need no merge) never loads numba.
+Slicing works on numpy arrays and torch tensors alike. Python never copies one block, row
+or value at a time. The worker's copy of a split's feature columns into a run is compiled
+(``kernels``, loaded at its first copy, so a process that never makes runs never loads
+numba); the client's merge of row ranges of pieces (tails, mixed batches) is one
+``np.concatenate`` per tensor over views of the pieces' blocks, whose bounds come from each
+piece's ``ends``, made once a piece.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
@@ -53,6 +55,12 @@ class Jagged:
     lengths: np.ndarray  # [keys * rows]
     values: np.ndarray
     weights: Optional[np.ndarray] = None  # like values
+
+    @cached_property
+    def ends(self) -> np.ndarray:
+        """int64 ``[keys * rows + 1]``: where each length's values start, then the end (made at
+        the first merge that takes rows of the piece, kept for the next ones)."""
+        return offsets(self.lengths)
 
 
 def offsets(lengths: np.ndarray) -> np.ndarray:
@@ -119,46 +127,50 @@ def piece_major(sparse: Sequence[SparseColumn], rows: int, piece_rows: int) -> t
 
 @dataclass(frozen=True)
 class ConcatPlan:
-    """Where the rows of a tail merge come from and how big it is (``plan_concat``)."""
+    """A merge of row ranges of key-major pieces (``plan_concat``): the blocks each of its
+    tensors is made of, in order (views of the pieces' arrays), and its size."""
 
     keys: int
-    rows: np.ndarray  # int64 [parts]: rows taken from each part
-    length_at: np.ndarray  # int64 [parts, keys]: where each part's rows of each key start in its lengths
-    value_at: np.ndarray  # ... and in its values
-    value_sizes: np.ndarray  # values of each part's rows of each key
-
-    @property
-    def total_rows(self) -> int:
-        return int(self.rows.sum())
-
-    @property
-    def total_values(self) -> int:
-        return int(self.value_sizes.sum())
+    total_rows: int
+    total_values: int
+    lengths: list[np.ndarray]
+    values: list[np.ndarray]
+    weights: Optional[list[np.ndarray]]
 
 
 def plan_concat(parts: Sequence[tuple[Jagged, int, int]]) -> ConcatPlan:
-    """Rows ``[start, stop)`` of each key-major piece: one compiled pass per part finds its
-    keys' ranges, so the merge's sizes are known before its memory is chosen."""
+    """Rows ``[start, stop)`` of each key-major piece, in order: the output is key-major, so its
+    blocks go key by key, and within a key part by part. Where a part's rows of each key start
+    and end in its values is read from the piece's ``ends`` (made once a piece, though a mixed
+    batch's piece serves several batches): a strided view, no pass over its lengths."""
     keys = parts[0][0].keys
-    rows = np.array([stop - start for _, start, stop in parts], np.int64)
-    length_at, value_at, value_sizes = (np.empty((len(parts), keys), np.int64) for _ in range(3))
-    kernels = _kernels()
-    for p, (piece, start, stop) in enumerate(parts):
-        kernels.key_ranges(piece.lengths, keys, piece.rows, start, stop, length_at[p], value_at[p], value_sizes[p])
-    return ConcatPlan(keys, rows, length_at, value_at, value_sizes)
+    bounds = []
+    total_values = 0
+    for piece, start, stop in parts:
+        if stop == start:
+            continue
+        ends, rows = piece.ends, piece.rows
+        first, last = ends[start::rows][:keys].tolist(), ends[stop::rows][:keys].tolist()
+        total_values += sum(last) - sum(first)
+        bounds.append((piece, start, stop, rows, first, last))
+    lengths = [piece.lengths[k * rows + start:k * rows + stop]
+               for k in range(keys) for piece, start, stop, rows, _, _ in bounds]
+    values = [piece.values[first[k]:last[k]] for k in range(keys) for piece, _, _, _, first, last in bounds]
+    weights = None
+    if parts[0][0].weights is not None:
+        weights = [piece.weights[first[k]:last[k]] for k in range(keys) for piece, _, _, _, first, last in bounds]
+    return ConcatPlan(keys, sum(stop - start for _, start, stop in parts), total_values, lengths, values, weights)
 
 
-def concat_into(plan: ConcatPlan, parts: Sequence[tuple[Jagged, int, int]], lengths: np.ndarray,
-                values: np.ndarray, weights: Optional[np.ndarray]) -> Jagged:
+def concat_into(plan: ConcatPlan, lengths: np.ndarray, values: np.ndarray, weights: Optional[np.ndarray]) -> Jagged:
     """The merge ``plan`` describes, written into ``lengths`` (``keys * total_rows``),
-    ``values`` and ``weights`` (``total_values``, or None): one compiled copy per tensor."""
-    keys = plan.keys
-    _interleave([piece.lengths for piece, _, _ in parts], plan.length_at, np.repeat(plan.rows[:, None], keys, axis=1),
-                lengths)
-    _interleave([piece.values for piece, _, _ in parts], plan.value_at, plan.value_sizes, values)
-    if weights is not None:
-        _interleave([piece.weights for piece, _, _ in parts], plan.value_at, plan.value_sizes, weights)
-    return Jagged(keys, plan.total_rows, lengths, values, weights)
+    ``values`` and ``weights`` (``total_values``, or None): one copy call per tensor."""
+    if plan.lengths:  # else no rows, or no keys: nothing to copy
+        np.concatenate(plan.lengths, out=lengths)
+        np.concatenate(plan.values, out=values)
+        if weights is not None:
+            np.concatenate(plan.weights, out=weights)
+    return Jagged(plan.keys, plan.total_rows, lengths, values, weights)
 
 
 def concat_rows(parts: Sequence[tuple[Jagged, int, int]]) -> Jagged:
@@ -168,7 +180,7 @@ def concat_rows(parts: Sequence[tuple[Jagged, int, int]]) -> Jagged:
     plan = plan_concat(parts)
     values = np.empty(plan.total_values, first.values.dtype)
     weights = None if first.weights is None else np.empty(plan.total_values, first.weights.dtype)
-    return concat_into(plan, parts, np.empty(plan.keys * plan.total_rows, first.lengths.dtype), values, weights)
+    return concat_into(plan, np.empty(plan.keys * plan.total_rows, first.lengths.dtype), values, weights)
 
 
 def _interleave(sources: Sequence[np.ndarray], starts: np.ndarray, sizes: np.ndarray, out: np.ndarray) -> np.ndarray:

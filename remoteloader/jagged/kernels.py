@@ -1,5 +1,5 @@
 """The jagged layout's compiled loops (see the package's docstring), apart so that only
-processes that copy pieces import numba."""
+processes that make runs of pieces (workers) import numba."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,24 +22,6 @@ def places(sizes):  # pragma: no cover (compiled)
             pos += sizes[s, b]
     block_starts[blocks] = pos
     return at, block_starts
-
-
-@njit(cache=True, nogil=True)
-def key_ranges(lengths, keys, rows, start, stop, length_at, value_at, value_sizes):  # pragma: no cover (compiled)
-    """Per key of a key-major piece: where its rows ``[start, stop)`` start in ``lengths`` and in
-    the values, and how many values they hold (one pass over the piece's lengths)."""
-    pos = 0
-    for k in range(keys):
-        row0 = k * rows
-        for i in range(row0, row0 + start):
-            pos += lengths[i]
-        length_at[k] = row0 + start
-        value_at[k] = pos
-        for i in range(row0 + start, row0 + stop):
-            pos += lengths[i]
-        value_sizes[k] = pos - value_at[k]
-        for i in range(row0 + stop, row0 + rows):
-            pos += lengths[i]
 
 
 @njit(cache=True, nogil=True)
