@@ -16,16 +16,26 @@ Also reported: the trainer process's CPU per batch over the measured epochs (eve
 this process: receiving, assembling, the copies), since with K > 1 every batch is a copy of K
 slices where K = 1 hands most pieces out whole.
 
+``--staged``: the trainer takes batches as a GPU trainer does, ``pin_memory=True``: every
+batch is built once, off the training thread, into a reused staging slab (``client/staging.py``)
+-- a whole piece copied as it is (K = 1), the rows of K pieces merged (K > 1): one copy either
+way. This host has no accelerator, so the slabs are plain memory (the pinning primitive
+``staging.alloc_pinned`` replaced, as tests/test_pinning.py does) and nothing goes to a device;
+page-locking and the device copy would cost K = 1 and K > 1 alike. Without it (the default) the
+training loop reads nothing of a batch but its length, so K = 1's whole pieces cost it nothing
+and only K > 1 copies.
+
 Target (issue 40): rows/s with K = 8 (and 2, 4) >= 0.9x of K = 1. Every process started here
 is stopped by pid, also on errors.
 
-Run: ``.venv/bin/python -m benchmarks.mix_splits [--quick]`` (defaults: 4M rows, 3 rounds of 2
+Run: ``.venv/bin/python -m benchmarks.mix_splits [--quick] [--staged]`` (defaults: 4M rows, 3 rounds of 2
 measured epochs, 2 workers: about 5 minutes on 2 cores; ``--quick``: 600k rows, 2 rounds of
 1 epoch, a smoke test).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import signal
@@ -39,7 +49,9 @@ from typing import Callable
 from benchmarks.auth_cost import job_spec, run_directory
 from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table, round_options
 from remoteloader import RemoteDataLoader
-from remoteloader.client import assembly
+import torch
+
+from remoteloader.client import assembly, staging
 from remoteloader.core.binding import bind
 from remoteloader.core.plan import plan_base_splits
 from remoteloader.spec import DatasetSpec
@@ -111,9 +123,23 @@ def mixing_epoch(loader: RemoteDataLoader, partition_of: list[str]) -> tuple[lis
     return splits, partitions, rows
 
 
-def run_once(table: Path, mix: int, workers: int, epochs: int, partition_of: list[str]) -> Result:
-    with cluster(table, workers) as (addr, _):
-        with RemoteDataLoader(mix_spec(table, mix), master=addr, timeout=120) as loader:
+@contextlib.contextmanager
+def staging_without_accelerator():
+    """The loader's pinned staging path on a host without CUDA: slabs of plain memory."""
+    alloc, available = staging.alloc_pinned, torch.cuda.is_available
+    staging.alloc_pinned = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8)
+    torch.cuda.is_available = lambda: True
+    try:
+        yield
+    finally:
+        staging.alloc_pinned, torch.cuda.is_available = alloc, available
+
+
+def run_once(table: Path, mix: int, workers: int, epochs: int, partition_of: list[str], staged: bool) -> Result:
+    with cluster(table, workers) as (addr, _), \
+            (staging_without_accelerator() if staged else contextlib.nullcontext()):
+        with RemoteDataLoader(mix_spec(table, mix), master=addr, timeout=120, pin_memory=staged) as loader:
+            assert loader.pin_pool is not None or not staged
             splits, partitions, _ = mixing_epoch(loader, partition_of)  # also the warm-up
             rows, start, cpu = 0, time.perf_counter(), cpu_s()
             for _ in range(epochs):
@@ -140,7 +166,8 @@ def report(cases: dict[int, Case], args: argparse.Namespace, elapsed: float) -> 
           f"{args.copies} times: {2 * args.copies} partitions; stripes of {SPLIT_ROWS:,} rows), 4 dense + 4 sparse, "
           f"ORC, batch {BATCH}, split_rows {SPLIT_ROWS:,}, shuffle; {args.workers} standalone workers + master + "
           f"1 trainer rank on 127.0.0.1, {os.cpu_count()} cores; {args.rounds} interleaved rounds x {args.epochs} "
-          f"measured epochs (+1 warm-up) per K; {elapsed:.0f} s")
+          f"measured epochs (+1 warm-up) per K; {elapsed:.0f} s"
+          + ("; staged as for a GPU trainer (pin_memory=True, plain-memory slabs)" if args.staged else ""))
     print("rows/s: median over rounds; ratio: median of each round's K / K = 1; splits and partitions: per full "
           "batch of the warm-up epochs (min / median / max)")
     print()
@@ -169,6 +196,8 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=4, help="the table is --rows / --copies generated rows, linked "
                                                          "this many times under other partitions")
     p.add_argument("--quick", action="store_true", help="600k rows, 2 rounds of 1 measured epoch")
+    p.add_argument("--staged", action="store_true", help="batches staged as for a GPU trainer (pin_memory=True, "
+                                                         "plain-memory slabs here): one copy a batch at every K")
     args = p.parse_args()
     if args.quick:
         args.rows, args.copies, args.rounds, args.epochs = 600_000, 2, 2, 1
@@ -184,7 +213,7 @@ def main() -> None:
         cases = {mix: Case(mix) for mix in MIXES}
         for i in range(args.rounds):
             for mix in MIXES[i % len(MIXES):] + MIXES[:i % len(MIXES)]:
-                r = run_once(table, mix, args.workers, args.epochs, partition_of)
+                r = run_once(table, mix, args.workers, args.epochs, partition_of, args.staged)
                 if r.rows != expected:
                     raise AssertionError(f"mix_splits {mix}: {r.rows} rows delivered, expected {expected}")
                 cases[mix].results.append(r)
