@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from benchmarks.auth_cost import job_spec, run_directory
 from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table, round_options
 from remoteloader import RemoteDataLoader
-import torch
-
 from remoteloader.client import assembly, staging
 from remoteloader.core.binding import bind
 from remoteloader.core.plan import plan_base_splits
