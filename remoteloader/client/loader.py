@@ -15,18 +15,18 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from typing import Any, Generator, Iterator, Optional, Union
 
 import torch
 import zmq
 
-from . import resume, staging
+from . import jobname, resume, staging
 from .arena import ArenaLinks
 from .assembly import EpochAssembler
 from .batch import Batch
 from .credit import CreditWindow
 from .embedded import EmbeddedCluster, resolve_rank
-from .jobname import resolve_job_name
 from .placement import MasterPlacement
 from .epoch import EpochPlan, EpochRun
 from .position import Position
@@ -125,7 +125,10 @@ class RemoteDataLoader:
         self.spec = spec.replace(**overrides) if overrides else spec
         self.rank, self.world_size = resolve_rank(rank, world_size)
         # ValueError for a name that is none, before anything starts.
-        self.job, self._job_given = resolve_job_name(job, self.spec.fingerprint(), self.rank, self.world_size)
+        named = jobname.resolve_job_name(job, self.spec.fingerprint(), self.rank, self.world_size)
+        self.job, self._job_given = named.name, named.given
+        # Its slot of the spec's open loaders is free again at close (or if never closed, once collected).
+        self._job_slot = weakref.finalize(self, jobname.release, self.spec.fingerprint(), named.slot)
         self.batch_size = self.spec.batch_size
         self.drop_last = self.spec.drop_last
         self.timeout, self.connect_timeout = timeout, connect_timeout
@@ -280,6 +283,7 @@ class RemoteDataLoader:
             self.pin_pool.close()
         self._arenas.close()
         self.session.goodbye(GOODBYE_S)
+        self._job_slot()
         self._rpc.close()
         self._placement.close(self.world_size)
 
