@@ -283,8 +283,8 @@ def test_a_loader_takes_its_checkpoints_job_unless_given_another(tables, inproce
     with cluster.loader(spec_dict(tables["orc"], batch_size=100)) as loader:
         loader.state_dict()  # as DCP does before it loads: the loader meets the master as its default job
         before = loader.session.id
-        loader.load_state_dict(named)  # a default name: the checkpoint's job is resumed, in a new session
-        assert loader.job == loader.session.job_name == "sweep-3" and loader.session.id not in (None, before)
+        loader.load_state_dict(named)  # a default name: the checkpoint's job is resumed, in its next session
+        assert loader.job == loader.session.job_name == "sweep-3" and loader.session.id != before
         assert loader.state_dict()["rank_0"]["job"] == "sweep-3"
         assert sum(len(b) for b in loader) == ROWS  # and it reads its epoch, as the checkpoint's job
     with cluster.loader(spec_dict(tables["orc"], batch_size=100), job="sweep-4") as loader:
@@ -307,3 +307,16 @@ def test_a_closed_loader_frees_its_slot_for_the_next(tables, inprocess, monkeypa
             assert loader.job == first
     finally:
         dist.destroy_process_group()
+
+
+def test_a_refused_checkpoint_leaves_the_loaders_job_as_it_was(tables, inprocess):
+    """The job is taken over only once the state is accepted: a state of another spec is
+    refused (naming the key) and the loader goes on as its own job, in its own session."""
+    with inprocess(1).loader(spec_dict(tables["orc"], batch_size=100)) as loader:
+        state = {k: dict(v, job="sweep-3") for k, v in loader.state_dict().items()}
+    with inprocess(1).loader(spec_dict(tables["orc"], batch_size=100, seed=7)) as loader:
+        loader.state_dict()
+        before = loader.session.id
+        with pytest.raises(ValueError, match="seed"):
+            loader.load_state_dict(state)
+        assert (loader.job, loader.session.job_name, loader.session.id) == ("", "", before)
