@@ -320,3 +320,18 @@ def test_a_refused_checkpoint_leaves_the_loaders_job_as_it_was(tables, inprocess
         with pytest.raises(ValueError, match="seed"):
             loader.load_state_dict(state)
         assert (loader.job, loader.session.job_name, loader.session.id) == ("", "", before)
+
+
+def test_the_longest_job_key_fits_every_wire_field_that_names_a_job():
+    """A job key, ``<fingerprint>/<name>`` at the longest name, fits the fields bounded at 64
+    (split tasks, a heartbeat's job costs) as well as the ``Id`` ones."""
+    import msgspec.inspect as mi
+
+    from remoteloader.protocol import messages as M
+
+    key = job_key(DatasetSpec.from_dict(spec_dict("/t", batch_size=1)).fingerprint(), "x" * M.JOB_NAME_MAX)
+    bounds = {(record.__name__, f.name): f.type.max_length
+              for record in (M.SplitTaskRecord, M.JobCosts, M.GetSpec, M.Spec, M.Register, M.Registered)
+              for f in mi.type_info(record).fields if f.name in ("fingerprint", "job")}
+    assert bounds[("SplitTaskRecord", "fingerprint")] == bounds[("JobCosts", "fingerprint")] == 64
+    assert all(len(key) <= bound for bound in bounds.values()), (len(key), bounds)
