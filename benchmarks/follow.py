@@ -12,8 +12,8 @@
    fresh ``remoteloader-master --workers 0`` and ``--workers`` standalone workers per job, as
    ``benchmarks/order.py``). The clock starts once the master has bound the job and the
    workers have registered (a worker process starts in 4-9 s on a loaded 2-core host: inside
-   the clock that draw swamped the comparison), and after the trainer process has loaded
-   numba (its first tail merge, else paid by the run's first job). Rounds go in ABBA order
+   the clock that draw swamped the comparison); the trainer's merges of pieces load no numba
+   (``jagged.concat_rows`` is numpy only), so no job pays a compile. Rounds go in ABBA order
    (fixed first, following first, following first, fixed first, ...); the ratio is the median
    of the rounds' ratios. Target: following / fixed >= 0.95. Beside it, per job, the median
    phase timeline (to the first batch, each window's batches and rate, between the windows,
@@ -41,13 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import psutil
 import zmq
 
 from benchmarks.auth_cost import job_spec, run_directory
 from benchmarks.order import cluster, make_table
-from remoteloader import RemoteDataLoader, jagged
+from remoteloader import RemoteDataLoader
 from remoteloader.client.session import DataWait
 from remoteloader.core.binding import bind
 from remoteloader.core.sampling import plan_job_splits
@@ -193,19 +192,10 @@ def unstage(table: Path, later: list[str]) -> None:
             os.rename(table / name, table / "_staged" / name)
 
 
-def warm_trainer() -> None:
-    """The trainer process's first merge of pieces' tails (an epoch's short last batch) loads
-    numba (``jagged.kernels``: 0.7-1.9 s here), once per process: without this, the first
-    job of the run pays it, inside its clock."""
-    piece = jagged.Jagged(1, 2, np.ones(2, np.int32), np.arange(2, dtype=np.int64), None)
-    jagged.concat_rows([(piece, 0, 1), (piece, 1, 2)])
-
-
 def throughput(root: Path, rows: int, rounds: int, workers: int) -> list[tuple[Timeline, Timeline]]:
     """(fixed, following) of each round, the rounds in ABBA order."""
     fixed = make_table(root, rows, copies=4, stripe_rows=STRIPE_ROWS)
     table, later = follow_table(fixed, root)
-    warm_trainer()
     out = []
     for r in range(rounds):
         order = ("fixed", "follow") if r % 4 in (0, 3) else ("follow", "fixed")

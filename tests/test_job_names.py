@@ -196,30 +196,66 @@ def test_the_auto_cache_policy_decides_for_each_job_of_a_shared_fleet(tables, tm
 # -- the loader's side -------------------------------------------------------------------------
 def test_the_default_name_is_torchruns_run_id(monkeypatch):
     monkeypatch.setenv(jobname.ENV_RUN_ID, "e2e-run-7")
-    assert jobname.resolve_job_name(None, "fp", 0, 1) == ("e2e-run-7", False)
+    assert jobname.resolve_job_name(None, "fp", 0, 1) == ("e2e-run-7", False, None)
     monkeypatch.setenv(jobname.ENV_RUN_ID, "none")  # torchrun's own default rdzv id: no name
-    assert jobname.resolve_job_name(None, "fp", 0, 1) == ("", False)
+    assert jobname.resolve_job_name(None, "fp", 0, 1) == ("", False, None)
     monkeypatch.setenv(jobname.ENV_RUN_ID, "x" * 80)  # no valid name: named by its digest
-    name, _ = jobname.resolve_job_name(None, "fp", 0, 1)
+    name = jobname.resolve_job_name(None, "fp", 0, 1).name
     assert name.startswith("run-") and check_job_name(name) == name
-    assert jobname.resolve_job_name("sweep-3", "fp", 0, 1) == ("sweep-3", True)
+    assert jobname.resolve_job_name("sweep-3", "fp", 0, 1) == ("sweep-3", True, None)
 
 
 def test_under_torch_distributed_the_ranks_agree_through_the_store(monkeypatch):
     monkeypatch.delenv(jobname.ENV_RUN_ID, raising=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        name, given = jobname.resolve_job_name(None, "fp-agree", 0, 1)
-        assert name and not given  # a fresh name, published for the other ranks
+        name, given, slot = jobname.resolve_job_name(None, "fp-agree", 0, 1)
+        assert name and not given and slot == 0  # a fresh name, published for the other ranks
         store = dist.distributed_c10d._get_default_store()
         assert store.get(jobname.STORE_KEY.format(fingerprint="fp-agree", seq=0)).decode() == name
         # Another rank's (or a restarted process's) loader of the spec reads it; a name given that differs fails.
-        jobname._made["fp-agree"] = 0
-        assert jobname.resolve_job_name(None, "fp-agree", 0, 1)[0] == name
-        jobname._made["fp-agree"] = 0
+        jobname.release("fp-agree", slot)
+        assert jobname.resolve_job_name(None, "fp-agree", 0, 1) == (name, False, 0)
+        jobname.release("fp-agree", 0)
         with pytest.raises(ValueError, match="every rank must pass the same job="):
             jobname.resolve_job_name("other", "fp-agree", 0, 1)
     finally:
+        jobname.release("fp-agree", 0)
+        dist.destroy_process_group()
+
+
+def test_a_loader_made_again_after_close_is_the_same_job_and_two_open_at_once_are_two(monkeypatch):
+    """A slot of the spec's open loaders, not a count of those ever made: a loader recreated
+    after the last one closed (every epoch, or in a restarted process while the other ranks
+    hold theirs) names the job the other ranks' open loaders name."""
+    monkeypatch.delenv(jobname.ENV_RUN_ID, raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        first = jobname.resolve_job_name(None, "fp-slots", 0, 1)
+        second = jobname.resolve_job_name(None, "fp-slots", 0, 1)  # the first still open: another job
+        assert second.name != first.name and second.slot != first.slot
+        jobname.release("fp-slots", first.slot)
+        jobname.release("fp-slots", second.slot)
+        assert jobname.resolve_job_name(None, "fp-slots", 0, 1).name == first.name
+    finally:
+        jobname._open.pop("fp-slots", None)
+        dist.destroy_process_group()
+
+
+def test_a_rank_given_no_name_and_one_by_default_agree_on_it(monkeypatch):
+    """``job=""`` is published as itself: the store's compare_set would take an empty value
+    for "not set", and the next rank's default overwrite it (two half jobs)."""
+    monkeypatch.delenv(jobname.ENV_RUN_ID, raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert jobname.resolve_job_name("", "fp-unnamed", 0, 1)[:2] == ("", True)
+        jobname.release("fp-unnamed", 0)  # the next is another rank's loader of the job
+        assert jobname.resolve_job_name(None, "fp-unnamed", 0, 1)[:2] == ("", False)
+        jobname.release("fp-unnamed", 0)
+        with pytest.raises(ValueError, match="names another job than ''"):
+            jobname.resolve_job_name("sweep-1", "fp-unnamed", 0, 1)
+    finally:
+        jobname._open.pop("fp-unnamed", None)
         dist.destroy_process_group()
 
 
@@ -247,10 +283,55 @@ def test_a_loader_takes_its_checkpoints_job_unless_given_another(tables, inproce
     with cluster.loader(spec_dict(tables["orc"], batch_size=100)) as loader:
         loader.state_dict()  # as DCP does before it loads: the loader meets the master as its default job
         before = loader.session.id
-        loader.load_state_dict(named)  # a default name: the checkpoint's job is resumed, in a new session
-        assert loader.job == loader.session.job_name == "sweep-3" and loader.session.id not in (None, before)
+        loader.load_state_dict(named)  # a default name: the checkpoint's job is resumed, in its next session
+        assert loader.job == loader.session.job_name == "sweep-3" and loader.session.id != before
         assert loader.state_dict()["rank_0"]["job"] == "sweep-3"
         assert sum(len(b) for b in loader) == ROWS  # and it reads its epoch, as the checkpoint's job
     with cluster.loader(spec_dict(tables["orc"], batch_size=100), job="sweep-4") as loader:
         with pytest.raises(ValueError, match="of job 'sweep-3' and this loader was given job='sweep-4'"):
             loader.load_state_dict(named)
+
+
+def test_a_closed_loader_frees_its_slot_for_the_next(tables, inprocess, monkeypatch):
+    """``close()`` releases the loader's slot: the loader made next names the same job."""
+    monkeypatch.delenv(jobname.ENV_RUN_ID, raising=False)
+    cluster = inprocess(1)
+    spec = spec_dict(tables["orc"], batch_size=100)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with cluster.loader(spec) as loader:
+            first = loader.job
+            with cluster.loader(spec) as other:  # open beside it: another job
+                assert other.job not in ("", first)
+        with cluster.loader(spec) as loader:
+            assert loader.job == first
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_refused_checkpoint_leaves_the_loaders_job_as_it_was(tables, inprocess):
+    """The job is taken over only once the state is accepted: a state of another spec is
+    refused (naming the key) and the loader goes on as its own job, in its own session."""
+    with inprocess(1).loader(spec_dict(tables["orc"], batch_size=100)) as loader:
+        state = {k: dict(v, job="sweep-3") for k, v in loader.state_dict().items()}
+    with inprocess(1).loader(spec_dict(tables["orc"], batch_size=100, seed=7)) as loader:
+        loader.state_dict()
+        before = loader.session.id
+        with pytest.raises(ValueError, match="seed"):
+            loader.load_state_dict(state)
+        assert (loader.job, loader.session.job_name, loader.session.id) == ("", "", before)
+
+
+def test_the_longest_job_key_fits_every_wire_field_that_names_a_job():
+    """A job key, ``<fingerprint>/<name>`` at the longest name, fits the fields bounded at 64
+    (split tasks, a heartbeat's job costs) as well as the ``Id`` ones."""
+    import msgspec.inspect as mi
+
+    from remoteloader.protocol import messages as M
+
+    key = job_key(DatasetSpec.from_dict(spec_dict("/t", batch_size=1)).fingerprint(), "x" * M.JOB_NAME_MAX)
+    bounds = {(record.__name__, f.name): f.type.max_length
+              for record in (M.SplitTaskRecord, M.JobCosts, M.GetSpec, M.Spec, M.Register, M.Registered)
+              for f in mi.type_info(record).fields if f.name in ("fingerprint", "job")}
+    assert bounds[("SplitTaskRecord", "fingerprint")] == bounds[("JobCosts", "fingerprint")] == 64
+    assert all(len(key) <= bound for bound in bounds.values()), (len(key), bounds)

@@ -15,18 +15,18 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from typing import Any, Generator, Iterator, Optional, Union
 
 import torch
 import zmq
 
-from . import resume, staging
+from . import jobname, resume, staging
 from .arena import ArenaLinks
 from .assembly import EpochAssembler
 from .batch import Batch
 from .credit import CreditWindow
 from .embedded import EmbeddedCluster, resolve_rank
-from .jobname import resolve_job_name
 from .placement import MasterPlacement
 from .epoch import EpochPlan, EpochRun
 from .position import Position
@@ -125,7 +125,10 @@ class RemoteDataLoader:
         self.spec = spec.replace(**overrides) if overrides else spec
         self.rank, self.world_size = resolve_rank(rank, world_size)
         # ValueError for a name that is none, before anything starts.
-        self.job, self._job_given = resolve_job_name(job, self.spec.fingerprint(), self.rank, self.world_size)
+        named = jobname.resolve_job_name(job, self.spec.fingerprint(), self.rank, self.world_size)
+        self.job, self._job_given = named.name, named.given
+        # Its slot of the spec's open loaders is free again at close (or if never closed, once collected).
+        self._job_slot = weakref.finalize(self, jobname.release, self.spec.fingerprint(), named.slot)
         self.batch_size = self.spec.batch_size
         self.drop_last = self.spec.drop_last
         self.timeout, self.connect_timeout = timeout, connect_timeout
@@ -248,20 +251,27 @@ class RemoteDataLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped
         (see ``Position.load``), as the job the state was saved by (see ``_resume_job``)."""
-        self._resume_job(resume.saved_job(state))
-        self.position.load(state, lambda: self._hello().plan)
+        saved = resume.saved_job(state)
+        if saved is not None and saved != self.job and self._job_given:
+            raise ValueError(f"this state is of job {saved!r} and this loader was given job={self.job!r}: a "
+                             f"checkpoint resumes only its own job (pass job={saved!r} to resume it)")
+
+        def plan() -> Optional[str]:
+            if self.session.id is None:  # not met the master yet: meet it as the checkpoint's job at once
+                self._resume_job(saved)
+            return self._hello().plan
+
+        self.position.load(state, plan)
+        self._resume_job(saved)  # only once the state fits: a refused one leaves the loader's job as it was
 
     def _resume_job(self, saved: Optional[str]) -> None:
         """A checkpoint resumes its own job, never another one: a loader without a name given
         takes the checkpoint's (a relaunch of the job is that job again, whatever its new
         run id), saying goodbye first if it met the master under its default name (DCP asks
-        ``state_dict()`` before it loads); one given another name is refused. A state saved
-        before job names (None) resumes as this loader's job."""
+        ``state_dict()`` before it loads); one given another name is refused
+        (``load_state_dict``). A state saved before job names (None) resumes as this loader's job."""
         if saved is None or saved == self.job:
             return
-        if self._job_given:
-            raise ValueError(f"this state is of job {saved!r} and this loader was given job={self.job!r}: a "
-                             f"checkpoint resumes only its own job (pass job={saved!r} to resume it)")
         log.info("rank %d: resuming job %r of the loaded state (its default name was %r)", self.rank, saved, self.job)
         self.session.goodbye(GOODBYE_S)  # the next call says hello as the checkpoint's job
         self.job = self.position.job = self.session.job_name = saved
@@ -280,6 +290,7 @@ class RemoteDataLoader:
             self.pin_pool.close()
         self._arenas.close()
         self.session.goodbye(GOODBYE_S)
+        self._job_slot()
         self._rpc.close()
         self._placement.close(self.world_size)
 

@@ -39,7 +39,7 @@ Dim = Annotated[int, Meta(ge=0, le=MAX_FRAME_BYTES)]
 OrUnset = Annotated[int, Meta(ge=-1, le=MAX_INT)]  # -1: not about one epoch, rank or split
 # A node (host) label, "" for none: the master gives each rank the workers of its own node first.
 Node = Annotated[str, Meta(max_length=255)]
-Key = Annotated[str, Meta(max_length=64, pattern="^([0-9a-f]{64})?$")]
+Key = Annotated[str, Meta(max_length=64, pattern="^([0-9a-f]{64})?$")]  # an X25519 public key, hex ("": none)
 # A job's name (hello.job): two loaders of one spec are one job only under the same name, so a
 # sweep's trials of one spec run side by side on a shared fleet. "": the spec fingerprint alone.
 JOB_NAME_MAX = 40
@@ -57,7 +57,7 @@ def check_job_name(name: str) -> str:
 
 def job_key(fingerprint: str, name: str) -> str:
     """What names a job to workers and in status and metrics: its spec fingerprint, and its name."""
-    return f"{fingerprint}/{name}" if name else fingerprint  # an X25519 public key, hex ("": none)
+    return f"{fingerprint}/{name}" if name else fingerprint
 Gen = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]  # a sealing key's generation
 Nonce = Annotated[int, Meta(ge=1, le=MAX_INT)]  # the first counter of a sealed message (a 64-bit field)
 DType = Literal["float32", "float64", "int32", "int64", "uint8"]
