@@ -145,7 +145,7 @@ def test_client_metrics_are_per_rank_and_job_and_go_with_an_ended_job(specs_of_t
     def rows_by_job() -> dict:
         text = _exposition(metrics.read_state())
         family = {f.name: f for f in text_string_to_metric_families(text)}["remoteloader_client_rows"]
-        return {(s.labels["rank"], s.labels["job"]): s.value for s in family.samples if s.name.endswith("_total")}
+        return {(s.labels["rank"], s.labels["job_key"]): s.value for s in family.samples if s.name.endswith("_total")}
 
     fp = spec.fingerprint()
     assert rows_by_job() == {("0", f"{fp}/t1"): 200, ("0", f"{fp}/t2"): 600}  # rank 0 of each job, apart
