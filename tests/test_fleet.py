@@ -280,7 +280,7 @@ def test_status_and_metrics_show_a_line_per_job(specs):
     assert [line.split()[1] for line in lines] == [specs[0].fingerprint(), specs[1].fingerprint()]
     assert "world size 2, 2 clients, epoch 0 0% done" in lines[1] and "weight 1 normal" in lines[1]
     families = {f.name: f for f in text_string_to_metric_families(_exposition(MasterMetrics(service).read_state()))}
-    assert {(s.labels["job"], s.value) for s in families["remoteloader_fleet_job_clients"].samples} == \
+    assert {(s.labels["job_key"], s.value) for s in families["remoteloader_fleet_job_clients"].samples} == \
         {(specs[0].fingerprint(), 1), (specs[1].fingerprint(), 2)}
-    assert all(set(s.labels) == {"job"} for name, f in families.items() if name.startswith("remoteloader_fleet_job")
+    assert all(set(s.labels) == {"job_key"} for name, f in families.items() if name.startswith("remoteloader_fleet_job")
                for s in f.samples)

@@ -145,7 +145,7 @@ def test_client_metrics_are_per_rank_and_job_and_go_with_an_ended_job(specs_of_t
     def rows_by_job() -> dict:
         text = _exposition(metrics.read_state())
         family = {f.name: f for f in text_string_to_metric_families(text)}["remoteloader_client_rows"]
-        return {(s.labels["rank"], s.labels["job"]): s.value for s in family.samples if s.name.endswith("_total")}
+        return {(s.labels["rank"], s.labels["job_key"]): s.value for s in family.samples if s.name.endswith("_total")}
 
     fp = spec.fingerprint()
     assert rows_by_job() == {("0", f"{fp}/t1"): 200, ("0", f"{fp}/t2"): 600}  # rank 0 of each job, apart
@@ -273,7 +273,7 @@ def test_a_checkpoint_names_its_job_and_resumes_only_it():
         resume.saved_job(dict(position, job="../x"))
 
 
-def test_a_loader_takes_its_checkpoints_job_unless_given_another(tables, inprocess):
+def test_a_loader_without_a_name_takes_its_checkpoints_job(tables, inprocess):
     cluster = inprocess(1)
     with cluster.loader(spec_dict(tables["orc"], batch_size=100)) as loader:
         assert loader.job == ""
@@ -287,9 +287,35 @@ def test_a_loader_takes_its_checkpoints_job_unless_given_another(tables, inproce
         assert loader.job == loader.session.job_name == "sweep-3" and loader.session.id != before
         assert loader.state_dict()["rank_0"]["job"] == "sweep-3"
         assert sum(len(b) for b in loader) == ROWS  # and it reads its epoch, as the checkpoint's job
-    with cluster.loader(spec_dict(tables["orc"], batch_size=100), job="sweep-4") as loader:
-        with pytest.raises(ValueError, match="of job 'sweep-3' and this loader was given job='sweep-4'"):
-            loader.load_state_dict(named)
+
+
+def test_a_loader_given_another_name_forks_the_checkpoint_as_its_own_job(tables, inprocess):
+    """Two trials warm-started from one checkpoint: each given its own ``job=`` resumes the
+    position as its own job, and each reads the rest of the epoch once; the checkpoint's job
+    is not taken over."""
+    cluster = inprocess(1, config=MasterConfig(max_jobs=3, heartbeat_timeout=2.0))  # a shared fleet
+    spec = spec_dict(tables["orc"], batch_size=100)
+    with cluster.loader(spec, job="base") as loader:
+        it = iter(loader)
+        first = sum(len(next(it)) for _ in range(3))
+        state = loader.state_dict()
+        assert state["rank_0"]["job"] == "base"
+    forks = [cluster.loader(spec, job=name) for name in ("trial-1", "trial-2")]
+    try:
+        for loader in forks:
+            loader.load_state_dict(state)
+            assert loader.job == loader.session.job_name != "base"
+            assert loader.state_dict()["rank_0"]["job"] == loader.job
+        iters = [iter(loader) for loader in forks]
+        rows = [0, 0]
+        for i, it in enumerate(iters):  # both live at once: two jobs of one spec
+            rows[i] += len(next(it))
+        for i, it in enumerate(iters):
+            rows[i] += sum(len(b) for b in it)
+        assert rows == [ROWS - first, ROWS - first]
+    finally:
+        for loader in forks:
+            loader.close()
 
 
 def test_a_closed_loader_frees_its_slot_for_the_next(tables, inprocess, monkeypatch):

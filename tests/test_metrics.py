@@ -16,7 +16,7 @@ from remoteloader.protocol.wire import MASTER_REQUESTS
 from tests.wire_helpers import ask
 
 # Every label a remoteloader metric may carry: none of them takes a random id or an epoch.
-STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "version", "le", "reason", "job"}
+STABLE_LABELS = {"slot", "rank", "state", "outcome", "type", "code", "fingerprint", "version", "le", "reason", "job_key"}
 SECRET_TABLE = "s3://ads-bucket-7/t?endpoint_override=h:9000&secret_key=NOT-FOR-METRICS"
 
 
@@ -121,12 +121,12 @@ def test_families_follow_the_naming_conventions():
         "remoteloader_worker_busy_seconds": ("counter", set()),
         "remoteloader_worker_read_bytes": ("counter", set()),
         "remoteloader_worker_pieces_discarded": ("counter", {"reason"}),
-        "remoteloader_client_stall_ratio": ("gauge", {"rank", "job"}),
-        "remoteloader_client_last_batch_age_seconds": ("gauge", {"rank", "job"}),
-        "remoteloader_client_wait_seconds": ("counter", {"rank", "job"}),
-        "remoteloader_client_starved_seconds": ("counter", {"rank", "job"}),
-        "remoteloader_client_batches": ("counter", {"rank", "job"}),
-        "remoteloader_client_batch_wait_seconds": ("histogram", {"rank", "job"}),
+        "remoteloader_client_stall_ratio": ("gauge", {"rank", "job_key"}),
+        "remoteloader_client_last_batch_age_seconds": ("gauge", {"rank", "job_key"}),
+        "remoteloader_client_wait_seconds": ("counter", {"rank", "job_key"}),
+        "remoteloader_client_starved_seconds": ("counter", {"rank", "job_key"}),
+        "remoteloader_client_batches": ("counter", {"rank", "job_key"}),
+        "remoteloader_client_batch_wait_seconds": ("histogram", {"rank", "job_key"}),
         "remoteloader_rank_epoch": ("gauge", {"rank"}),
         "remoteloader_rank_splits": ("gauge", {"rank", "state"}),
         "remoteloader_errors": ("counter", {"outcome"}),
@@ -162,7 +162,7 @@ def test_families_follow_the_naming_conventions():
     assert [s.labels["rank"] for s in parsed["remoteloader_client_last_batch_age_seconds"].samples] == ["0"]
     assert [value("remoteloader_client_batch_wait_seconds_bucket", rank="0", le=le)
             for le in ("0.01", "0.1", "+Inf")] == [100, 115, 120]
-    assert value("remoteloader_client_batch_wait_seconds_count", rank="0", job="abc123") == 120
+    assert value("remoteloader_client_batch_wait_seconds_count", rank="0", job_key="abc123") == 120
 
 
 def test_the_metrics_name_no_table():

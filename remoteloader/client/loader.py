@@ -250,11 +250,12 @@ class RemoteDataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next ``iter()`` resumes its epoch where it stopped
-        (see ``Position.load``), as the job the state was saved by (see ``_resume_job``)."""
+        (see ``Position.load``), as the job the state was saved by (see ``_resume_job``), or,
+        for a loader given another ``job=``, as that job: a fork, which starts there."""
         saved = resume.saved_job(state)
         if saved is not None and saved != self.job and self._job_given:
-            raise ValueError(f"this state is of job {saved!r} and this loader was given job={self.job!r}: a "
-                             f"checkpoint resumes only its own job (pass job={saved!r} to resume it)")
+            log.info("rank %d: job %r starts from a position of job %r (a fork)", self.rank, self.job, saved)
+            saved = None  # the rows the state names as consumed are consumed in this job's epoch too
 
         def plan() -> Optional[str]:
             if self.session.id is None:  # not met the master yet: meet it as the checkpoint's job at once
@@ -268,8 +269,8 @@ class RemoteDataLoader:
         """A checkpoint resumes its own job, never another one: a loader without a name given
         takes the checkpoint's (a relaunch of the job is that job again, whatever its new
         run id), saying goodbye first if it met the master under its default name (DCP asks
-        ``state_dict()`` before it loads); one given another name is refused
-        (``load_state_dict``). A state saved before job names (None) resumes as this loader's job."""
+        ``state_dict()`` before it loads). A state saved before job names (None) resumes as this
+        loader's job, as does one loaded by a loader given another name (a fork)."""
         if saved is None or saved == self.job:
             return
         log.info("rank %d: resuming job %r of the loaded state (its default name was %r)", self.rank, saved, self.job)

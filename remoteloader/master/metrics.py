@@ -244,7 +244,7 @@ def families(reading: dict) -> list[Metric]:
         if job.get("world_size") is not None:
             gauge("remoteloader_job_world_size", "Trainer ranks of the job.", samples=[(job["world_size"],)])
 
-    # A shared fleet's jobs, one series each: the `job` label is the job's key, bounded
+    # A shared fleet's jobs, one series each: the `job_key` label (not `job`: Prometheus sets its own `job` on every scraped series) is the job's key, bounded
     # by the master's --max-jobs (a job that ends leaves the next scrape).
     jobs = reading.get("jobs", [])
     per_job = [
@@ -259,8 +259,8 @@ def families(reading: dict) -> list[Metric]:
         ("remoteloader_fleet_job_weight", "The job's fair-share weight (its spec's share.weight).", "weight"),
     ]
     for name, doc, field in per_job:
-        gauge(name, doc, ["job"], [(j["job"], j[field]) for j in jobs
-                                   if isinstance(j.get(field), (int, float))])
+        gauge(name, doc, ["job_key"], [(j["job"], j[field]) for j in jobs
+                                       if isinstance(j.get(field), (int, float))])
 
     # Workers: current values per slot, cumulative counts summed over every worker that reported.
     workers = reading.get("workers", [])
@@ -332,9 +332,10 @@ def families(reading: dict) -> list[Metric]:
             [(reason, wt.get(f"discarded.{reason}", 0.0)) for reason in DISCARD_REASONS])
 
     # Clients, by rank and job, (rank, job key) (a rank's client is replaced when the rank restarts;
-    # the rank stays): the `job` label is the job's key, bounded by the master's --max-jobs.
+    # the rank stays): the `job_key` label is the job's key, bounded by the master's --max-jobs
+    # (not `job`: Prometheus gives every series it scrapes a `job` of its own).
     clients = reading.get("clients", {})
-    rank_job = ["rank", "job"]
+    rank_job = ["rank", "job_key"]
     gauge("remoteloader_clients", "Connected trainer clients.", samples=[(len(clients),)])
     gauge("remoteloader_client_stall_ratio", "Share of time the rank's training loop waited for batches "
           "over the rate window.", rank_job, [(r, j, c["stall"]) for (r, j), c in sorted(clients.items())])
