@@ -258,12 +258,17 @@ class RemoteDataLoader:
             saved = None  # the rows the state names as consumed are consumed in this job's epoch too
 
         def plan() -> Optional[str]:
-            if self.session.id is None:  # not met the master yet: meet it as the checkpoint's job at once
-                self._resume_job(saved)
+            # The state fits the spec: the plan it must fit is its own job's (a following job's grows).
+            self._resume_job(saved)
             return self._hello().plan
 
-        self.position.load(state, plan)
-        self._resume_job(saved)  # only once the state fits: a refused one leaves the loader's job as it was
+        before = self.job
+        try:
+            self.position.load(state, plan)
+        except Exception:
+            if self.job != before:  # a refused state leaves the loader's job as it was
+                self._switch_job(before)
+            raise
 
     def _resume_job(self, saved: Optional[str]) -> None:
         """A checkpoint resumes its own job, never another one: a loader without a name given
@@ -274,8 +279,12 @@ class RemoteDataLoader:
         if saved is None or saved == self.job:
             return
         log.info("rank %d: resuming job %r of the loaded state (its default name was %r)", self.rank, saved, self.job)
-        self.session.goodbye(GOODBYE_S)  # the next call says hello as the checkpoint's job
-        self.job = self.position.job = self.session.job_name = saved
+        self._switch_job(saved)
+
+    def _switch_job(self, name: str) -> None:
+        self.session.goodbye(GOODBYE_S)  # the next call says hello as that job
+        self.job = self.position.job = self.session.job_name = name
+        self.position.plan = None  # the plan met under the old name was that job's (a stream's grows its own way)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
