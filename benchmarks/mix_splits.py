@@ -71,12 +71,11 @@ def mix_spec(table: Path, mix: int) -> dict:
 
 
 @dataclass
-class Result:
+class Timed:
+    """One run's measured epochs: rows, seconds and this process's CPU (every thread)."""
     rows: int
     seconds: float
-    client_cpu_s: float  # this process's CPU (every thread) over the measured epochs
-    splits: list[int]  # distinct base splits of each full batch of the warm-up epoch
-    partitions: list[int]  # distinct partitions of each
+    client_cpu_s: float
 
     @property
     def rows_s(self) -> float:
@@ -85,6 +84,12 @@ class Result:
     @property
     def cpu_us_per_batch(self) -> float:
         return self.client_cpu_s * 1e6 / (self.rows / BATCH)
+
+
+@dataclass
+class Result(Timed):
+    splits: list[int]  # distinct base splits of each full batch of the warm-up epoch
+    partitions: list[int]  # distinct partitions of each
 
 
 def cpu_s() -> float:
@@ -149,8 +154,8 @@ def run_once(table: Path, mix: int, workers: int, epochs: int, partition_of: lis
 
 @dataclass
 class Case:
-    mix: int
-    results: list[Result] = field(default_factory=list)
+    """One case's runs, a run a round: its medians over the rounds."""
+    results: list[Timed] = field(default_factory=list)
 
     @property
     def rows_s(self) -> float:
@@ -210,7 +215,7 @@ def main() -> None:
         files = bind(spec).files
         partition_of = [files[s.file].partition for s in plan_base_splits(files, spec.split_rows)]
         expected = args.rows // args.copies * args.copies * args.epochs
-        cases = {mix: Case(mix) for mix in MIXES}
+        cases = {mix: Case() for mix in MIXES}
         for i in range(args.rounds):
             for mix in MIXES[i % len(MIXES):] + MIXES[:i % len(MIXES)]:
                 r = run_once(table, mix, args.workers, args.epochs, partition_of, args.staged)

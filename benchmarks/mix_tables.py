@@ -25,16 +25,15 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.auth_cost import job_spec, run_directory
-from benchmarks.mix_splits import cpu_s, recorded_epoch
+from benchmarks.mix_splits import BATCH, Case, Timed, cpu_s, recorded_epoch
 from benchmarks.order import SPLIT_ROWS, cluster, consume_epoch, make_table, round_options
 from remoteloader import RemoteDataLoader
 from remoteloader.client import assembly
 
-BATCH = 1024
 CASES = ("one table", "3:1 mix")
 
 
@@ -64,15 +63,8 @@ def case_spec(case: str, a: Path, b: Path, one: Path) -> dict:
 
 
 @dataclass
-class Result:
-    rows: int
-    seconds: float
-    client_cpu_s: float
+class Result(Timed):
     shares: list[int]  # rows of table a in each full batch of the warm-up epoch (mix only)
-
-    @property
-    def rows_s(self) -> float:
-        return self.rows / self.seconds
 
 
 def shares_epoch(loader: RemoteDataLoader) -> tuple[list[int], int]:
@@ -100,16 +92,6 @@ def run_once(spec: dict, root: Path, workers: int, epochs: int, mixed: bool) -> 
             return Result(rows, time.perf_counter() - start, cpu_s() - cpu, shares)
 
 
-@dataclass
-class Case:
-    name: str
-    results: list[Result] = field(default_factory=list)
-
-    @property
-    def rows_s(self) -> float:
-        return statistics.median(r.rows_s for r in self.results)
-
-
 def report(cases: dict[str, Case], args: argparse.Namespace, elapsed: float) -> None:
     print(f"{args.rows:,} rows (a: {args.rows * 3 // 4:,}, b: {args.rows // 4:,}; the single table: both's files), "
           f"4 dense + 4 sparse, ORC, batch {BATCH}, split_rows {SPLIT_ROWS:,}, shuffle; {args.workers} standalone "
@@ -124,11 +106,10 @@ def report(cases: dict[str, Case], args: argparse.Namespace, elapsed: float) -> 
     for name, c in cases.items():
         per_round = [r.rows_s / b.rows_s for r, b in zip(c.results, base.results)]
         shares = [n for r in c.results for n in r.shares]
-        cpu = statistics.median(r.client_cpu_s * 1e6 / (r.rows / BATCH) for r in c.results)
         mix = f"{min(shares)} / {statistics.median(shares):g} / {max(shares)} | {sum(n != 768 for n in shares)} of " \
               f"{len(shares)}" if shares else "- | -"
         print(f"| {name} | {c.rows_s:,.0f} | {statistics.median(per_round):.2f} | "
-              f"{', '.join(f'{x:.2f}' for x in per_round)} | {cpu:.0f} us | {mix} |")
+              f"{', '.join(f'{x:.2f}' for x in per_round)} | {c.cpu_us_per_batch:.0f} us | {mix} |")
 
 
 def main() -> None:
@@ -144,7 +125,7 @@ def main() -> None:
     with run_directory("rl-mixtables-") as tmp:
         a, b, one = tables(tmp, args.rows)
         expected = (args.rows * 3 // 4 // 3 * 3 + args.rows // 4) * args.epochs
-        cases = {name: Case(name) for name in CASES}
+        cases = {name: Case() for name in CASES}
         for i in range(args.rounds):
             for name in (CASES if i % 2 == 0 else CASES[::-1]):
                 r = run_once(case_spec(name, a, b, one), tmp, args.workers, args.epochs, name != "one table")
