@@ -19,7 +19,7 @@ from remoteloader.core.binding import bind
 from remoteloader.core.plan import plan_base_splits
 from remoteloader.spec import DatasetSpec
 from tests.conftest import ROWS, spec_dict
-from tests.test_order import consume, digest, sequences
+from tests.test_order import consume, digest, sequences, stopped_mid_epoch
 
 pytestmark = pytest.mark.slow
 LANES = 4
@@ -105,12 +105,7 @@ def test_a_state_dict_continues_the_same_sequence_and_a_resume_elsewhere_is_exac
                                                                                         reference):
     master = inprocess(2)
     spec = mix_spec(table)
-    loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
-    its = [iter(x) for x in loaders]
-    first = [[next(it) for _ in range(3 + r)] for r, it in enumerate(its)]  # ranks stop at other batches
-    parts = {k: v for x in loaders for k, v in x.state_dict().items()}
-    for x in loaders:
-        x.close()
+    first, parts = stopped_mid_epoch(spec, master.addr, [3, 4])  # ranks stop at other batches
     def resumed_from(state: dict) -> list:
         again = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
         for x in again:

@@ -19,7 +19,7 @@ import pytest
 from remoteloader import LocalDataset, RemoteDataLoader
 from remoteloader.client import local, resume
 from tests.conftest import master_status, spec_dict
-from tests.test_order import consume, digest
+from tests.test_order import consume, digest, stopped_mid_epoch
 
 pytestmark = pytest.mark.slow
 A_ROWS, B_ROWS, B_FIRST = 3000, 1000, 10**6  # table b's row ids start at B_FIRST
@@ -150,12 +150,7 @@ def test_a_restarted_table_is_read_in_whole_passes(tables, inprocess):
 def test_a_state_dict_continues_the_same_sequence(tables, inprocess, reference):
     master = inprocess(2)
     spec = mix_spec(tables)
-    loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
-    its = [iter(x) for x in loaders]
-    first = [[next(it) for _ in range(3 + 2 * r)] for r, it in enumerate(its)]  # ranks stop at other batches
-    parts = {k: v for x in loaders for k, v in x.state_dict().items()}
-    for x in loaders:
-        x.close()
+    first, parts = stopped_mid_epoch(spec, master.addr, [3, 5])  # ranks stop at other batches
 
     def resumed_from(state: dict) -> list:
         again = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
@@ -192,12 +187,8 @@ def test_a_dcp_position_of_2_ranks_resumes_exactly_once_on_1_and_on_3(tables, cl
 
     master = cluster.master(workers=2)
     spec = mix_spec(tables)
-    loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
-    its = [iter(x) for x in loaders]
-    first = [[next(it) for _ in range(9 + 4 * r)] for r, it in enumerate(its)]  # ranks stop at other batches
-    position = resume.job_position(resume.rank_parts({k: v for x in loaders for k, v in x.state_dict().items()}))
-    for x in loaders:
-        x.close()
+    first, parts = stopped_mid_epoch(spec, master.addr, [9, 13])  # ranks stop at other batches
+    position = resume.job_position(resume.rank_parts(parts))
     dcp.save({"loader": position}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     saved = resume.read_rank_states(tmp_path / "ckpt", "loader")
     assert saved["done"] == position["done"]

@@ -38,6 +38,19 @@ def digest(batch) -> str:
     return hashlib.sha1(b"".join(t.numpy().tobytes() for t in parts)).hexdigest()[:16]
 
 
+def stopped_mid_epoch(spec: dict, addr: str, stops: list[int]) -> tuple[list[list], dict]:
+    """A job of ``len(stops)`` ranks checkpointed mid-epoch: rank r takes ``stops[r]`` batches;
+    then (its batches per rank, every rank's ``state_dict()`` part together), the loaders closed."""
+    world = len(stops)
+    loaders = [RemoteDataLoader(spec, master=addr, rank=r, world_size=world, timeout=90) for r in range(world)]
+    its = [iter(x) for x in loaders]
+    first = [[next(it) for _ in range(n)] for n, it in zip(stops, its)]
+    parts = {k: v for x in loaders for k, v in x.state_dict().items()}
+    for x in loaders:
+        x.close()
+    return first, parts
+
+
 def consume(loaders, on_batch=None) -> list[list]:
     """Every rank's batches, the ranks taking turns (as under DDP); ``on_batch(rank, i)`` after each."""
     its, out, done = [iter(x) for x in loaders], [[] for _ in loaders], [False] * len(loaders)
@@ -175,12 +188,8 @@ def test_local_dataset_yields_the_same_sequence(tables, reference):
 def test_a_resume_onto_another_world_size_is_exactly_once_and_itself_deterministic(tables, inprocess):
     master = inprocess(2)
     spec = order_spec(tables)
-    loaders = [RemoteDataLoader(spec, master=master.addr, rank=r, world_size=2, timeout=90) for r in range(2)]
-    its = [iter(x) for x in loaders]
-    before = [next(it) for it in its for _ in range(3)]
-    state = {k: v for x in loaders for k, v in x.state_dict().items()}  # every old rank's part
-    for x in loaders:
-        x.close()
+    first, state = stopped_mid_epoch(spec, master.addr, [3, 3])  # state: every old rank's part
+    before = first[0] + first[1]
     rests = []
     for _ in range(2):  # the same saved position, resumed twice on one rank
         loader = RemoteDataLoader(spec, master=master.addr, rank=0, world_size=1, timeout=90)
